@@ -1,0 +1,1 @@
+"""The ``gmlx`` command line."""

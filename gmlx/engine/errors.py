@@ -1,0 +1,109 @@
+"""Every error the engine raises, typed once.
+
+Each class carries its HTTP status and the error type names of both protocols, so
+one handler renders any of them (the server) and one map turns them into a sentence
+(the CLI). Subclasses may override per instance through ``extra`` fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GmlxError(Exception):
+    """Base of all gmlx errors; ``str(err)`` is one sentence a user can act on."""
+
+    status: int = 500
+    openai_type: str = "server_error"
+    anthropic_type: str = "api_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+        self.extra = extra
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequestError(GmlxError):
+    """The request is malformed or asks for something unsupported."""
+
+    status = 400
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt plus the output budget does not fit (context or memory)."""
+
+    code = "context_length_exceeded"
+
+
+class UnknownProfileError(InvalidRequestError):
+    openai_type = "unknown_profile"
+    code = "unknown_profile"
+
+
+class AuthenticationError(GmlxError):
+    status = 401
+    openai_type = "authentication_error"
+    anthropic_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFoundError(GmlxError):
+    """A request names a model id that is not configured."""
+
+    status = 404
+    openai_type = "model_not_found"
+    anthropic_type = "not_found_error"
+    code = "model_not_found"
+
+
+class ModelSourceError(GmlxError):
+    """A model path or file cannot be loaded: missing, not a model, or unsupported."""
+
+    status = 503
+    openai_type = "model_load_error"
+    anthropic_type = "api_error"
+    code = "model_load_error"
+
+
+class UnsupportedModelError(ModelSourceError):
+    """The architecture or tensor type is not one gmlx can run."""
+
+    code = "unsupported_model"
+
+
+class ServerOverloadedError(GmlxError):
+    status = 503
+    openai_type = "server_overloaded"
+    anthropic_type = "overloaded_error"
+    code = "server_overloaded"
+
+
+class RequestCancelledError(GmlxError):
+    status = 499
+    openai_type = "request_cancelled"
+    anthropic_type = "api_error"
+    code = "cancelled"
+
+
+class EngineError(GmlxError):
+    """Generation failed inside the engine."""
+
+    status = 500
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+    code = "engine_error"

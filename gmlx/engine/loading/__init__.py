@@ -1,0 +1,111 @@
+"""Model sources: turn a model reference (``demo``, a GGUF file, an MLX folder)
+into a runnable :class:`LoadedModel`.
+
+Each source module exposes ``load(path) -> LoadedModel`` and ``load_tokenizer(path)``;
+this module decides which one a reference names and wraps every failure in a
+:class:`~gmlx.engine.errors.ModelSourceError` that names the path and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gmlx.engine.errors import ModelSourceError
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from gmlx.engine.tokenizer import Tokenizer
+
+DEMO_ID = "demo"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for a worker: the mlx-lm module, its tokenizer and facts about it."""
+
+    id: str
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    source: Path
+    kind: str  # "mlx", "gguf" or "demo"
+    context_length: int
+    notes: list[str] = field(default_factory=list)  # load-log lines (e.g. requantized tensors)
+
+
+def source_kind(ref: str | Path) -> str:
+    """Which source a reference names: ``demo``, ``gguf`` or ``mlx``.
+
+    Raises ModelSourceError when the path is missing or is not a model.
+    """
+    if str(ref) == DEMO_ID:
+        return "demo"
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise ModelSourceError(f"Model path {path} does not exist.")
+    if path.is_file():
+        if _is_gguf(path):
+            return "gguf"
+        raise ModelSourceError(
+            f"{path} is not a model: expected a GGUF file or an MLX model folder."
+        )
+    if (path / "config.json").is_file():
+        return "mlx"
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf"
+    raise ModelSourceError(
+        f"{path} is not a model: the folder has no config.json"
+        + (f" and {len(ggufs)} GGUF files (name one)." if ggufs else ".")
+    )
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _gguf_file(path: Path) -> Path:
+    return path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+
+
+def load_model(ref: str | Path, *, model_id: str | None = None) -> LoadedModel:
+    """Load the model a reference names. Errors are ModelSourceError."""
+    kind = source_kind(ref)
+    if kind == "demo":
+        from gmlx.engine.loading import demo
+
+        loaded = demo.load()
+    elif kind == "gguf":
+        from gmlx.engine.loading import gguf
+
+        loaded = gguf.load(_gguf_file(Path(ref).expanduser()))
+    else:
+        from gmlx.engine.loading import mlx_dir
+
+        loaded = mlx_dir.load(Path(ref).expanduser())
+    if model_id:
+        loaded.id = model_id
+    return loaded
+
+
+def load_tokenizer(ref: str | Path) -> Tokenizer:
+    """Load only the tokenizer of a model reference (vocab-only GGUFs included)."""
+    kind = source_kind(ref)
+    if kind == "demo":
+        from gmlx.engine.loading import demo
+
+        return demo.load_tokenizer()
+    if kind == "gguf":
+        from gmlx.engine.loading import gguf
+
+        return gguf.load_tokenizer(_gguf_file(Path(ref).expanduser()))
+    from gmlx.engine.loading import mlx_dir
+
+    return mlx_dir.load_tokenizer(Path(ref).expanduser())

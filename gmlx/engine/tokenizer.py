@@ -1,0 +1,248 @@
+"""Tokenizers, chat templates, incremental detokenization and stop strings.
+
+One :class:`Tokenizer` serves every model source: MLX folders load theirs from
+``tokenizer.json``, GGUF files build a ``tokenizers`` tokenizer from their metadata,
+and both end up wrapped in the same class the engine and ``gmlx.load_tokenizer`` use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+# transformers warns at import that PyTorch is absent; gmlx never needs it.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> token ids, the chat template and the special tokens of one model."""
+
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerFast,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        self.hf = hf
+        if chat_template is not None:
+            hf.chat_template = chat_template
+        eos = set(eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @classmethod
+    def from_dir(cls, path: Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` from a model folder."""
+        hf = PreTrainedTokenizerFast.from_pretrained(str(path))
+        return cls(hf, eos_token_ids=eos_token_ids)
+
+    @classmethod
+    def from_tokenizers(
+        cls,
+        tokenizer: Any,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+    ) -> Tokenizer:
+        """Wrap a ``tokenizers.Tokenizer`` built in memory (the GGUF path).
+
+        ``add_bos_token``/``add_eos_token`` say whether ``encode(...,
+        add_special_tokens=True)`` adds them; the tokenizer's post-processor must
+        already implement that (GGUF builders set a TemplateProcessing).
+        """
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            unk_token=unk_token,
+            pad_token=pad_token,
+            clean_up_tokenization_spaces=False,
+        )
+        hf.add_bos_token = add_bos_token  # informational for templates
+        return cls(hf, eos_token_ids=eos_token_ids, chat_template=chat_template)
+
+    # -- encoding -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.hf.bos_token
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.hf.eos_token
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(
+            list(ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def token_to_id(self, token: str) -> int | None:
+        tid = self.hf.convert_tokens_to_ids(token)
+        return None if tid is None or tid == self.hf.unk_token_id and token != self.hf.unk_token else tid
+
+    # -- chat ---------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render messages through the model's chat template (no template: plain text)."""
+        if not self.chat_template:
+            return _plain_chat(messages, add_generation_prompt)
+        return self.hf.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **template_kwargs,
+        )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Render and tokenize a conversation; special tokens come from the template."""
+        text = self.render_chat(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        ids = self.encode(text, add_special_tokens=False)
+        bos = self.bos_token_id
+        if (
+            bos is not None
+            and getattr(self.hf, "add_bos_token", False)
+            and (not ids or ids[0] != bos)
+        ):
+            ids = [bos, *ids]
+        return ids
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+
+def _plain_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+    if add_generation_prompt:
+        lines.append("assistant:")
+    return "\n".join(lines)
+
+
+class IncrementalDetokenizer:
+    """Turns a token stream into text deltas that never split a character.
+
+    Works for every tokenizer (byte-level BPE, SentencePiece with its leading-space
+    rule, byte-fallback tokens) because it compares decodes of a short window
+    instead of decoding tokens one at a time: text is released only when the
+    window's decode does not end in a replacement character, i.e. when the bytes of
+    the last character are complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self.tokens: list[int] = []
+        self._prefix = 0  # window start: tokens before it are fully released
+        self._read = 0  # tokens up to here have had their text released
+
+    def add(self, token: int) -> str:
+        """Add one token; returns the new complete text (possibly empty)."""
+        self.tokens.append(token)
+        prefix_text = self._tok.decode(self.tokens[self._prefix : self._read])
+        full_text = self._tok.decode(self.tokens[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+            delta = full_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self.tokens)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Release whatever is held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._tok.decode(self.tokens[self._prefix : self._read])
+        full_text = self._tok.decode(self.tokens[self._prefix :])
+        self._prefix = self._read = len(self.tokens)
+        return full_text[len(prefix_text) :]
+
+
+class StopMatcher:
+    """Holds back text that could be the start of a stop string.
+
+    ``feed`` returns the text safe to emit and whether a stop string was hit; the
+    stop string itself and anything after it are never returned.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            cut = min(i for i, _ in hits)
+            self._held = ""
+            self.stopped = True
+            return buf[:cut], True
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return "" if self.stopped else out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

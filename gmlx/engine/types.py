@@ -1,0 +1,89 @@
+"""Engine types: what front ends hand to the engine and what they get back."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gmlx.engine.errors import GmlxError
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped generating."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # client disconnect or cancel route
+    ERROR = "error"  # the engine failed; the event carries the error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. Defaults change nothing (plain softmax sampling)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    seed: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: a tokenized prompt and how to continue it."""
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    id: str = field(default_factory=new_request_id)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Event:
+    """A piece of a request's output.
+
+    Text events carry ``text`` (never a broken UTF-8 character, never part of a stop
+    string) and the ids of the tokens that produced it. The last event of a request
+    carries ``finish_reason`` and ``usage``; an ``ERROR`` finish also carries ``error``.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: GmlxError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
