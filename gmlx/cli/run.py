@@ -52,20 +52,18 @@ def stream_answer(
         GenerateRequest(tuple(tokens), max_tokens=max_tokens, sampling=sampling)
     )
     parts: list[str] = []
-    events = iter(handle)
     while True:
+        # Ctrl-C can land anywhere in here, also inside the handle's iterator, which
+        # then ends; a fresh iterator resumes from the same event queue.
         try:
-            event = next(events)
+            for event in handle:
+                if event.text:
+                    parts.append(event.text)
+                    write(event.text)
+                if event.final:
+                    return "".join(parts), event.finish_reason or FinishReason.STOP
         except KeyboardInterrupt:
-            handle.cancel()
-            continue  # drain until the worker confirms the cancel
-        except StopIteration:
-            return "".join(parts), FinishReason.CANCELLED
-        if event.text:
-            parts.append(event.text)
-            write(event.text)
-        if event.final:
-            return "".join(parts), event.finish_reason or FinishReason.STOP
+            handle.cancel()  # keep draining until the worker confirms it
 
 
 def run_command(

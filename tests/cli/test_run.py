@@ -1,0 +1,159 @@
+"""`gmlx run` and the root command, through Typer's CliRunner and as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from gmlx.cli.main import PLANNED, app
+from gmlx.engine.types import FinishReason, SamplingParams
+
+runner = CliRunner()
+
+
+def gmlx(*args: str, input: str | None = None, env: dict[str, str] | None = None):
+    """Run the CLI as a real process (stdout and stderr kept apart)."""
+    return subprocess.run(
+        [sys.executable, "-m", "gmlx.cli.main", *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_help_lists_every_planned_command():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for name in ["run", "serve", "launch", "estimate", "plan", "keep", "unload", "top"]:
+        assert name in result.output
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_planned_commands_say_so_and_exit_2(name):
+    result = runner.invoke(app, [name, "anything", "--flag"])
+    assert result.exit_code == 2
+    assert "not built yet" in result.output
+
+
+def test_one_shot_prints_the_answer_alone(demo_model):
+    args = ["run", "demo", "-p", "Hello", "--max-tokens", "12", "--seed", "3", "--temperature", "0.8"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(app, args)
+    assert first.stdout == again.stdout  # same seed, same prompt
+    assert first.stdout.endswith("\n") and len(first.stdout) > 1
+
+
+def test_one_shot_as_a_process_pipes_clean_stdout(demo_model):
+    result = gmlx("run", "demo", "-p", "Hello", "-n", "10", "-t", "0")
+    assert result.returncode == 0, result.stderr
+    # stdout carries the model's answer and nothing else: no status line, no colour.
+    expected = _greedy_answer(demo_model, "Hello", 10)
+    assert result.stdout == expected + "\n"
+    assert "\x1b[" not in result.stdout
+
+
+def _greedy_answer(demo_model, text: str, n: int, system: str | None = None) -> str:
+    from gmlx.engine.types import GenerateRequest
+    from gmlx.engine.worker import ModelWorker
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    worker = ModelWorker(demo_model, decode_batch=1)
+    try:
+        tokens = tuple(demo_model.tokenizer.encode_chat(messages))
+        events = worker.generate(GenerateRequest(tokens, max_tokens=n, sampling=SamplingParams(temperature=0)))
+        return "".join(e.text for e in events)
+    finally:
+        worker.close()
+
+
+def test_system_prompt_changes_the_answer(demo_model):
+    plain = runner.invoke(app, ["run", "demo", "-p", "Hello", "-n", "12", "-t", "0"])
+    with_system = runner.invoke(app, ["run", "demo", "-p", "Hello", "-n", "12", "-t", "0", "--system", "Answer in French."])
+    assert with_system.stdout == _greedy_answer(demo_model, "Hello", 12, system="Answer in French.") + "\n"
+    assert plain.stdout != with_system.stdout
+
+
+def test_bad_model_path_is_one_sentence_exit_1(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    result = gmlx("run", str(missing), "-p", "hi")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not exist" in lines[0] and "nope.gguf" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = gmlx("run", str(tmp_path / "nope"), "-p", "hi", env={"GMLX_DEBUG": "1"})
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "does not exist" in result.stderr
+
+
+def test_empty_prompt_and_bad_options_fail_cleanly():
+    empty = gmlx("run", "demo", "-p", "  ")
+    assert empty.returncode == 1 and "empty" in empty.stderr and "Traceback" not in empty.stderr
+    bad = gmlx("run", "demo", "-p", "hi", "--max-tokens", "0")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_prompt_longer_than_the_context_is_one_sentence():
+    result = gmlx("run", "demo", "-p", "hello " * 5000, "-n", "4")
+    assert result.returncode == 1
+    assert "prompt is too long" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_interactive_chat_keeps_history_and_resets(demo_model):
+    script = "Hello\n/reset\nHello\nnext turn\n/unknown\n/exit\n"
+    result = runner.invoke(app, ["run", "demo", "-n", "6", "-t", "0"], input=script)
+    assert result.exit_code == 0, result.output
+    first = _greedy_answer(demo_model, "Hello", 6)
+    assert result.output.count(first) == 2  # the same answer before and after /reset
+    assert "Conversation cleared." in result.output
+    assert "Unknown command /unknown" in result.output
+
+
+def test_chat_leaves_on_end_of_input():
+    result = runner.invoke(app, ["run", "demo", "-n", "4"], input="Hello\n")
+    assert result.exit_code == 0
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_worker(demo_model):
+    """Ctrl-C during an answer cancels the request; the next answer runs normally."""
+    from gmlx.cli.run import stream_answer
+    from gmlx.engine.worker import ModelWorker
+
+    worker = ModelWorker(demo_model, decode_batch=1)
+    written: list[str] = []
+
+    def interrupting_write(text: str) -> None:
+        written.append(text)
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    messages = [{"role": "user", "content": "Hello"}]
+    try:
+        # The write raises inside the loop; stream_answer must treat it like Ctrl-C.
+        answer, finish = stream_answer(worker, messages, max_tokens=500,
+                                       sampling=SamplingParams(temperature=0), write=interrupting_write)
+        assert finish is FinishReason.CANCELLED
+        assert answer == "".join(written)
+        assert len(written) < 500
+        answer, finish = stream_answer(worker, messages, max_tokens=5,
+                                       sampling=SamplingParams(temperature=0), write=lambda t: None)
+        assert finish is FinishReason.LENGTH and answer
+    finally:
+        worker.close()
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.startswith("gmlx ")

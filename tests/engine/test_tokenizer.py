@@ -1,0 +1,101 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from gmlx.engine.tokenizer import IncrementalDetokenizer, StopMatcher
+
+TRICKY = [
+    "Hello, world!",
+    "héllo wörld — naïve café",
+    "emoji 🙂🎉👩‍👩‍👧 and flags 🇫🇷",
+    "中文字符 和 日本語のテキスト 한국어",
+    "  leading spaces\tand\ttabs\n\nnewlines  ",
+    "math: ∑ x² ≤ ∞; arrows → ⇒",
+]
+
+
+def stream(tok, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tok)
+    chunks = [detok.add(t) for t in ids]
+    chunks.append(detok.flush())
+    return chunks
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_stream_decoding_never_breaks_characters(demo_model, text):
+    tok = demo_model.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    chunks = stream(tok, ids)
+    assert "".join(chunks) == text
+    assert all("\ufffd" not in c for c in chunks)
+
+
+def test_multibyte_character_split_across_tokens_is_held_back(demo_model):
+    tok = demo_model.tokenizer
+    ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1, "the demo vocabulary should spell emoji as byte tokens"
+    chunks = stream(tok, ids)
+    assert chunks[:-2] == [""] * (len(ids) - 1)  # nothing until the last byte arrives
+    assert "".join(chunks) == "🎉"
+
+
+def test_flush_releases_an_incomplete_tail(demo_model):
+    tok = demo_model.tokenizer
+    ids = tok.encode("ok 🎉", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    out = "".join(detok.add(t) for t in ids[:-1])
+    assert out == "ok"  # the space travels with the emoji's first byte token
+    tail = detok.flush()
+    assert out + tail == tok.decode(ids[:-1])  # incomplete bytes surface as U+FFFD
+    assert tail.startswith(" ") and tail.endswith("\ufffd")
+    assert detok.flush() == ""
+
+
+def test_stream_matches_full_decode_on_random_ids(demo_model):
+    import random
+
+    tok = demo_model.tokenizer
+    rng = random.Random(0)
+    ids = [rng.randrange(len(tok)) for _ in range(300)]
+    assert "".join(stream(tok, ids)) == tok.decode(ids)
+
+
+class TestStopMatcher:
+    def test_no_stops_passes_text_through(self):
+        m = StopMatcher([])
+        assert m.feed("abc") == ("abc", False)
+
+    def test_stop_inside_one_chunk(self):
+        m = StopMatcher(["END"])
+        assert m.feed("helloENDworld") == ("hello", True)
+        assert m.feed("more") == ("", True)
+
+    def test_stop_split_across_chunks_is_never_emitted(self):
+        m = StopMatcher(["</s>"])
+        out = []
+        for piece in ["ab", "c<", "/", "s", ">tail"]:
+            text, hit = m.feed(piece)
+            out.append(text)
+        assert "".join(out) == "abc"
+        assert hit
+
+    def test_partial_match_is_released_when_it_diverges(self):
+        m = StopMatcher(["STOP"])
+        assert m.feed("xST") == ("x", False)
+        assert m.feed("OX") == ("STOX", False)
+        assert m.flush() == ""
+
+    def test_held_tail_flushes_at_end(self):
+        m = StopMatcher(["STOP"])
+        assert m.feed("abcSTO") == ("abc", False)
+        assert m.flush() == "STO"
+
+    def test_earliest_of_several_stops_wins(self):
+        m = StopMatcher(["world", "lo w"])
+        assert m.feed("hello world") == ("hel", True)
+
+    def test_stop_at_start(self):
+        m = StopMatcher(["\n"])
+        assert m.feed("\nrest") == ("", True)

@@ -1,0 +1,236 @@
+"""The model worker: generation, sampling parameters, stop handling, batching, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gmlx.engine.errors import InvalidRequestError, PromptTooLongError
+from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def prompt(demo_model, text: str = "Hello there") -> tuple[int, ...]:
+    return tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": text}]))
+
+
+def run(worker, request):
+    events = list(worker.generate(request))
+    final = events[-1]
+    assert final.final and all(not e.final for e in events[:-1])
+    return "".join(e.text for e in events), final, events
+
+
+def test_max_tokens_ends_with_length(demo_worker, demo_model):
+    text, final, events = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=7, sampling=GREEDY))
+    assert final.finish_reason is FinishReason.LENGTH
+    assert final.usage.completion_tokens == 7
+    assert final.usage.prompt_tokens == len(prompt(demo_model))
+    assert sum(len(e.token_ids) for e in events) == 7
+    assert text
+
+
+def test_greedy_is_deterministic(demo_worker, demo_model):
+    req = lambda: GenerateRequest(prompt(demo_model), max_tokens=20, sampling=GREEDY)  # noqa: E731
+    assert run(demo_worker, req())[0] == run(demo_worker, req())[0]
+
+
+def test_same_seed_same_output_other_seed_differs(demo_worker, demo_model):
+    def sample(seed: int) -> str:
+        params = SamplingParams(temperature=1.0, seed=seed)
+        return run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=24, sampling=params))[0]
+
+    first = sample(11)
+    assert sample(11) == first
+    assert any(sample(s) != first for s in (12, 13, 14))
+
+
+def test_top_k_1_equals_greedy(demo_worker, demo_model):
+    greedy = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=16, sampling=GREEDY))[0]
+    params = SamplingParams(temperature=1.5, top_k=1, seed=3)
+    assert run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=16, sampling=params))[0] == greedy
+
+
+def test_tiny_top_p_and_high_min_p_collapse_to_greedy(demo_worker, demo_model):
+    greedy = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=16, sampling=GREEDY))[0]
+    for params in (SamplingParams(temperature=1.0, top_p=1e-6, seed=1),
+                   SamplingParams(temperature=1.0, min_p=0.999, seed=1)):
+        out = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=16, sampling=params))[0]
+        assert out == greedy
+
+
+def test_logit_bias_bans_and_forces_tokens(demo_worker, demo_model):
+    _, _, events = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=12, sampling=GREEDY))
+    greedy_ids = [t for e in events for t in e.token_ids]
+    banned = {t: -100.0 for t in set(greedy_ids)}
+    _, _, events = run(demo_worker, GenerateRequest(
+        prompt(demo_model), max_tokens=12, sampling=SamplingParams(temperature=0.0, logit_bias=banned)))
+    assert not set(t for e in events for t in e.token_ids) & set(banned)
+
+    forced = demo_model.tokenizer.encode(" weather", add_special_tokens=False)[0]
+    text, _, events = run(demo_worker, GenerateRequest(
+        prompt(demo_model), max_tokens=5,
+        sampling=SamplingParams(temperature=1.0, seed=0, logit_bias={forced: 100.0})))
+    assert [t for e in events for t in e.token_ids] == [forced] * 5
+
+
+def test_eos_ends_with_stop_and_is_not_emitted(demo_worker, demo_model):
+    eos = min(demo_model.tokenizer.eos_token_ids)
+    params = SamplingParams(temperature=0.0, logit_bias={eos: 100.0})
+    text, final, events = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=10, sampling=params))
+    assert final.finish_reason is FinishReason.STOP
+    assert text == ""
+    assert final.usage.completion_tokens == 1
+    assert all(eos not in e.token_ids for e in events)
+
+
+def test_repetition_penalty_changes_a_repetitive_output(demo_worker, demo_model):
+    p = prompt(demo_model, "x")  # greedy output of the demo repeats " retu" here
+    plain = run(demo_worker, GenerateRequest(p, max_tokens=20, sampling=GREEDY))[0]
+    assert plain.count("retu") > 3
+    for params in (SamplingParams(temperature=0.0, repetition_penalty=3.0),
+                   SamplingParams(temperature=0.0, presence_penalty=2.0),
+                   SamplingParams(temperature=0.0, frequency_penalty=2.0)):
+        out = run(demo_worker, GenerateRequest(p, max_tokens=20, sampling=params))[0]
+        assert out != plain
+        assert out.count("retu") < plain.count("retu")
+
+
+def test_stop_string_across_token_boundary(demo_worker, demo_model):
+    p = prompt(demo_model)
+    text, _, events = run(demo_worker, GenerateRequest(p, max_tokens=30, sampling=GREEDY))
+    pieces = [demo_model.tokenizer.decode(e.token_ids) for e in events if e.token_ids]
+    # A stop string made of the end of one token and the start of the next.
+    i = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    expected = text[: text.find(stop)]
+    out, final, _ = run(demo_worker, GenerateRequest(p, max_tokens=30, sampling=GREEDY, stop=(stop,)))
+    assert final.finish_reason is FinishReason.STOP
+    assert out == expected
+    assert stop not in out
+
+
+def test_concurrent_requests_match_sequential(demo_worker, demo_model):
+    texts = ["Hello there", "What is the weather in Paris today?", "x", "def main(): return 0"]
+    reqs = [
+        lambda t=t, s=s: GenerateRequest(prompt(demo_model, t), max_tokens=16, sampling=s)
+        for t in texts
+        for s in (GREEDY, SamplingParams(temperature=0.9, seed=5))
+    ]
+    sequential = [run(demo_worker, r())[0] for r in reqs]
+    handles = [demo_worker.submit(r()) for r in reqs]
+    together = ["".join(e.text for e in h) for h in handles]
+    assert together == sequential
+
+
+def test_cancel_ends_stream_and_frees_slot(demo_worker, demo_model):
+    handle = demo_worker.submit(GenerateRequest(prompt(demo_model), max_tokens=4000, sampling=GREEDY))
+    seen = 0
+    for event in handle:
+        if event.final:
+            break
+        seen += 1
+        if seen == 3:
+            handle.cancel()
+    assert event.finish_reason is FinishReason.CANCELLED
+    assert event.usage.completion_tokens >= 3
+    # The worker is free again.
+    _, final, _ = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=3, sampling=GREEDY))
+    assert final.finish_reason is FinishReason.LENGTH
+
+
+def test_cancel_while_queued(demo_model):
+    from gmlx.engine.worker import ModelWorker
+
+    worker = ModelWorker(demo_model, decode_batch=1)
+    try:
+        long = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=200, sampling=GREEDY))
+        queued = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=5, sampling=GREEDY))
+        queued.cancel()
+        events = list(queued)
+        assert [e.finish_reason for e in events] == [FinishReason.CANCELLED]
+        assert events[0].usage.completion_tokens == 0
+        long.cancel()
+        assert list(long)[-1].finish_reason is FinishReason.CANCELLED
+    finally:
+        worker.close()
+
+
+def test_async_consumption(demo_worker, demo_model):
+    async def main() -> list[str]:
+        async def one(text: str) -> str:
+            handle = demo_worker.submit(GenerateRequest(prompt(demo_model, text), max_tokens=8, sampling=GREEDY))
+            return "".join([e.text async for e in handle])
+
+        return await asyncio.gather(one("a"), one("b"))
+
+    results = asyncio.run(main())
+    assert results == [
+        run(demo_worker, GenerateRequest(prompt(demo_model, t), max_tokens=8, sampling=GREEDY))[0]
+        for t in ("a", "b")
+    ]
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, error, words",
+    [
+        ({"prompt_tokens": ()}, InvalidRequestError, "empty"),
+        ({"max_tokens": 0}, InvalidRequestError, "max_tokens"),
+        ({"max_tokens": 9000}, PromptTooLongError, "prompt is too long"),
+        ({"prompt_tokens": (10**7,)}, InvalidRequestError, "vocabulary"),
+        ({"sampling": SamplingParams(temperature=-1)}, InvalidRequestError, "temperature"),
+        ({"sampling": SamplingParams(top_p=0)}, InvalidRequestError, "top_p"),
+        ({"sampling": SamplingParams(logit_bias={10**7: 1.0})}, InvalidRequestError, "logit_bias"),
+    ],
+)
+def test_bad_requests_fail_before_queueing(demo_worker, demo_model, request_kwargs, error, words):
+    kwargs = {"prompt_tokens": prompt(demo_model), "max_tokens": 4, **request_kwargs}
+    with pytest.raises(error) as info:
+        demo_worker.submit(GenerateRequest(**kwargs))
+    assert words in str(info.value)
+    assert info.value.status == 400
+
+
+def test_prompt_too_long_names_counts_and_budget(demo_worker, demo_model):
+    p = prompt(demo_model)
+    with pytest.raises(PromptTooLongError) as info:
+        demo_worker.submit(GenerateRequest(p, max_tokens=demo_model.context_length))
+    msg = str(info.value)
+    assert msg.startswith("prompt is too long")
+    assert str(len(p)) in msg and str(demo_model.context_length) in msg
+
+
+def test_step_failure_is_reported_not_hung(demo_model):
+    """A forward pass that raises ends each running request with the error; the
+    worker survives and takes the next request."""
+    import dataclasses
+
+    from gmlx.engine.errors import EngineError
+    from gmlx.engine.worker import ModelWorker
+
+    class FailsOnce:
+        def __init__(self, model):
+            self._model = model
+            self.failed = False
+
+        def __call__(self, *args, **kwargs):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("simulated device failure")
+            return self._model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._model, name)
+
+    flaky = FailsOnce(demo_model.model)
+    worker = ModelWorker(dataclasses.replace(demo_model, model=flaky), decode_batch=2)
+    try:
+        handle = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=5, sampling=GREEDY))
+        with pytest.raises(EngineError, match="simulated device failure"):
+            list(handle)
+        _, final, _ = run(worker, GenerateRequest(prompt(demo_model), max_tokens=3, sampling=GREEDY))
+        assert final.finish_reason is FinishReason.LENGTH
+    finally:
+        worker.close()
