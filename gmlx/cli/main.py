@@ -62,7 +62,7 @@ def _root(
 
 
 def main() -> None:
-    run_guarded(app)
+    run_guarded(lambda: app(prog_name="gmlx"))
 
 
 if __name__ == "__main__":
