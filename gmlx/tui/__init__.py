@@ -1,0 +1,1 @@
+"""The Textual `gmlx top` dashboard (planned)."""
