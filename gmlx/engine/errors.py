@@ -36,6 +36,12 @@ class GmlxError(Exception):
         return self.message
 
 
+class ConfigError(GmlxError):
+    """The config file or an environment override is invalid; names the file and key."""
+
+    code = "invalid_config"
+
+
 class InvalidRequestError(GmlxError):
     """The request is malformed or asks for something unsupported."""
 

@@ -216,6 +216,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -225,7 +226,7 @@ class StopMatcher:
         buf = self._held + text
         hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
-            cut = min(i for i, _ in hits)
+            cut, self.matched = min(hits)
             self._held = ""
             self.stopped = True
             return buf[:cut], True

@@ -62,6 +62,7 @@ class GenerateRequest:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
 
     @property
     def total_tokens(self) -> int:
@@ -74,7 +75,8 @@ class Event:
 
     Text events carry ``text`` (never a broken UTF-8 character, never part of a stop
     string) and the ids of the tokens that produced it. The last event of a request
-    carries ``finish_reason`` and ``usage``; an ``ERROR`` finish also carries ``error``.
+    carries ``finish_reason`` and ``usage``; an ``ERROR`` finish also carries ``error``,
+    and a finish caused by a stop string names it in ``stop_sequence``.
     """
 
     request_id: str
@@ -83,6 +85,8 @@ class Event:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: GmlxError | None = None
+    stop_sequence: str | None = None  # the stop string that ended a ``stop`` finish, if any
+    cache_tier: str | None = None  # on the final event: the prompt-cache tier the request hit
 
     @property
     def final(self) -> bool:

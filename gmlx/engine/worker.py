@@ -27,8 +27,10 @@ from gmlx.engine.errors import (
     GmlxError,
     InvalidRequestError,
     PromptTooLongError,
+    ServerOverloadedError,
 )
 from gmlx.engine.loading import LoadedModel
+from gmlx.engine.prompt_cache import PromptCache
 from gmlx.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 
@@ -36,6 +38,9 @@ log = logging.getLogger("gmlx.engine")
 
 DEFAULT_DECODE_BATCH = 8
 DEFAULT_PREFILL_STEP = 512
+DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
+RECENT = 8  # requests averaged in the "recent" rates
+RETRY_AFTER_RANGE = (2, 60)
 
 
 # Workers still running at interpreter exit are closed first: MLX aborts the process
@@ -142,7 +147,29 @@ class _Active:
     uid: int | None = None
     generated: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
     first_token_at: float | None = None
+    cache_tier: str | None = None
+    warm_tokens: int = 0
+
+    def row(self, model: str, position: int | None, now: float) -> dict[str, Any]:
+        """This request as a ``requests[]`` row of the metrics snapshot."""
+        req = self.request
+        decode_s = now - self.first_token_at if self.first_token_at else 0.0
+        return {
+            "id": req.id,
+            "model": model,
+            "state": self.state.value,
+            "position": position,
+            "prompt_tokens": len(req.prompt_tokens),
+            "generated": self.generated,
+            "max_tokens": req.max_tokens,
+            "elapsed_s": round(now - self.submitted_at, 3),
+            "ttft_s": round(self.first_token_at - self.submitted_at, 3) if self.first_token_at else None,
+            "decode_tok_s": round((self.generated - 1) / decode_s, 2) if decode_s > 0 and self.generated > 1 else None,
+            "cache": {"tier": self.cache_tier, "warm_tokens": self.warm_tokens} if self.cache_tier else None,
+            "speculative": None,
+        }
 
     @property
     def request(self) -> GenerateRequest:
@@ -157,6 +184,9 @@ class ModelWorker:
         decode_batch: how many requests decode together; the rest wait in FIFO order.
         prefill_step_size: prompt tokens processed per step, so a long prompt does
             not stall the streams already decoding.
+        queue_cap: most requests waiting for a slot; one more is refused with
+            ServerOverloadedError (default: 4 x decode_batch).
+        prompt_cache_bytes: bound of the prefix cache (0 turns it off).
     """
 
     def __init__(
@@ -165,12 +195,19 @@ class ModelWorker:
         *,
         decode_batch: int = DEFAULT_DECODE_BATCH,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        queue_cap: int | None = None,
+        prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     ) -> None:
         if decode_batch < 1:
             raise ValueError("decode_batch must be >= 1")
         self.loaded = loaded
         self.decode_batch = decode_batch
         self.prefill_step_size = prefill_step_size
+        self.queue_cap = 4 * decode_batch if queue_cap is None else max(0, queue_cap)
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.stats = WorkerStats()
+        self._admission = threading.Lock()
+        self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
         self.vocab_size = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._pending: deque[_Active] = deque()
@@ -191,9 +228,40 @@ class ModelWorker:
         self.validate(request)
         if self._closed.is_set():
             raise EngineError(f"The worker for {self.loaded.id} is shut down.")
+        with self._admission:
+            if self.waiting_for_slot >= self.queue_cap + self.free_slots:
+                eta = self.queue_eta_s()
+                retry = min(max(round(eta), RETRY_AFTER_RANGE[0]), RETRY_AFTER_RANGE[1])
+                reason = f"{self._waiting} requests are waiting (cap {self.queue_cap})"
+                self.stats.rejections += 1
+                self.stats.last_reject_reason = reason
+                raise ServerOverloadedError(
+                    f"Server overloaded: {reason}; retry in {retry} s.",
+                    headers={"Retry-After": str(retry)},
+                )
+            self._waiting += 1
         handle = RequestHandle(request, self)
-        self._inbox.put(("submit", handle))
+        tok = self.loaded.tokenizer
+        active = _Active(handle, tok.detokenizer(), StopMatcher(request.stop))
+        self._requests[handle.id] = active  # visible to has_request/cancel at once
+        self._inbox.put(("submit", active))
         return handle
+
+    @property
+    def waiting_for_slot(self) -> int:
+        return self._waiting
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.decode_batch - len(self._by_uid))
+
+    def queue_eta_s(self) -> float:
+        """Seconds until the queue drains at the recent pace (0 when nothing waits)."""
+        waiting = max(0, self._waiting - self.free_slots)
+        if waiting == 0:
+            return 0.0
+        per_request = self.stats.mean_request_s() or 5.0
+        return per_request * -(-waiting // self.decode_batch)
 
     def validate(self, request: GenerateRequest) -> None:
         n = len(request.prompt_tokens)
@@ -233,6 +301,20 @@ class ModelWorker:
     @property
     def in_flight(self) -> int:
         return len(self._by_uid)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One metrics row per live request, queued ones first (in queue order)."""
+        now = time.monotonic()
+        live = list(self._requests.values())
+        queued = sorted((a for a in live if a.state is RequestState.QUEUED), key=lambda a: a.submitted_at)
+        running = [a for a in live if a.state in (RequestState.PREFILL, RequestState.DECODE)]
+        model = self.loaded.id
+        return [a.row(model, i + 1, now) for i, a in enumerate(queued)] + [
+            a.row(model, None, now) for a in running
+        ]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     @property
     def waiting(self) -> int:
@@ -276,11 +358,22 @@ class ModelWorker:
                 for pr in prompt_responses:
                     if (active := self._by_uid.get(pr.uid)) is not None:
                         active.state = RequestState.DECODE if pr.end_of_prompt else RequestState.PREFILL
+                self.stats.note_step(len(responses))
                 for r in responses:
                     self._on_token(gen, r)
         finally:
+            self._closed.set()
+            while True:  # requests submitted while closing end too, never hang
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    self._pending.append(payload)
             for active in [*self._pending, *self._by_uid.values()]:
                 self._finish(active, FinishReason.CANCELLED)
+            with self._admission:
+                self._waiting -= len(self._pending)
             self._pending.clear()
             self._by_uid.clear()
             gen.close()
@@ -297,11 +390,8 @@ class ModelWorker:
                 return
             block = False
             if kind == "submit":
-                handle: RequestHandle = payload
-                tok = self.loaded.tokenizer
-                active = _Active(handle, tok.detokenizer(), StopMatcher(handle.request.stop))
-                self._pending.append(active)
-                self._requests[handle.id] = active
+                if payload.state is RequestState.QUEUED:  # not cancelled meanwhile
+                    self._pending.append(payload)
             elif kind == "cancel":
                 self._cancel(gen, payload)
             elif kind == "close":
@@ -314,27 +404,43 @@ class ModelWorker:
             return
         if active.uid is None:
             self._pending.remove(active)
+            with self._admission:
+                self._waiting -= 1
         else:
-            gen.remove([active.uid])
+            self._remove(gen, active.uid)
         self._finish(active, FinishReason.CANCELLED)
 
     def _admit(self, gen: Any) -> None:
         while self._pending and len(self._by_uid) < self.decode_batch:
             active = self._pending.popleft()
+            with self._admission:
+                self._waiting -= 1
             req = active.request
+            prompt = list(req.prompt_tokens)
             try:
+                lookup = self.prompt_cache.fetch(prompt)
                 (uid,) = gen.insert(
-                    [list(req.prompt_tokens)],
+                    [lookup.rest],
                     max_tokens=[req.max_tokens],
+                    caches=[lookup.cache],
+                    all_tokens=[prompt[: lookup.warm_tokens]],
                     samplers=[sampling.make_sampler(req.sampling)],
                     logits_processors=[sampling.make_processors(req.sampling)],
                 )
             except Exception as e:
+                log.exception("cannot start request %s", req.id)
                 self._finish(active, FinishReason.ERROR, EngineError(f"Cannot start request: {e}."))
                 continue
             active.uid = uid
             active.state = RequestState.PREFILL
+            active.admitted_at = time.monotonic()
+            active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
             self._by_uid[uid] = active
+
+    def _remove(self, gen: Any, uid: int) -> None:
+        """Take a running request out of the batch, keeping its KV in the prompt cache."""
+        for cache, tokens in gen.remove([uid], return_prompt_caches=True).values():
+            self.prompt_cache.insert(tokens, cache)
 
     def _on_token(self, gen: Any, r: Any) -> None:
         active = self._by_uid.get(r.uid)
@@ -353,10 +459,12 @@ class ModelWorker:
         if hit_stop:
             finish = FinishReason.STOP
             if r.finish_reason is None:
-                gen.remove([r.uid])
+                self._remove(gen, r.uid)
         elif r.finish_reason is not None:
             text += active.stops.flush()
             finish = FinishReason.STOP if hit_eos else FinishReason.LENGTH
+        if r.finish_reason is not None and r.prompt_cache is not None:
+            self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
         token_ids = () if hit_eos else (r.token,)
         if text or token_ids:
             active.handle._emit(Event(active.handle.id, text=text, token_ids=token_ids))
@@ -370,11 +478,77 @@ class ModelWorker:
         if active.uid is not None:
             self._by_uid.pop(active.uid, None)
         self._requests.pop(active.handle.id, None)
-        usage = Usage(len(active.request.prompt_tokens), active.generated)
+        self.stats.record(active, reason)
+        usage = Usage(len(active.request.prompt_tokens), active.generated, active.warm_tokens)
         active.handle._emit(
-            Event(active.handle.id, finish_reason=reason, usage=usage, error=error)
+            Event(
+                active.handle.id,
+                finish_reason=reason,
+                usage=usage,
+                error=error,
+                stop_sequence=active.stops.matched,
+                cache_tier=active.cache_tier,
+            )
         )
 
     def _fail_all(self, error: GmlxError) -> None:
         for active in list(self._by_uid.values()):
             self._finish(active, FinishReason.ERROR, error)
+
+
+class WorkerStats:
+    """Rates and counters of one worker, written by its thread, read by any."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests_finished = 0
+        self.rejections = 0
+        self.last_reject_reason: str | None = None
+        self.finish_reasons: dict[str, int] = {}
+        self._recent: deque[tuple[float, float | None, float | None]] = deque(maxlen=RECENT)
+        self._steps: deque[tuple[float, int]] = deque(maxlen=256)
+        self._decode_tokens = 0
+        self._decode_s = 0.0
+
+    def note_step(self, tokens: int) -> None:
+        if tokens:
+            self._steps.append((time.monotonic(), tokens))
+
+    def record(self, active: _Active, reason: FinishReason) -> None:
+        now = time.monotonic()
+        self.requests_finished += 1
+        self.finish_reasons[reason.value] = self.finish_reasons.get(reason.value, 0) + 1
+        if active.admitted_at is None:
+            return
+        prefill = decode = None
+        if active.first_token_at is not None:
+            cold = len(active.request.prompt_tokens) - active.warm_tokens
+            prefill_s = active.first_token_at - active.admitted_at
+            prefill = cold / prefill_s if prefill_s > 0 else None
+            decode_s = now - active.first_token_at
+            if active.generated > 1 and decode_s > 0:
+                decode = (active.generated - 1) / decode_s
+                self._decode_tokens += active.generated - 1
+                self._decode_s += decode_s
+        self._recent.append((now - active.submitted_at, prefill, decode))
+
+    def mean_request_s(self) -> float | None:
+        durations = [d for d, _, _ in list(self._recent)]
+        return sum(durations) / len(durations) if durations else None
+
+    def rates(self, window_s: float = 2.0) -> dict[str, Any]:
+        now = time.monotonic()
+        steps = [(t, n) for t, n in list(self._steps) if now - t <= window_s]
+        recent = list(self._recent)
+
+        def mean(values: list[float | None]) -> float | None:
+            vals = [v for v in values if v is not None]
+            return round(sum(vals) / len(vals), 2) if vals else None
+
+        return {
+            "decode_tok_s": round(sum(n for _, n in steps) / window_s, 2) if steps else 0.0,
+            "decode_streams": max((n for _, n in steps[-4:]), default=0),
+            "prefill_tok_s_recent": mean([p for _, p, _ in recent]),
+            "decode_tok_s_recent": mean([d for _, _, d in recent]),
+            "decode_tok_s_lifetime": round(self._decode_tokens / self._decode_s, 2) if self._decode_s else None,
+        }

@@ -1,0 +1,128 @@
+"""The prompt cache: reuse the KV of the longest cached prefix of a new prompt.
+
+Built on mlx-lm's ``LRUPromptCache`` (a token trie of KV caches with byte-bounded
+LRU eviction). This module adds what a server reports: the tier each lookup hit,
+the warm tokens it reused, and running statistics.
+
+Tiers:
+    exact   the whole prompt was cached, on its own or as the start of a longer
+            cached sequence (all but its last token are reused, since generation
+            needs the logits of at least one fresh token)
+    block   a proper prefix was reused: an earlier turn of the same conversation,
+            or a shared system prompt cut from a longer cached sequence
+    miss    nothing reusable
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+_KEY = "model"  # one PromptCache per model worker, so one trie key
+TIERS = ("exact", "block", "miss")
+
+
+@dataclass
+class CacheLookup:
+    """The result of a lookup: the tier, how many prompt tokens are warm, the KV to
+    start from (None on a miss) and the prompt tokens still to prefill."""
+
+    tier: str
+    warm_tokens: int
+    cache: list[Any] | None
+    rest: list[int]
+
+
+class PromptCache:
+    """A byte-bounded prefix cache for one model. ``max_bytes <= 0`` disables it.
+
+    ``fetch`` and ``insert`` run on the model's worker thread; ``peek``, ``stats``
+    and ``reset`` may run on any thread.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=self.max_bytes or 1)
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.tokens_reused = 0
+        self.by_tier = dict.fromkeys(TIERS, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def peek(self, tokens: list[int]) -> tuple[str, int]:
+        """The (tier, warm_tokens) a fetch would give now, without copying anything."""
+        if not self.enabled or len(tokens) < 2:
+            return "miss", 0
+        with self._lock:
+            result = self._lru._trie.search(_KEY, tokens)  # read-only walk of the trie
+            if result.exact is not None:
+                entry = self._lru._trie.get(_KEY, result.exact)
+                trimmable = can_trim_prompt_cache(entry.prompt_cache)
+                return ("exact", len(tokens) - 1) if trimmable else ("miss", 0)
+            short = len(result.shorter) if result.shorter is not None else 0
+            if result.longer is not None and result.common_prefix > short:
+                entry = self._lru._trie.get(_KEY, result.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return _tier(tokens, min(len(tokens) - 1, result.common_prefix))
+            return _tier(tokens, short) if short else ("miss", 0)
+
+    def fetch(self, tokens: list[int]) -> CacheLookup:
+        """Copy out the KV for the longest cached prefix of ``tokens``."""
+        if not self.enabled or len(tokens) < 2:
+            return self._count(CacheLookup("miss", 0, None, list(tokens)))
+        with self._lock:
+            cache, rest = self._lru.fetch_nearest_cache(_KEY, list(tokens))
+        if cache is None:
+            return self._count(CacheLookup("miss", 0, None, list(tokens)))
+        if not rest:  # the whole prompt is cached: recompute its last token for logits
+            if not can_trim_prompt_cache(cache):
+                return self._count(CacheLookup("miss", 0, None, list(tokens)))
+            trim_prompt_cache(cache, 1)
+            return self._count(CacheLookup("exact", len(tokens) - 1, cache, list(tokens[-1:])))
+        warm = len(tokens) - len(rest)
+        return self._count(CacheLookup(_tier(tokens, warm)[0], warm, cache, list(rest)))
+
+    def insert(self, tokens: list[int], cache: list[Any]) -> None:
+        """Remember the KV of ``tokens`` (evicting least recently used entries)."""
+        if not self.enabled or not tokens:
+            return
+        with self._lock:
+            self._lru.insert_cache(_KEY, list(tokens), cache)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._lru.trim_to(n_sequences=0)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "enabled": self.enabled,
+                "hits": self.hits,
+                "misses": self.misses,
+                "tokens_reused": self.tokens_reused,
+                "bytes": self._lru.nbytes,
+                "max_bytes": self.max_bytes,
+                "entries": len(self._lru),
+                "tiers": dict(self.by_tier),
+            }
+
+    def _count(self, lookup: CacheLookup) -> CacheLookup:
+        with self._lock:
+            self.by_tier[lookup.tier] += 1
+            if lookup.tier == "miss":
+                self.misses += 1
+            else:
+                self.hits += 1
+                self.tokens_reused += lookup.warm_tokens
+        return lookup
+
+
+def _tier(tokens: list[int], warm: int) -> tuple[str, int]:
+    return ("exact" if warm >= len(tokens) - 1 else "block"), warm

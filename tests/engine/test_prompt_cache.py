@@ -1,0 +1,149 @@
+"""The prompt cache: tiers, warm tokens, identical output, eviction, back-pressure."""
+
+from __future__ import annotations
+
+import pytest
+
+from gmlx.engine.errors import ServerOverloadedError
+from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
+from gmlx.engine.worker import ModelWorker
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture
+def worker(demo_model):
+    w = ModelWorker(demo_model, decode_batch=2)
+    yield w
+    w.close()
+
+
+def chat(demo_model, *turns: str, system: str | None = None) -> tuple[int, ...]:
+    messages = [{"role": "system", "content": system}] if system else []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return tuple(demo_model.tokenizer.encode_chat(messages))
+
+
+def generate(worker, tokens, n=12, **kw):
+    events = list(worker.generate(GenerateRequest(tokens, max_tokens=n, sampling=GREEDY, **kw)))
+    return "".join(e.text for e in events), events[-1]
+
+
+def test_exact_repeat_hits_and_output_is_identical(worker, demo_model):
+    tokens = chat(demo_model, "Tell me about Paris and London.")
+    cold_text, cold = generate(worker, tokens)
+    assert cold.cache_tier == "miss" and cold.usage.cached_tokens == 0
+    warm_text, warm = generate(worker, tokens)
+    assert warm.cache_tier in ("exact", "block")
+    assert warm.usage.cached_tokens >= len(tokens) - 1 - 0
+    assert warm_text == cold_text
+
+
+def test_next_chat_turn_reuses_the_conversation(worker, demo_model):
+    first = chat(demo_model, "Hello there")
+    answer, _ = generate(worker, first)
+    second = chat(demo_model, "Hello there", answer, "And then?")
+    text, final = generate(worker, second)
+    assert final.cache_tier == "block"
+    assert final.usage.cached_tokens >= len(first) - 1
+    worker.prompt_cache.reset()
+    fresh_text, fresh = generate(worker, second)
+    assert fresh.cache_tier == "miss"
+    assert fresh_text == text  # same output with and without the cache
+
+
+def test_shared_system_prompt_is_reused(worker, demo_model):
+    system = "You are a careful assistant that answers about the weather in many cities. " * 3
+    generate(worker, chat(demo_model, "Paris?", system=system))
+    tokens = chat(demo_model, "Tokyo?", system=system)
+    text, final = generate(worker, tokens)
+    system_len = len(demo_model.tokenizer.encode_chat([{"role": "system", "content": system}], add_generation_prompt=False))
+    assert final.cache_tier == "block" and final.usage.cached_tokens >= system_len - 1
+    worker.prompt_cache.reset()
+    assert generate(worker, tokens)[0] == text
+
+
+def test_peek_reports_what_a_fetch_would_give(worker, demo_model):
+    tokens = chat(demo_model, "peek at me")
+    assert worker.prompt_cache.peek(list(tokens)) == ("miss", 0)
+    generate(worker, tokens)
+    tier, warm = worker.prompt_cache.peek(list(tokens))
+    assert tier == "exact" and warm == len(tokens) - 1
+    stats = worker.prompt_cache.stats()
+    assert stats["enabled"] and stats["entries"] >= 1 and stats["bytes"] > 0
+
+
+def test_byte_bound_evicts_least_recently_used(demo_model):
+    w = ModelWorker(demo_model, decode_batch=1, prompt_cache_bytes=1)
+    try:
+        tokens = chat(demo_model, "anything at all")
+        generate(w, tokens)
+        assert w.prompt_cache.stats()["bytes"] <= 1
+        _, final = generate(w, tokens)
+        assert final.cache_tier == "miss"
+    finally:
+        w.close()
+
+
+def test_disabled_cache(demo_model):
+    w = ModelWorker(demo_model, decode_batch=1, prompt_cache_bytes=0)
+    try:
+        tokens = chat(demo_model, "hi")
+        generate(w, tokens)
+        _, final = generate(w, tokens)
+        assert final.cache_tier == "miss"
+        assert w.prompt_cache.stats()["enabled"] is False
+    finally:
+        w.close()
+
+
+def test_cancelled_and_stopped_requests_leave_their_kv(worker, demo_model):
+    tokens = chat(demo_model, "long answer please")
+    handle = worker.submit(GenerateRequest(tokens, max_tokens=500, sampling=GREEDY))
+    for i, event in enumerate(handle):
+        if i == 2:
+            handle.cancel()
+    assert event.finish_reason is FinishReason.CANCELLED
+    assert worker.prompt_cache.peek(list(tokens))[0] == "exact"
+
+
+def test_queue_cap_refuses_with_retry_after(demo_model):
+    w = ModelWorker(demo_model, decode_batch=1, queue_cap=1)
+    try:
+        tokens = chat(demo_model, "busy")
+        running = w.submit(GenerateRequest(tokens, max_tokens=400, sampling=GREEDY))
+        queued = w.submit(GenerateRequest(tokens, max_tokens=4, sampling=GREEDY))
+        with pytest.raises(ServerOverloadedError) as info:
+            w.submit(GenerateRequest(tokens, max_tokens=4, sampling=GREEDY))
+        err = info.value
+        assert err.status == 503 and err.openai_type == "server_overloaded"
+        assert 2 <= int(err.headers["Retry-After"]) <= 60
+        assert w.stats.rejections == 1
+        rows = w.rows()
+        assert [r["state"] for r in rows][0] == "queued" and rows[0]["position"] == 1
+        running.cancel()
+        assert list(queued)[-1].finish_reason is FinishReason.LENGTH
+        list(running)
+        # Room again once the queue drained.
+        assert list(w.generate(GenerateRequest(tokens, max_tokens=2, sampling=GREEDY)))[-1].final
+    finally:
+        w.close()
+
+
+def test_rows_and_rates(worker, demo_model):
+    tokens = chat(demo_model, "rates")
+    handle = worker.submit(GenerateRequest(tokens, max_tokens=300, sampling=GREEDY))
+    it = iter(handle)
+    for _ in range(5):
+        next(it)
+    (row,) = worker.rows()
+    assert row["state"] == "decode" and row["id"] == handle.id and row["model"] == "demo"
+    assert row["prompt_tokens"] == len(tokens) and row["generated"] >= 5 and row["max_tokens"] == 300
+    assert row["ttft_s"] is not None and row["cache"]["tier"] in ("miss", "exact", "block")
+    handle.cancel()
+    list(it)
+    rates = worker.stats.rates()
+    assert rates["decode_tok_s_recent"] and rates["decode_tok_s_recent"] > 0
+    assert rates["decode_tok_s_lifetime"] > 0
+    assert worker.rows() == []
