@@ -1,0 +1,211 @@
+"""The runtime snapshot behind ``/v1/metrics``, and its Prometheus rendering.
+
+Each section is computed on its own: a probe that fails leaves that section's
+live fields null and the rest of the snapshot intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gmlx.engine.worker import ModelWorker
+
+log = logging.getLogger("gmlx.metrics")
+
+BANDS = ("green", "yellow", "orange", "red")
+
+# What each section holds when its probe fails: the same keys, all null.
+EMPTY_SECTIONS: dict[str, dict[str, Any]] = {
+    "concurrency": dict.fromkeys(("decode_batch", "queue_cap", "in_flight", "waiting")),
+    "queue": dict.fromkeys(("waiting", "cap", "eta_s", "rejections", "last_reject_reason")),
+    "governor": dict.fromkeys(("enabled", "band", "sheds", "admission_paused")),
+    "memory": dict.fromkeys(("active_bytes", "cache_bytes", "peak_bytes", "headroom_bytes", "total_bytes")),
+    "rates": dict.fromkeys(
+        ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent", "decode_tok_s_lifetime")
+    ),
+}
+
+
+def _section(name: str, probe: Callable[[], Any]) -> Any:
+    try:
+        return probe()
+    except Exception:  # one failing probe must not take the snapshot down
+        log.exception("metrics section %s failed", name)
+        empty = EMPTY_SECTIONS.get(name)
+        return dict(empty) if empty is not None else None
+
+
+def concurrency(workers: Sequence[ModelWorker]) -> dict[str, Any]:
+    return {
+        "decode_batch": max((w.decode_batch for w in workers), default=None),
+        "queue_cap": max((w.queue_cap for w in workers), default=None),
+        "in_flight": sum(w.in_flight for w in workers),
+        "waiting": sum(w.waiting for w in workers),
+    }
+
+
+def queue(workers: Sequence[ModelWorker]) -> dict[str, Any]:
+    reasons = [w.stats.last_reject_reason for w in workers if w.stats.last_reject_reason]
+    return {
+        "waiting": sum(w.waiting for w in workers),
+        "cap": max((w.queue_cap for w in workers), default=None),
+        "eta_s": round(max((w.queue_eta_s() for w in workers), default=0.0), 2),
+        "rejections": sum(w.stats.rejections for w in workers),
+        "last_reject_reason": reasons[-1] if reasons else None,
+    }
+
+
+def requests(workers: Sequence[ModelWorker]) -> list[dict[str, Any]]:
+    rows = [row for w in workers for row in w.rows()]
+    return sorted(rows, key=lambda r: r["state"] != "queued")  # stable: queued rows first
+
+
+def memory() -> dict[str, Any]:
+    import mlx.core as mx
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return {
+        "active_bytes": mx.get_active_memory(),
+        "cache_bytes": mx.get_cache_memory(),
+        "peak_bytes": mx.get_peak_memory(),
+        "headroom_bytes": int(vm.available),
+        "total_bytes": int(vm.total),
+    }
+
+
+def rates(workers: Sequence[ModelWorker]) -> dict[str, Any]:
+    per = [w.stats.rates() for w in workers]
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in per if r[key] is not None]
+        return round(sum(vals) / len(vals), 2) if vals else None
+
+    return {
+        "decode_tok_s": round(sum(r["decode_tok_s"] or 0.0 for r in per), 2),
+        "decode_streams": sum(r["decode_streams"] for r in per),
+        "prefill_tok_s_recent": mean("prefill_tok_s_recent"),
+        "decode_tok_s_recent": mean("decode_tok_s_recent"),
+        "decode_tok_s_lifetime": mean("decode_tok_s_lifetime"),
+    }
+
+
+def model_row(worker: ModelWorker, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    cache = worker.prompt_cache.stats()
+    return {
+        "id": worker.loaded.id,
+        "in_flight": worker.in_flight,
+        "waiting": worker.waiting,
+        "decode_batch": worker.decode_batch,
+        "pinned": False,
+        "kept": False,
+        "weight_bytes": weight_bytes(worker),
+        "prompt_cache_bytes": cache["bytes"],
+        **(extra or {}),
+    }
+
+
+def weight_bytes(worker: ModelWorker) -> int:
+    cached = getattr(worker, "_weight_bytes", None)
+    if cached is None:
+        from mlx.utils import tree_flatten
+
+        cached = sum(v.nbytes for _, v in tree_flatten(worker.loaded.model.parameters()))
+        worker._weight_bytes = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def snapshot(
+    workers: Sequence[ModelWorker],
+    *,
+    started_at: float,
+    model_extra: Callable[[ModelWorker], dict[str, Any]] | None = None,
+    governor: Callable[[], dict[str, Any]] | None = None,
+    capacity: Callable[[], dict[str, Any] | None] | None = None,
+) -> dict[str, Any]:
+    """The whole ``/v1/metrics`` document for the resident ``workers``."""
+    workers = list(workers)
+    return {
+        "server": {"pid": os.getpid(), "uptime_s": round(time.monotonic() - started_at, 1)},
+        "concurrency": _section("concurrency", lambda: concurrency(workers)),
+        "queue": _section("queue", lambda: queue(workers)),
+        "requests": _section("requests", lambda: requests(workers)) or [],
+        "resident_models": _section(
+            "resident_models",
+            lambda: [model_row(w, model_extra(w) if model_extra else None) for w in workers],
+        )
+        or [],
+        "governor": _section("governor", governor or (lambda: {**EMPTY_SECTIONS["governor"], "enabled": False})),
+        "memory": _section("memory", memory),
+        "capacity": _section("capacity", capacity or (lambda: None)),
+        "rates": _section("rates", lambda: rates(workers)),
+    }
+
+
+# -- Prometheus -----------------------------------------------------------------
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+def _families(snap: dict[str, Any]) -> Iterable[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    for section in ("concurrency", "queue", "memory", "rates"):
+        for key, value in (snap.get(section) or {}).items():
+            if (num := _number(value)) is not None:
+                yield GaugeMetricFamily(f"gmlx_{section}_{key}", f"{section}.{key}", value=num)
+
+    yield GaugeMetricFamily("gmlx_requests", "Live requests (queued and running).",
+                            value=len(snap.get("requests") or []))
+
+    gov = snap.get("governor") or {}
+    band = GaugeMetricFamily("gmlx_governor_band", "1 for the governor's current band.", labels=["band"])
+    for name in BANDS:
+        band.add_metric([name], 1.0 if gov.get("band") == name else 0.0)
+    yield band
+    for key, value in gov.items():
+        if key != "band" and (num := _number(value)) is not None:
+            yield GaugeMetricFamily(f"gmlx_governor_{key}", f"governor.{key}", value=num)
+
+    cap = snap.get("capacity") or {}
+    max_ctx = GaugeMetricFamily("gmlx_capacity_max_ctx", "Most context per stream at a width.", labels=["width"])
+    for width, ctx in (cap.get("max_ctx") or {}).items():
+        if (num := _number(ctx)) is not None:
+            max_ctx.add_metric([str(width)], num)
+    yield max_ctx
+
+    models = snap.get("resident_models") or []
+    keys = sorted({k for m in models for k, v in m.items() if _number(v) is not None})
+    for key in keys:
+        with_profile = any(m.get("profile") for m in models)
+        labels = ["model", "profile"] if with_profile else ["model"]
+        fam = GaugeMetricFamily(f"gmlx_model_{key}", f"resident_models[].{key}", labels=labels)
+        for m in models:
+            if (num := _number(m.get(key))) is not None:
+                values = [m["id"], m.get("profile") or ""] if with_profile else [m["id"]]
+                fam.add_metric(values, num)
+        yield fam
+
+
+def render_prometheus(snap: dict[str, Any]) -> bytes:
+    """The snapshot as Prometheus text exposition (all gauges)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class _Collector:
+        def collect(self) -> Iterable[Any]:
+            return _families(snap)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry)

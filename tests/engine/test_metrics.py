@@ -1,0 +1,66 @@
+"""The metrics snapshot and its Prometheus rendering."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gmlx.engine import metrics
+from gmlx.engine.types import GenerateRequest, SamplingParams
+
+
+def test_snapshot_sections_with_a_live_request(demo_worker, demo_model):
+    tokens = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "metrics"}]))
+    handle = demo_worker.submit(GenerateRequest(tokens, max_tokens=300, sampling=SamplingParams(temperature=0)))
+    events = iter(handle)
+    for _ in range(3):
+        next(events)
+    snap = metrics.snapshot([demo_worker], started_at=time.monotonic() - 5)
+    try:
+        assert snap["concurrency"]["in_flight"] == 1
+        assert snap["concurrency"]["decode_batch"] == demo_worker.decode_batch
+        assert snap["queue"]["waiting"] == 0 and snap["queue"]["eta_s"] == 0
+        (row,) = snap["requests"]
+        assert row["id"] == handle.id and row["state"] == "decode"
+        assert set(row) >= {"id", "model", "state", "position", "prompt_tokens", "generated", "max_tokens",
+                            "elapsed_s", "ttft_s", "decode_tok_s", "cache", "speculative"}
+        (model,) = snap["resident_models"]
+        assert model["id"] == "demo" and model["in_flight"] == 1 and model["weight_bytes"] > 0
+        assert snap["memory"]["headroom_bytes"] > 0
+        assert set(snap["rates"]) == set(metrics.EMPTY_SECTIONS["rates"])
+        assert snap["server"]["uptime_s"] >= 5
+    finally:
+        handle.cancel()
+        list(events)
+
+
+def test_a_failing_section_is_null_not_fatal(demo_worker, monkeypatch):
+    def broken():
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(metrics, "memory", broken)
+    snap = metrics.snapshot([demo_worker], started_at=time.monotonic())
+    assert snap["memory"] == dict.fromkeys(metrics.EMPTY_SECTIONS["memory"])
+    assert snap["concurrency"]["decode_batch"] == demo_worker.decode_batch
+
+
+def test_prometheus_text_parses_and_names_the_gauges(demo_worker):
+    snap = metrics.snapshot(
+        [demo_worker],
+        started_at=time.monotonic(),
+        model_extra=lambda w: {"profile": "coding"},
+        governor=lambda: {"enabled": True, "band": "yellow", "sheds": 2, "admission_paused": False},
+        capacity=lambda: {"max_ctx": {1: 8192, 2: 4096}},
+    )
+    text = metrics.render_prometheus(snap).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("gmlx_concurrency_in_flight", "gmlx_queue_eta_s", "gmlx_governor_band",
+                 "gmlx_capacity_max_ctx", "gmlx_model_in_flight", "gmlx_requests"):
+        assert name in families, name
+    bands = {s.labels["band"]: s.value for s in families["gmlx_governor_band"].samples}
+    assert bands == {"green": 0.0, "yellow": 1.0, "orange": 0.0, "red": 0.0}
+    widths = {s.labels["width"]: s.value for s in families["gmlx_capacity_max_ctx"].samples}
+    assert widths == {"1": 8192.0, "2": 4096.0}
+    (sample,) = families["gmlx_model_in_flight"].samples
+    assert sample.labels == {"model": "demo", "profile": "coding"}
