@@ -1,0 +1,306 @@
+"""GGUF tensor data -> MLX arrays, in MLX's own affine quantized layout where possible.
+
+MLX affine quantization stores, per group of ``group_size`` consecutive elements of a
+row, unsigned codes ``q`` in ``[0, 2**bits)`` and ``w = scale * q + bias``. The codes are
+a little-endian bit stream (element i occupies bits ``[i*bits, (i+1)*bits)``) read as
+uint32 words, for every bit width. GGML blocks whose geometry is a multiple of 32
+elements with one affine scale per 32 map onto that exactly:
+
+==========  =====  ===========================================
+GGML type   bits   per 32-element group
+==========  =====  ===========================================
+Q4_0        4      scale = d,      bias = -8 d
+Q4_1        4      scale = d,      bias = m
+Q5_0        5      scale = d,      bias = -16 d
+Q5_1        5      scale = d,      bias = m
+Q8_0        8      scale = d,      bias = -128 d  (codes + 128)
+Q4_K        4      scale = d sc_j, bias = -dmin m_j
+Q5_K        5      scale = d sc_j, bias = -dmin m_j
+==========  =====  ===========================================
+
+Types with 16-element sub-blocks (Q2_K, Q3_K, Q6_K) and the non-linear IQ/TQ types
+have no exact MLX form: they are dequantized with the ``gguf`` package's reference code
+and requantized (round to nearest over each group's range) at group 32 (see :data:`REQUANT_BITS`); the
+caller reports the measured maximum error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+Q = GGMLQuantizationType
+GROUP = 32
+# Rows are converted in chunks of about this many elements, so temporaries stay small
+# next to the tensor itself even for a 150k x 4096 embedding.
+_CHUNK_ELEMENTS = 1 << 22
+
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# Bits of the MLX form for types that must be requantized (no group-16 in MLX).
+REQUANT_BITS: dict[GGMLQuantizationType, int] = {
+    Q.Q6_K: 6,
+    Q.Q3_K: 4,
+    Q.Q2_K: 4,
+    Q.IQ4_NL: 4,
+    Q.IQ4_XS: 4,
+    Q.IQ3_S: 4,
+    Q.IQ3_XXS: 4,
+    Q.IQ2_S: 4,
+    Q.IQ2_XS: 4,
+    Q.IQ2_XXS: 4,
+    Q.IQ1_S: 4,
+    Q.IQ1_M: 4,
+    Q.TQ1_0: 4,
+    Q.TQ2_0: 4,
+    Q.MXFP4: 4,
+}
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight in MLX affine layout, ready for ``QuantizedLinear``/``QuantizedEmbedding``."""
+
+    weight: mx.array  # uint32, (rows, cols * bits / 32)
+    scales: mx.array  # (rows, cols / group_size)
+    biases: mx.array
+    bits: int
+    group_size: int
+    max_error: float | None = None  # set when requantized: max |w_gguf - w_mlx|
+
+
+# -- code extraction: GGML blocks -> (codes, scale, bias) per 32-element group --------
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 field at byte ``start`` of every block, as float32 column (N, 1)."""
+    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Split bytes (N, k, 16|32) into low nibbles then high nibbles along the last axis."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _low_bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """Bit i of a little-endian uint32 per block (N, 4 bytes) -> (N, n) of 0/1."""
+    words = qh.copy().view(np.uint32)
+    return ((words >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:18]), d, -8.0 * d
+
+
+def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
+
+
+def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    codes = _nibbles(b[:, 6:22]) | (_low_bits(b[:, 2:6], 32) << 4)
+    return codes, d, -16.0 * d
+
+
+def _q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    codes = _nibbles(b[:, 8:24]) | (_low_bits(b[:, 4:8], 32) << 4)
+    return codes, _f16(b, 0), _f16(b, 2)
+
+
+def _q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    codes = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return codes, d, -128.0 * d
+
+
+def k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit (scale, min) pairs packed in the 12 ``scales`` bytes of Q4_K/Q5_K.
+
+    Bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; bytes 8-11 hold the low
+    nibbles of scales 4-7 and, in their high nibbles, the low nibbles of mins 4-7, whose
+    top two bits are the top bits of bytes 0-3 (scales) and 4-7 (mins).
+    """
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_affine(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = k_scales_mins(b[:, 4:16])
+    return d * sc, -dmin * mn
+
+
+def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale, bias = _k_affine(b)
+    # 4 chunks of 32 bytes; within a chunk the low nibbles are sub-block 2c, high 2c+1.
+    codes = _nibbles(b[:, 16:144].reshape(-1, 4, 32))
+    return codes.reshape(len(b), 256), scale, bias
+
+
+def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale, bias = _k_affine(b)
+    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    # Bit j of qh[l] is the fifth bit of element l of sub-block j.
+    high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    return (low | (high << 4)).reshape(len(b), 256), scale, bias
+
+
+_EXACT: dict[
+    GGMLQuantizationType,
+    tuple[int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]],
+] = {
+    Q.Q4_0: (4, _q4_0),
+    Q.Q4_1: (4, _q4_1),
+    Q.Q5_0: (5, _q5_0),
+    Q.Q5_1: (5, _q5_1),
+    Q.Q8_0: (8, _q8_0),
+    Q.Q4_K: (4, _q4_k),
+    Q.Q5_K: (5, _q5_k),
+}
+EXACT_TYPES = tuple(_EXACT)
+SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_TYPES, *REQUANT_BITS)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned codes (rows, n) into MLX's uint32 words (rows, n * bits / 32).
+
+    Eight codes make ``bits`` bytes of the little-endian bit stream, so each run of 8
+    is summed into a uint64 and its low ``bits`` bytes kept.
+    """
+    rows, n = codes.shape
+    eight = codes.reshape(rows, n // 8, 8).astype(np.uint64)
+    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))[None, None, :]
+    words = np.bitwise_or.reduce(eight << shifts, axis=-1)
+    stream = words[..., None].view(np.uint8).reshape(rows, n // 8, 8)[..., :bits]
+    return np.ascontiguousarray(stream).reshape(rows, -1).view(np.uint32)
+
+
+def _row_chunks(rows: int, cols: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def convert_exact(
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, dtype: mx.Dtype
+) -> QuantizedTensor:
+    """Re-lay GGML blocks (rows, row_bytes) as MLX codes, scales and biases, losslessly.
+
+    The codes are the GGUF's own integers; scales and biases are computed in float32
+    and stored in ``dtype`` (float32 keeps them exact; float16 rounds K-quant products).
+    """
+    bits, decode = _EXACT[qtype]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = raw.shape[0]
+    weight = np.empty((rows, cols * bits // 32), np.uint32)
+    scales = np.empty((rows, cols // GROUP), np.float32)
+    biases = np.empty((rows, cols // GROUP), np.float32)
+    for sl in _row_chunks(rows, cols):
+        blocks = np.ascontiguousarray(raw[sl]).reshape(-1, size)
+        codes, scale, bias = decode(blocks)
+        n = sl.stop - sl.start
+        weight[sl] = pack_codes(codes.reshape(n, cols), bits)
+        # Per-block scales repeat over a block's 32-groups (Q4_0..Q8_0 have one group).
+        per_block = block // GROUP
+        scales[sl] = np.broadcast_to(scale, (len(blocks), per_block)).reshape(n, -1)
+        biases[sl] = np.broadcast_to(bias, (len(blocks), per_block)).reshape(n, -1)
+    return QuantizedTensor(
+        mx.array(weight),
+        mx.array(scales).astype(dtype),
+        mx.array(biases).astype(dtype),
+        bits,
+        GROUP,
+    )
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Float32 values of a GGML tensor by the ``gguf`` package's reference code."""
+    if qtype == Q.BF16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return gguf_quants.dequantize(raw, qtype).astype(np.float32, copy=False)
+
+
+def affine_quantize(
+    w: np.ndarray, bits: int, dtype: mx.Dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Round-to-nearest affine quantization of float32 rows (rows, cols) at group 32.
+
+    Each group's grid spans exactly its [min, max] (``mx.quantize`` instead keeps zero on
+    the grid, which can cost more than half a step at the ends). Codes are computed from
+    the scale and bias as stored in ``dtype``, so the error is at most half a step plus
+    that rounding. Returns packed codes, scales, biases (float32) and the max error.
+    """
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    levels = 2**bits - 1
+    scale = np.where(hi > lo, (hi - lo) / levels, 1.0).astype(np.float32)
+    stored = mx.array(np.stack([scale, lo])).astype(dtype).astype(mx.float32)
+    scale, bias = (np.array(a) for a in stored)
+    codes = np.clip(np.rint((g - bias[..., None]) / scale[..., None]), 0, levels)
+    error = float(np.abs(codes * scale[..., None] + bias[..., None] - g).max(initial=0.0))
+    packed = pack_codes(codes.astype(np.uint8).reshape(rows, cols), bits)
+    return packed, scale, bias, error
+
+
+def requantize(
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, dtype: mx.Dtype, bits: int
+) -> QuantizedTensor:
+    """Dequantize (reference code) and requantize at group 32 and ``bits``.
+
+    ``max_error`` is the largest absolute difference between the GGUF's values and the
+    MLX ones (before any rounding of the dequantized output to ``dtype``).
+    """
+    rows = raw.shape[0]
+    weight = np.empty((rows, cols * bits // 32), np.uint32)
+    scales = np.empty((rows, cols // GROUP), np.float32)
+    biases = np.empty((rows, cols // GROUP), np.float32)
+    max_error = 0.0
+    for sl in _row_chunks(rows, cols):
+        w = dequantize(np.ascontiguousarray(raw[sl]), qtype).reshape(-1, cols)
+        weight[sl], scales[sl], biases[sl], err = affine_quantize(w, bits, dtype)
+        max_error = max(max_error, err)
+    return QuantizedTensor(
+        mx.array(weight),
+        mx.array(scales).astype(dtype),
+        mx.array(biases).astype(dtype),
+        bits,
+        GROUP,
+        max_error=max_error,
+    )
+
+
+def to_float(raw: np.ndarray, qtype: GGMLQuantizationType, dtype: mx.Dtype) -> mx.array:
+    """A float MLX array of any tensor: float types as stored, others dequantized."""
+    if qtype == Q.BF16:
+        return mx.array(raw).view(mx.bfloat16).astype(dtype)
+    if qtype in (Q.F32, Q.F16, Q.F64):
+        return mx.array(np.asarray(raw)).astype(dtype)
+    shape = (*raw.shape[:-1], -1)
+    return mx.array(dequantize(raw.reshape(-1, raw.shape[-1]), qtype).reshape(shape)).astype(dtype)
+
+
+def convert(
+    raw: np.ndarray, qtype: GGMLQuantizationType, dtype: mx.Dtype
+) -> QuantizedTensor | mx.array:
+    """The MLX form of a 2-D weight (rows, row_bytes): quantized when the type is.
+
+    Exact types keep their codes; types without an exact form are requantized when a
+    row holds whole 32-groups and are otherwise dequantized to ``dtype``.
+    """
+    if qtype in FLOAT_TYPES:
+        return to_float(raw, qtype, dtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw2 = raw.reshape(-1, raw.shape[-1])
+    cols = raw2.shape[1] // size * block
+    if qtype in _EXACT:
+        return convert_exact(raw2, qtype, cols, dtype)
+    if qtype in REQUANT_BITS and cols % GROUP == 0:
+        return requantize(raw2, qtype, cols, dtype, REQUANT_BITS[qtype])
+    return to_float(raw, qtype, dtype)
