@@ -299,12 +299,17 @@ def free_bytes(reserve_bytes: int = 0) -> int:
 _LIMIT: dict[str, int] = {}
 
 
-def set_memory_limit(limit_bytes: int) -> None:
-    """Cap MLX's memory (all backends) and remember the cap for the free working set."""
+def set_memory_limit(limit_bytes: int | None) -> int:
+    """Cap MLX's memory (all backends) and remember the cap for the free working set;
+    ``None`` forgets the cap. Returns MLX's previous limit, to restore it with."""
     import mlx.core as mx
 
-    mx.set_memory_limit(limit_bytes)
+    if limit_bytes is None:
+        _LIMIT.pop("bytes", None)
+        return mx.get_memory_limit() if hasattr(mx, "get_memory_limit") else 0
+    previous = mx.set_memory_limit(limit_bytes)
     _LIMIT["bytes"] = limit_bytes
+    return previous
 
 
 def _memory_limit() -> int | None:

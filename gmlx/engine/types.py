@@ -19,6 +19,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # client disconnect or cancel route
     ERROR = "error"  # the engine failed; the event carries the error
+    SHED = "shed"  # the memory governor ended it; the event carries the error
 
 
 @dataclass(frozen=True)

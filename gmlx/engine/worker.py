@@ -29,6 +29,7 @@ from gmlx.engine.errors import (
     PromptTooLongError,
     ServerOverloadedError,
 )
+from gmlx.engine.governor import Governor, ShedError
 from gmlx.engine.loading import LoadedModel
 from gmlx.engine.prompt_cache import PromptCache
 from gmlx.engine.tokenizer import IncrementalDetokenizer, StopMatcher
@@ -187,6 +188,8 @@ class ModelWorker:
         queue_cap: most requests waiting for a slot; one more is refused with
             ServerOverloadedError (default: 4 x decode_batch).
         prompt_cache_bytes: bound of the prefix cache (0 turns it off).
+        governor: the memory governor shared by the server's workers; in orange
+            no new prefill starts, in red the largest running request is shed.
     """
 
     def __init__(
@@ -197,6 +200,7 @@ class ModelWorker:
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         queue_cap: int | None = None,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+        governor: Governor | None = None,
     ) -> None:
         if decode_batch < 1:
             raise ValueError("decode_batch must be >= 1")
@@ -205,6 +209,7 @@ class ModelWorker:
         self.prefill_step_size = prefill_step_size
         self.queue_cap = 4 * decode_batch if queue_cap is None else max(0, queue_cap)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.governor = governor
         self.stats = WorkerStats()
         self._admission = threading.Lock()
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
@@ -344,8 +349,11 @@ class ModelWorker:
                 self._drain_inbox(gen, block=idle)
                 if self._closed.is_set():
                     break
-                self._admit(gen)
+                if self._govern(gen):
+                    self._admit(gen)
                 if not self._by_uid:
+                    if self._pending:  # held back by the governor: wait, do not spin
+                        self._drain_inbox(gen, block=True, timeout=0.05)
                     continue
                 try:
                     prompt_responses, responses = gen.next()
@@ -382,10 +390,10 @@ class ModelWorker:
             self._closed.set()
             self._done.set()
 
-    def _drain_inbox(self, gen: Any, block: bool) -> None:
+    def _drain_inbox(self, gen: Any, block: bool, timeout: float | None = None) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get(block=block, timeout=None)
+                kind, payload = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
             block = False
@@ -437,10 +445,29 @@ class ModelWorker:
             active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
             self._by_uid[uid] = active
 
-    def _remove(self, gen: Any, uid: int) -> None:
+    def _remove(self, gen: Any, uid: int, keep_kv: bool = True) -> None:
         """Take a running request out of the batch, keeping its KV in the prompt cache."""
-        for cache, tokens in gen.remove([uid], return_prompt_caches=True).values():
+        for cache, tokens in gen.remove([uid], return_prompt_caches=keep_kv).values():
             self.prompt_cache.insert(tokens, cache)
+
+    def _govern(self, gen: Any) -> bool:
+        """Apply the governor's band; returns whether new prefills may start."""
+        gov = self.governor
+        if gov is None:
+            return True
+        gov.update()
+        if gov.claim_shed() and self._by_uid:
+            victim = max(self._by_uid.values(), key=lambda a: len(a.request.prompt_tokens) + a.generated)
+            self._remove(gen, victim.uid, keep_kv=False)  # type: ignore[arg-type]
+            tokens = len(victim.request.prompt_tokens) + victim.generated
+            log.warning("governor shed %s (%d tokens) at headroom %s bytes", victim.request.id, tokens,
+                        gov.headroom_bytes)
+            self._finish(victim, FinishReason.SHED, ShedError(
+                f"Request shed to keep the server within memory: it held {tokens} tokens and "
+                f"headroom fell to {gov.headroom_bytes} bytes (floor {gov.floor_bytes}).",
+                headers={"Retry-After": "10"},
+            ))
+        return gov.admits_prefill
 
     def _on_token(self, gen: Any, r: Any) -> None:
         active = self._by_uid.get(r.uid)
