@@ -2,8 +2,12 @@
 
 mlx-lm's ``make_sampler`` draws from MLX's global random state, which every
 request in a batch shares; a request's ``seed`` must make its output repeatable
-whatever else is running, so the final draw here uses a key owned by the request.
-The filters themselves (top-k, top-p, min-p) are mlx-lm's.
+whatever else is running, so every random draw here (XTC's coin, the final
+sample) uses a key owned by the request. top-k, top-p and min-p are mlx-lm's
+filters; top-n-sigma, typical-p, P-less and a keyed XTC are written here.
+
+Filters run in this order: top-n-sigma, top-k, typical-p, top-p, min-p, P-less,
+XTC, then temperature and the draw.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
     """Raise InvalidRequestError for values no sampler can honour."""
     checks = [
         (params.temperature >= 0, "temperature", "must be >= 0"),
+        (params.top_n_sigma >= 0, "top_n_sigma", "must be >= 0"),
+        (0 < params.typical_p <= 1, "typical_p", "must be in (0, 1]"),
+        (0 <= params.xtc_probability <= 1, "xtc_probability", "must be in [0, 1]"),
+        (0 <= params.xtc_threshold <= 1, "xtc_threshold", "must be in [0, 1]"),
         (0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
         (params.top_k >= 0, "top_k", "must be >= 0"),
         (0 <= params.min_p <= 1, "min_p", "must be in [0, 1]"),
@@ -58,30 +66,90 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
+NEG_INF = float("-inf")
+
+
+def apply_top_n_sigma(logprobs: mx.array, n: float) -> mx.array:
+    """Keep tokens whose logit is within ``n`` standard deviations of the largest."""
+    top = mx.max(logprobs, axis=-1, keepdims=True)
+    sigma = mx.std(logprobs, axis=-1, keepdims=True)
+    return mx.where(logprobs >= top - n * sigma, logprobs, NEG_INF)
+
+
+def apply_typical_p(logprobs: mx.array, mass: float) -> mx.array:
+    """Locally typical sampling: keep the tokens whose surprise is closest to the
+    distribution's entropy, up to ``mass`` of probability."""
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    probs = mx.exp(logprobs)
+    finite = mx.isfinite(logprobs)
+    entropy = -mx.sum(mx.where(finite, probs * logprobs, 0.0), axis=-1, keepdims=True)
+    distance = mx.where(finite, mx.abs(-logprobs - entropy), float("inf"))
+    order = mx.argsort(distance, axis=-1)
+    sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+    keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < mass  # at least one
+    keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+    return mx.where(keep, logprobs, NEG_INF)
+
+
+def apply_p_less(logprobs: mx.array) -> mx.array:
+    """P-less truncation: keep tokens at least as likely as two draws colliding
+    (sum of p squared); it needs no hyperparameter and never empties the set."""
+    probs = mx.exp(logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True))
+    collision = mx.sum(probs * probs, axis=-1, keepdims=True)
+    return mx.where(probs >= collision, logprobs, NEG_INF)
+
+
+def apply_xtc(
+    logprobs: mx.array, coin: mx.array, probability: float, threshold: float, keep_ids: mx.array | None
+) -> mx.array:
+    """Exclude Top Choices: when ``coin < probability`` and two or more tokens reach
+    ``threshold``, drop all of them but the least likely (``keep_ids``, such as EOS
+    and newline, are never dropped)."""
+    probs = mx.exp(logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True))
+    above = probs >= threshold
+    least = mx.min(mx.where(above, probs, float("inf")), axis=-1, keepdims=True)
+    drop = above & (probs > least)
+    if keep_ids is not None and keep_ids.size:
+        drop = drop & ~mx.any(mx.arange(probs.shape[-1])[None, :, None] == keep_ids[None, None, :], axis=-1)
+    active = (coin < probability) & (mx.sum(above, axis=-1, keepdims=True) >= 2)
+    return mx.where(active & drop, NEG_INF, logprobs)
+
+
+def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None) -> Sampler:
     """A sampler over log-probabilities of shape (1, vocab) for one request.
 
     Greedy requests share mlx-lm's ``greedy_sampler`` object, so a batch of them
-    is sampled in one call.
+    is sampled in one call. ``protected_ids`` (EOS, newline) are never excluded by XTC.
     """
     if params.greedy:
         return greedy_sampler
     filters: list[Callable[[mx.array], mx.array]] = []
+    if params.top_n_sigma > 0:
+        filters.append(lambda x: apply_top_n_sigma(x, params.top_n_sigma))
+    if params.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+    if params.typical_p < 1:
+        filters.append(lambda x: apply_typical_p(x, params.typical_p))
     if 0 < params.top_p < 1:
         filters.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p > 0:
         filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
+    if params.p_less:
+        filters.append(apply_p_less)
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     key = mx.random.key(seed)
     inv_temp = 1.0 / params.temperature
+    xtc = params.xtc_probability > 0
+    keep_ids = mx.array(protected_ids or [], dtype=mx.int32)
 
     def sampler(logprobs: mx.array) -> mx.array:
         nonlocal key
+        key, draw, coin_key = mx.random.split(key, 3)
         for f in filters:
             logprobs = f(logprobs)
-        key, draw = mx.random.split(key)
+        if xtc:
+            coin = mx.random.uniform(shape=(logprobs.shape[0], 1), key=coin_key)
+            logprobs = apply_xtc(logprobs, coin, params.xtc_probability, params.xtc_threshold, keep_ids)
         return mx.random.categorical(logprobs * inv_temp, key=draw)
 
     return sampler

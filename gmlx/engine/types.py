@@ -38,6 +38,11 @@ class SamplingParams:
     frequency_context_size: int = 20
     seed: int | None = None
     logit_bias: Mapping[int, float] | None = None
+    top_n_sigma: float = 0.0  # keep logits within n standard deviations of the max (0: off)
+    typical_p: float = 1.0  # locally typical sampling mass (1: off)
+    xtc_probability: float = 0.0  # chance per step to exclude the top choices (0: off)
+    xtc_threshold: float = 0.1  # XTC excludes tokens at or above this probability
+    p_less: bool = False  # keep tokens at least as likely as the collision probability
 
     @property
     def greedy(self) -> bool:

@@ -214,6 +214,9 @@ class ModelWorker:
         self._admission = threading.Lock()
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
         self.vocab_size = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
+        tok = loaded.tokenizer
+        # Tokens XTC never excludes: ending or breaking a line must stay possible.
+        self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._pending: deque[_Active] = deque()
         self._by_uid: dict[int, _Active] = {}
@@ -432,7 +435,7 @@ class ModelWorker:
                     max_tokens=[req.max_tokens],
                     caches=[lookup.cache],
                     all_tokens=[prompt[: lookup.warm_tokens]],
-                    samplers=[sampling.make_sampler(req.sampling)],
+                    samplers=[sampling.make_sampler(req.sampling, self._protected_ids)],
                     logits_processors=[sampling.make_processors(req.sampling)],
                 )
             except Exception as e:
