@@ -7,6 +7,7 @@ import typer
 from gmlx import __version__
 from gmlx.cli.errors import err_console, run_guarded
 from gmlx.cli.run import run_command
+from gmlx.cli.serve import serve_command
 
 app = typer.Typer(
     name="gmlx",
@@ -18,10 +19,10 @@ app = typer.Typer(
 )
 
 app.command("run", help="Chat with a model in the terminal, or answer one prompt with -p.")(run_command)
+app.command("serve", help="Serve models over the OpenAI and Anthropic HTTP protocols.")(serve_command)
 
 # Commands announced in the CLI before they exist: each says so and exits 2.
 PLANNED = {
-    "serve": "Serve models over the OpenAI and Anthropic HTTP protocols.",
     "launch": "Start a coding agent pointed at a gmlx server (starting one if needed).",
     "estimate": "Estimate whether a prompt fits a model's memory and context.",
     "plan": "Check whether WIDTH streams of DEPTH tokens each fit a model.",

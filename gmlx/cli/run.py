@@ -15,23 +15,25 @@ from gmlx.engine.errors import GmlxError
 from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
+    from gmlx.engine.profiles import Profile
     from gmlx.engine.worker import ModelWorker
 
-DEFAULT_TEMPERATURE = 0.7
 HELP_LINE = "Type a message; /reset clears the conversation, /exit (or Ctrl-D) leaves. Ctrl-C stops an answer."
 
 
-def load_worker(ref: str) -> ModelWorker:
-    """Load a model with a status line on stderr and start its worker."""
-    from gmlx.engine.loading import load_model
-    from gmlx.engine.worker import ModelWorker
+def load_addressed(ref: str, profile: str | None) -> tuple[ModelWorker, Profile]:
+    """Resolve ``MODEL[@profile]`` as the server does (configured ids and aliases first,
+    else ``demo`` or a path) and load it; returns its worker and effective profile."""
+    from gmlx.config import load_settings
 
+    settings, (name,) = load_settings().with_models([ref])
+    registry = settings.registry(decode_batch=1)
+    target = registry.address(name, profile)
     with err_console.status(f"Loading {ref} …", spinner="dots"):
-        loaded = load_model(ref)
-        worker = ModelWorker(loaded, decode_batch=1)
-    for note in loaded.notes:
+        worker = registry.worker(target.spec.id)
+    for note in worker.loaded.notes:
         err_console.print(f"[dim]{note}[/]")
-    return worker
+    return worker, registry.profile(target, worker.loaded)
 
 
 def stream_answer(
@@ -73,13 +75,14 @@ def run_command(
     temperature: TemperatureOpt = None,
     seed: SeedOpt = None,
     system: SystemOpt = None,
+    profile: Annotated[str | None, typer.Option("--profile", help="Sampling and system-prompt profile: a built-in intent (coding, chat, creative, ...) or one from the config.")] = None,
 ) -> None:
-    sampling = SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature, seed=seed
-    )
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")
-    worker = load_worker(model)
+    worker, preset = load_addressed(model, profile)
+    # Explicit flags win over the profile, as request fields do on the server.
+    sampling = preset.sampling_params({"temperature": temperature, "seed": seed})
+    system = system if system is not None else preset.system
     try:
         base = [{"role": "system", "content": system}] if system else []
         if prompt is not None:

@@ -1,0 +1,81 @@
+"""``gmlx serve``: the OpenAI and Anthropic HTTP protocols over the engine."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gmlx.cli.errors import err_console, fail
+
+ModelsArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Models to serve and load now: configured ids or aliases, `demo`, GGUF files, "
+        "MLX folders. Configured models are served too, loading on first use.",
+        show_default=False,
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Config file (default: $GMLX_HOME/gmlx.yaml or ~/.config/gmlx/gmlx.yaml).",
+        show_default=False,
+    ),
+]
+HostOpt = Annotated[
+    str | None,
+    typer.Option("--host", help="Address to bind [default: 127.0.0.1].", show_default=False),
+]
+PortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--port", min=0, max=65535, help="Port to bind [default: 8080].", show_default=False
+    ),
+]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        help="Require this key (Bearer or x-api-key) on every route but /health.",
+        show_default=False,
+    ),
+]
+
+
+def serve_command(
+    models: ModelsArg = None,
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Load the named models, then serve until Ctrl-C.
+
+    Flags win over ``GMLX_*`` environment variables, which win over the file.
+    """
+    import uvicorn
+
+    from gmlx.config import load_settings
+    from gmlx.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    settings = load_settings(config)
+    flags = {"host": host, "port": port, "api_key": api_key}
+    server = settings.server.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    settings, _ = settings.model_copy(update={"server": server}).with_models(models or [])
+    if not settings.models:
+        fail(
+            f"Nothing to serve: name a model (for example `gmlx serve demo`) or list models in {settings.origin}."
+        )
+    app = create_app(settings)
+    startup = settings.startup_models()
+    if startup:
+        # Load before binding, so a bad model is one error sentence, not a server traceback.
+        with err_console.status(f"Loading {', '.join(startup)} …", spinner="dots"):
+            app.state.registry.preload(startup)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="info")

@@ -1,0 +1,334 @@
+"""Settings: the YAML config file, environment overrides and command-line models.
+
+The file has four sections, all optional::
+
+    server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s}
+    models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source)
+    aliases:  {alias: id or id@profile}
+    profiles: {name: {temperature, top_p, ..., max_tokens, system, stop, chat_template_kwargs}}
+
+``server`` values can be overridden by ``GMLX_<KEY>`` environment variables
+(``GMLX_PORT``, ``GMLX_API_KEY``, ``GMLX_QUEUE_DEPTH_CAP``, ``GMLX_SSE_KEEPALIVE_S`` ...). Every problem is
+raised as one :class:`ConfigError` naming the file, the key and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gmlx.engine.errors import ConfigError
+from gmlx.engine.loading import DEMO_ID, source_kind
+from gmlx.engine.profiles import Profile, ProfileBook
+from gmlx.engine.residency import ModelSpec, Registry
+from gmlx.paths import config_file
+
+ENV_PREFIX = "GMLX_"
+
+
+class ServerSettings(BaseSettings):
+    """The ``server:`` section; ``GMLX_<KEY>`` environment variables win over the file."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    api_key: str | None = None
+    cors: Annotated[list[str], NoDecode] = Field(default_factory=list)  # allowed origins
+    decode_batch: int = Field(8, ge=1, le=512)
+    queue_depth_cap: int | None = Field(None, ge=0)  # default: 4 x decode_batch
+    sse_keepalive_s: float = Field(15.0, ge=0)  # 0 turns the keep-alive comments off
+
+    @field_validator("cors", mode="before")
+    @classmethod
+    def _origins(cls, value: Any) -> Any:
+        # `cors: true` means any origin; a string may list origins separated by commas.
+        if value is True:
+            return ["*"]
+        if value in (False, None):
+            return []
+        if isinstance(value, str):
+            return [o.strip() for o in value.split(",") if o.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's values arrive as init arguments; the environment must beat them.
+        return (env_settings, init_settings)
+
+
+class ProfileConfig(BaseModel):
+    """One ``profiles:`` entry: sampling values, an output cap and a system prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_context_size: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_context_size: int | None = Field(None, ge=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_context_size: int | None = Field(None, ge=1)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    system: str | None = None
+    stop: list[str] = Field(default_factory=list)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def to_profile(self, name: str) -> Profile:
+        sampling = self.model_dump(
+            exclude={"max_tokens", "system", "stop", "chat_template_kwargs"}, exclude_none=True
+        )
+        return Profile(
+            name=name,
+            sampling=sampling,
+            max_tokens=self.max_tokens,
+            system=self.system,
+            stop=tuple(self.stop),
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+
+class ModelConfig(BaseModel):
+    """One ``models:`` entry; a bare string is its source."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(validation_alias=AliasChoices("source", "path"))
+    max_kv_size: int | None = Field(None, ge=1)
+    profile: str | None = None
+    default: bool = False
+    pinned: bool = False
+    mmproj: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_source(cls, value: Any) -> Any:
+        return {"source": value} if isinstance(value, str) else value
+
+
+class ConfigFile(BaseModel):
+    """The file's model sections (``server:`` is validated as settings, separately)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    aliases: dict[str, str] = Field(default_factory=dict)
+    profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
+    server: dict[str, Any] = Field(default_factory=dict)
+
+
+class Settings(BaseModel):
+    """Everything ``gmlx serve`` runs on, and where it came from."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    aliases: dict[str, str] = Field(default_factory=dict)
+    profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
+    origin: str = "defaults"  # where the config came from, for the startup log
+    preload: list[str] = Field(default_factory=list)  # model ids to load at start
+
+    def startup_models(self) -> list[str]:
+        """The ids to load at start: the command-line models, then the pinned ones."""
+        pinned = [mid for mid, m in self.models.items() if m.pinned]
+        return list(dict.fromkeys([*self.preload, *pinned]))
+
+    def profile_book(self) -> ProfileBook:
+        return ProfileBook({name: p.to_profile(name) for name, p in self.profiles.items()})
+
+    def registry(self, decode_batch: int | None = None) -> Registry:
+        """A registry of the configured models (nothing loads until asked)."""
+        specs = [
+            ModelSpec(
+                id=mid,
+                source=m.source,
+                max_kv_size=m.max_kv_size,
+                profile=m.profile,
+                default=m.default,
+                pinned=m.pinned,
+                mmproj=m.mmproj,
+            )
+            for mid, m in self.models.items()
+        ]
+        return Registry(
+            specs,
+            aliases=self.aliases,
+            profiles=self.profile_book(),
+            decode_batch=decode_batch or self.server.decode_batch,
+            queue_cap=self.server.queue_depth_cap,
+        )
+
+    def with_models(self, refs: Iterable[str]) -> tuple[Settings, list[str]]:
+        """Add command-line models: each ref that is not already addressable (an id,
+        an alias, either with ``@profile``) is a source (``demo``, a GGUF file, an MLX
+        folder) served under an id taken from its name.
+
+        Returns the new settings and, per ref, the model string that addresses it.
+        Raises ModelSourceError for a ref that is neither configured nor a model.
+        """
+        models = dict(self.models)
+        book = self.profile_book()
+        names: list[str] = []
+        for ref in refs:
+            head, sep, tail = ref.rpartition("@")
+            known = {*models, *self.aliases}
+            if ref in known or (sep and head in known):
+                names.append(ref)
+                continue
+            source, suffix = ref, ""
+            if sep and head and not Path(ref).expanduser().exists() and _is_source(head):
+                book.check(tail)  # a model with an unknown profile: say so, not "no such path"
+                source, suffix = head, f"@{tail}"
+            source_kind(source)  # raises ModelSourceError naming the path
+            model_id = _id_for(source)
+            if model_id in models and models[model_id].source != source:
+                model_id = source
+            models.setdefault(model_id, ModelConfig(source=source))
+            names.append(model_id + suffix)
+        preload = [*self.preload, *(n for n in (_model_of(self, models, x) for x in names) if n)]
+        settings = self.model_copy(
+            update={"models": models, "preload": list(dict.fromkeys(preload))}
+        )
+        return settings, names
+
+
+def _is_source(ref: str) -> bool:
+    return ref == DEMO_ID or Path(ref).expanduser().exists()
+
+
+def _id_for(source: str) -> str:
+    if source == DEMO_ID:
+        return DEMO_ID
+    path = Path(source).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _model_of(settings: Settings, models: dict[str, ModelConfig], name: str) -> str | None:
+    """The model id a command-line name refers to (through an alias if needed)."""
+    for candidate in (name, name.rpartition("@")[0]):
+        if candidate in models:
+            return candidate
+        if candidate in settings.aliases:
+            return _model_of(settings, models, settings.aliases[candidate])
+    return None
+
+
+def load_settings(path: Path | str | None = None) -> Settings:
+    """Read and validate a config file (default: ``gmlx.paths.config_file()``).
+
+    A missing default file is an empty config; a missing ``--config`` file, bad
+    YAML, an unknown key or a bad value raise ConfigError naming file and key.
+    """
+    explicit = path is not None
+    file = Path(path).expanduser() if explicit else config_file()
+    if not file.is_file():
+        if explicit:
+            raise ConfigError(f"Config file {file} does not exist.")
+        return Settings(
+            server=_server_settings({}, file), origin=f"{file} (not found: empty config)"
+        )
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        reason = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"Config file {file} is not valid YAML{where}: {reason}.") from e
+    except OSError as e:
+        raise ConfigError(f"Config file {file} cannot be read: {e.strerror or e}.") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"Config file {file} must hold a mapping of sections, not {type(raw).__name__}."
+        )
+    try:
+        parsed = ConfigFile.model_validate(raw)
+    except ValidationError as e:
+        raise _config_error(file, e) from e
+    settings = Settings(
+        server=_server_settings(parsed.server, file),
+        models=parsed.models,
+        aliases=parsed.aliases,
+        profiles=parsed.profiles,
+        origin=str(file),
+    )
+    _check_references(settings, file)
+    return settings
+
+
+def _server_settings(values: dict[str, Any], file: Path) -> ServerSettings:
+    try:
+        return ServerSettings(**values)
+    except ValidationError as e:
+        raise _config_error(file, e, prefix="server") from e
+
+
+def _config_error(file: Path, err: ValidationError, prefix: str = "") -> ConfigError:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
+    reason = first["msg"]
+    if first["type"] == "extra_forbidden":
+        reason = "unknown key"
+    env = f"{ENV_PREFIX}{first['loc'][0]}".upper() if prefix == "server" and first["loc"] else ""
+    if env and env in {k.upper() for k in os.environ}:
+        key += f" (set by {env})"
+    more = f" (and {len(err.errors()) - 1} more problems)" if len(err.errors()) > 1 else ""
+    return ConfigError(f"Config file {file} is invalid at {key}: {reason}{more}.")
+
+
+def _check_references(settings: Settings, file: Path) -> None:
+    """Profiles, aliases and defaults must point at things that exist."""
+    book = settings.profile_book()
+
+    def bad(key: str, reason: str) -> ConfigError:
+        return ConfigError(f"Config file {file} is invalid at {key}: {reason}.")
+
+    for mid, model in settings.models.items():
+        if model.profile is not None and model.profile not in book:
+            raise bad(
+                f"models.{mid}.profile",
+                f"unknown profile {model.profile!r} (valid: {', '.join(book.names)})",
+            )
+    defaults = [mid for mid, m in settings.models.items() if m.default]
+    if len(defaults) > 1:
+        raise bad(
+            f"models.{defaults[1]}.default",
+            f"only one model can be the default, and {defaults[0]} already is",
+        )
+    for alias, ref in settings.aliases.items():
+        if alias in settings.models:
+            raise bad(f"aliases.{alias}", "an alias cannot reuse a model id")
+        head, sep, tail = ref.rpartition("@")
+        if ref in settings.models:
+            continue
+        if not sep or head not in settings.models:
+            raise bad(f"aliases.{alias}", f"{ref!r} does not name a configured model")
+        if tail not in book:
+            raise bad(
+                f"aliases.{alias}", f"unknown profile {tail!r} (valid: {', '.join(book.names)})"
+            )

@@ -1,0 +1,46 @@
+"""Anthropic Messages request bodies (``/v1/messages`` and its ``count_tokens``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from fastapi import Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from gmlx.server.schemas import COMMON_HONORED, GenerationBody, json_body
+
+
+class AnthropicMessage(BaseModel):
+    """One turn; content is a string or a list of typed blocks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(GenerationBody):
+    HONORED: ClassVar[frozenset[str]] = COMMON_HONORED | {
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "tools",
+        "tool_choice",
+    }
+
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int | None = None  # required by Anthropic; optional here
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """The same body without generation; ``max_tokens`` is irrelevant."""
+
+
+# Route parameters: the body parsed as JSON whatever the Content-Type.
+MessagesBody = Annotated[MessagesRequest, Depends(json_body(MessagesRequest))]
+CountTokensBody = Annotated[CountTokensRequest, Depends(json_body(CountTokensRequest))]

@@ -1,0 +1,121 @@
+"""Anthropic shapes <-> engine values: content blocks in, Message objects out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gmlx.engine.errors import InvalidRequestError
+from gmlx.engine.types import FinishReason, Usage
+from gmlx.server.anthropic.schemas import MessagesRequest
+from gmlx.server.generation import Job
+
+
+def _block_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(str(b.get("text") or "") for b in content if b.get("type") == "text")
+
+
+def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
+    """``system`` and ``messages`` as the plain chat dicts templates expect.
+
+    ``tool_use`` blocks become assistant tool calls and ``tool_result`` blocks tool
+    messages; image blocks are refused (no vision support yet).
+    """
+    out: list[dict[str, Any]] = []
+    if body.system:
+        out.append({"role": "system", "content": _block_text(body.system)})
+    for m in body.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for block in m.content:
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(str(block.get("text") or ""))
+            elif kind == "tool_use":
+                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {"name": block.get("name"), "arguments": arguments},
+                    }
+                )
+            elif kind == "tool_result":
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id"),
+                        "content": _block_text(block.get("content")),
+                    }
+                )
+            elif kind in ("thinking", "redacted_thinking"):
+                continue  # earlier reasoning is not replayed to the model
+            elif kind in ("image", "document"):
+                raise InvalidRequestError(
+                    f"{kind} blocks need a vision model, and gmlx does not serve one yet.",
+                    param="messages",
+                )
+            else:
+                raise InvalidRequestError(
+                    f"Unsupported content block type {kind!r}.", param="messages"
+                )
+        out.extend(results)
+        if texts or calls or not results:
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def template_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
+    """Anthropic tools in the function shape chat templates expect; none for ``tool_choice: none``."""
+    if not body.tools or (body.tool_choice or {}).get("type") == "none":
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.get("name"),
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema") or {},
+            },
+        }
+        for t in body.tools
+    ]
+
+
+def stop_reason(finish: FinishReason, stop_sequence: str | None) -> str:
+    if finish is FinishReason.LENGTH:
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def message(
+    job: Job,
+    text: str | None,
+    *,
+    stop: str | None = None,
+    stop_sequence: str | None = None,
+    usage: Usage | None = None,
+) -> dict[str, Any]:
+    """A Message; ``text`` None gives the empty shell that ``message_start`` carries."""
+    return {
+        "id": f"msg_{job.id}",
+        "type": "message",
+        "role": "assistant",
+        "model": job.model,
+        "content": [] if text is None else [{"type": "text", "text": text}],
+        "stop_reason": stop,
+        "stop_sequence": stop_sequence,
+        "usage": {
+            "input_tokens": job.prompt_tokens,
+            "output_tokens": usage.completion_tokens if usage else 0,
+        },
+    }

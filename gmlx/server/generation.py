@@ -1,0 +1,182 @@
+"""What every generation route does between its schema and its response format.
+
+:func:`start` resolves the addressed model and profile, renders and tokenizes the
+prompt off the event loop, stacks profile and request values, and submits the
+request; the prompt-too-long check runs inside ``submit``, so it fails as a plain
+HTTP error before any stream begins. :func:`collect` and :func:`events` consume the
+engine's events and cancel the request when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from gmlx.engine.errors import GmlxError, InvalidRequestError
+from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
+
+if TYPE_CHECKING:
+    from gmlx.engine.profiles import Profile
+    from gmlx.engine.residency import Registry
+    from gmlx.engine.tokenizer import Tokenizer
+    from gmlx.engine.worker import ModelWorker, RequestHandle
+    from gmlx.server.schemas import GenerationBody
+
+log = logging.getLogger("gmlx.server")
+
+
+@dataclass
+class Job:
+    """A submitted request and what its responses echo back."""
+
+    handle: RequestHandle
+    model: str  # the name the response reports: what the request asked for, else the id
+    prompt_tokens: int
+    created: int
+
+    @property
+    def id(self) -> str:
+        """The engine request id without its ``req-`` prefix, for protocol ids."""
+        return self.handle.id.removeprefix("req-")
+
+
+@dataclass
+class Result:
+    """A finished request, collected."""
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    stop_sequence: str | None
+
+
+def warn_ignored(request: Request, body: GenerationBody) -> None:
+    """One warning line naming every field this route accepted but does not honour."""
+    if names := body.ignored():
+        log.warning("%s: ignored parameters: %s", request.url.path, ", ".join(names))
+
+
+@dataclass
+class Rendered:
+    """A prompt rendered and tokenized for the model it addressed."""
+
+    worker: ModelWorker
+    profile: Profile
+    model: str
+    ids: list[int]
+
+
+async def render(
+    request: Request,
+    body: GenerationBody,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> Rendered:
+    """Resolve the addressed model and profile (loading the model if needed) and
+    tokenize chat ``messages`` through its template, or a raw ``prompt``, off the loop.
+    """
+    registry: Registry = request.app.state.registry
+    target = registry.address(body.model, body.profile)
+    worker = await asyncio.to_thread(registry.worker, target.spec.id)
+    profile = registry.profile(target, worker.loaded)
+    tokenizer = worker.loaded.tokenizer
+    if messages is not None:
+        if profile.system and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": profile.system}, *messages]
+        kwargs = {**profile.chat_template_kwargs, **body.template_kwargs()}
+        ids = await asyncio.to_thread(_encode_chat, tokenizer, messages, tools, kwargs)
+    else:
+        ids = await asyncio.to_thread(tokenizer.encode, prompt or "")
+    return Rendered(worker, profile, body.model or target.spec.id, ids)
+
+
+async def start(
+    request: Request,
+    body: GenerationBody,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    max_tokens: int | None = None,
+    stop: Sequence[str] | None = None,
+) -> Job:
+    """Submit one request (chat ``messages`` or a raw ``prompt``) to its model's worker.
+
+    Explicit ``max_tokens`` and ``stop`` win over the profile's. Raises GmlxError
+    (unknown model or profile, prompt too long, bad sampling values, a model that
+    fails to load) before anything is streamed.
+    """
+    warn_ignored(request, body)
+    r = await render(request, body, messages=messages, prompt=prompt, tools=tools)
+    if max_tokens is None:
+        max_tokens = r.profile.max_tokens
+    if max_tokens is None:  # unset everywhere: whatever the context window leaves
+        max_tokens = max(1, r.worker.loaded.context_length - len(r.ids))
+    engine_request = GenerateRequest(
+        tuple(r.ids),
+        max_tokens=max_tokens,
+        sampling=r.profile.sampling_params(body.sampling()),
+        stop=tuple(stop) if stop else r.profile.stop,
+    )
+    handle = r.worker.submit(engine_request)
+    return Job(handle, r.model, len(r.ids), int(time.time()))
+
+
+def _encode_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+) -> list[int]:
+    try:
+        return tokenizer.encode_chat(messages, tools=tools, **kwargs)
+    except GmlxError:
+        raise
+    except Exception as e:  # jinja raises many types; all mean the messages do not fit the template
+        raise InvalidRequestError(
+            f"The model's chat template cannot render these messages: {e}.", param="messages"
+        ) from e
+
+
+async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    # The body is already read, so the next ASGI message is the client leaving.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+async def collect(job: Job, request: Request) -> Result:
+    """Wait for the whole answer; a client that disconnects meanwhile cancels it."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.handle))
+    parts: list[str] = []
+    try:
+        async for ev in job.handle:
+            parts.append(ev.text)
+            if ev.final:
+                assert ev.finish_reason is not None and ev.usage is not None
+                return Result("".join(parts), ev.finish_reason, ev.usage, ev.stop_sequence)
+    finally:
+        watcher.cancel()
+    raise AssertionError("a request stream ended without a final event")
+
+
+async def events(job: Job) -> AsyncIterator[Event]:
+    """The request's events; closing the iterator early (a disconnect) cancels it."""
+    finished = False
+    try:
+        async for ev in job.handle:
+            finished = ev.final
+            yield ev
+    finally:
+        if not finished:
+            job.handle.cancel()
