@@ -62,6 +62,8 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     id: str = field(default_factory=new_request_id)
+    logprobs: bool = False  # report each generated token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives (0..20)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class Event:
     error: GmlxError | None = None
     stop_sequence: str | None = None  # the stop string that ended a ``stop`` finish, if any
     cache_tier: str | None = None  # on the final event: the prompt-cache tier the request hit
+    logprob: float | None = None  # with ``logprobs``: the log-probability of ``token_ids[0]``
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
     @property
     def final(self) -> bool:

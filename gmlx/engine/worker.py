@@ -497,7 +497,10 @@ class ModelWorker:
             self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
         token_ids = () if hit_eos else (r.token,)
         if text or token_ids:
-            active.handle._emit(Event(active.handle.id, text=text, token_ids=token_ids))
+            logprob, top = _logprobs(r, active.request) if token_ids else (None, ())
+            active.handle._emit(
+                Event(active.handle.id, text=text, token_ids=token_ids, logprob=logprob, top_logprobs=top)
+            )
         if finish is not None:
             self._finish(active, finish)
 
@@ -524,6 +527,23 @@ class ModelWorker:
     def _fail_all(self, error: GmlxError) -> None:
         for active in list(self._by_uid.values()):
             self._finish(active, FinishReason.ERROR, error)
+
+
+def _logprobs(r: Any, request: GenerateRequest) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+    """The sampled token's log-probability and the top alternatives, when asked for."""
+    if not request.logprobs:
+        return None, ()
+    import mlx.core as mx
+
+    row = r.logprobs  # already evaluated by the generation step
+    chosen = row[r.token].item()
+    k = min(request.top_logprobs, row.shape[-1])
+    if k <= 0:
+        return chosen, ()
+    ids = mx.argpartition(-row, k - 1)[:k]
+    values = row[ids]
+    pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+    return chosen, tuple(pairs)
 
 
 class WorkerStats:

@@ -234,3 +234,21 @@ def test_step_failure_is_reported_not_hung(demo_model):
         assert final.finish_reason is FinishReason.LENGTH
     finally:
         worker.close()
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_alternative(demo_worker, demo_model):
+    req = GenerateRequest(prompt(demo_model), max_tokens=8, sampling=GREEDY, logprobs=True, top_logprobs=3)
+    _, _, events = run(demo_worker, req)
+    tokens = [e for e in events if e.token_ids]
+    assert len(tokens) == 8
+    for e in tokens:
+        assert e.logprob is not None and e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        values = [v for _, v in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert e.top_logprobs[0] == (e.token_ids[0], pytest.approx(e.logprob))
+
+
+def test_no_logprobs_unless_asked(demo_worker, demo_model):
+    _, _, events = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=3, sampling=GREEDY))
+    assert all(e.logprob is None and e.top_logprobs == () for e in events)
