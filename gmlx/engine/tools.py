@@ -1,0 +1,317 @@
+"""Tool calls: the parser chosen from the chat template, a streaming splitter, tool_choice.
+
+mlx-lm's ``tool_parsers`` modules know the call syntax of most template families
+(each names its ``tool_call_start``/``tool_call_end`` markers and a
+``parse_tool_call(text, tools)``); gmlx picks one with mlx-lm's own inference and
+adds the families it misses: Hermes-style templates that do not spell
+``tool_call.name``, Llama 3 JSON (``<|python_tag|>`` or a bare JSON answer) and bare
+pythonic lists (``[f(a=1)]``). :class:`ToolCallStream` turns the model's text deltas
+into plain text and completed :class:`ToolCall` items as they stream.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gmlx.engine.errors import InvalidRequestError
+from gmlx.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("gmlx.engine")
+
+Tools = Sequence[Mapping[str, Any]]
+# mlx-lm's parser signature: a dict or a list of dicts with "name" and "arguments";
+# raises (ValueError, JSONDecodeError, ...) on text that is not a call.
+ParseFn = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: ``arguments`` is JSON text of an object, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+Item = str | ToolCall  # what ToolCallStream yields: text to emit, or a completed call
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """One template family's call syntax.
+
+    A call is ``start`` + body + ``end``; an empty ``end`` means the call runs to the
+    end of the output (Mistral, Llama 3). ``bare`` is for families whose model may
+    answer with a call and no marker: an output that opens (after whitespace) with
+    this text is parsed whole at the end, and kept as text if it is not a call.
+    """
+
+    name: str
+    start: str
+    end: str
+    parse: ParseFn
+    bare: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+# -- the families mlx-lm does not infer ------------------------------------------------
+
+
+def _parse_json_calls(text: str, tools: Any = None) -> list[dict[str, Any]]:
+    """One or more JSON call objects, separated by whitespace or ``;`` (Llama 3)."""
+    decoder = json.JSONDecoder()
+    calls, pos, text = [], 0, text.strip()
+    while pos < len(text):
+        value, pos = decoder.raw_decode(text, pos)
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            raise TypeError(f"not a tool call: {value!r}")
+        calls.append(value)
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+    if not calls:
+        raise ValueError("no tool call")
+    return calls
+
+
+def _parse_bare_pythonic(text: str, tools: Any = None) -> Any:
+    from mlx_lm.tool_parsers import pythonic
+
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        raise ValueError("not a pythonic call list")
+    return pythonic.parse_tool_call(stripped, tools)
+
+
+def _mlx_lm_parser(name: str) -> ToolParser:
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    return ToolParser(name, module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+
+
+def tool_parser_for(tokenizer: Tokenizer) -> ToolParser | None:
+    """The call syntax the model's chat template teaches, or None when it has none.
+
+    mlx-lm's inference runs first; then Hermes ``<tool_call>`` JSON, Llama 3 JSON and
+    bare pythonic lists are recognised from the template text.
+    """
+    from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+    template = tokenizer.chat_template
+    if not isinstance(template, str) or not template:
+        return None
+    try:
+        name = _infer_tool_parser(tokenizer.hf)
+    except Exception:  # a private helper: never let it break a request
+        log.debug("mlx-lm tool-parser inference failed", exc_info=True)
+        name = None
+    if name is not None:
+        return _mlx_lm_parser(name)
+    if "<tool_call>" in template:
+        return _mlx_lm_parser("json_tools")
+    if "[func_name1(" in template or "[func_name(" in template:
+        # Llama 3.2/4 pythonic templates: the whole answer is "[f(a=1), g(b=2)]".
+        return ToolParser("pythonic_bare", "", "", _parse_bare_pythonic, bare="[")
+    if "<|start_header_id|>" in template and (
+        "<|python_tag|>" in template or '"parameters"' in template
+    ):
+        return ToolParser("llama3_json", "<|python_tag|>", "", _parse_json_calls, bare="{")
+    return None
+
+
+# -- turning parser output into ToolCalls ------------------------------------------
+
+
+def _to_calls(parsed: Any) -> list[ToolCall]:
+    """ToolCalls from a parser's dict/list; raises TypeError/ValueError for anything else."""
+    items = parsed if isinstance(parsed, list) else [parsed]
+    if not items:
+        raise ValueError("no tool call")
+    calls = []
+    for item in items:
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            raise TypeError(f"not a tool call: {item!r}")
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        if not isinstance(args, Mapping):
+            raise TypeError(f"tool call arguments are not an object: {args!r}")
+        call_id = item.get("id") if isinstance(item.get("id"), str) else new_call_id()
+        calls.append(ToolCall(call_id, item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Splits streamed model text into plain text and completed tool calls.
+
+    ``feed`` takes each text delta and returns what is safe to emit now: text that
+    cannot be part of a call marker, and calls whose end marker arrived. Text that
+    might begin a marker is held until it is clear, a call body is held until it is
+    complete, and ``finish`` releases the rest. A call that does not parse comes out
+    as its original text (markers included): nothing the model wrote is lost, except
+    whitespace next to a call (the blank lines around and between calls).
+    """
+
+    def __init__(self, parser: ToolParser, tools: Tools | None = None) -> None:
+        self.parser = parser
+        self.tools = list(tools) if tools else None
+        self.calls: list[ToolCall] = []  # every call produced so far
+        self._buf = ""  # held text: a possible marker prefix, or a call body
+        self._mode = "text"  # "text" | "call" (inside markers) | "bare" (whole output)
+        self._at_start = parser.bare is not None  # nothing but whitespace seen yet
+        self._after_call = False
+        self._ws = ""  # whitespace held after the last text
+
+    def feed(self, text: str) -> list[Item]:
+        """The items that ``text`` completes (possibly none)."""
+        self._buf += text
+        out: list[Item] = []
+        while True:
+            if self._mode == "bare" or (self._mode == "call" and not self.parser.end):
+                return out  # these run to the end of the output
+            if self._mode == "call":
+                end = self._buf.find(self.parser.end)
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(self.parser.end) :]
+                self._mode = "text"
+                out += self._complete(body, self.parser.start + body + self.parser.end)
+                continue
+            if self._at_start:
+                head = self._buf.lstrip()
+                if not head:
+                    return out
+                self._at_start = False
+                if head.startswith(self.parser.bare):  # type: ignore[arg-type]
+                    self._mode = "bare"
+                    return out
+            start = self._buf.find(self.parser.start) if self.parser.start else -1
+            if start >= 0:
+                self._text(out, self._buf[:start])
+                self._buf = self._buf[start + len(self.parser.start) :]
+                self._mode = "call"
+                continue
+            keep = _partial_suffix(self._buf, self.parser.start) if self.parser.start else 0
+            cut = len(self._buf) - keep
+            self._text(out, self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return out
+
+    def finish(self) -> list[Item]:
+        """Everything still held, at the end of the output. A call whose end marker
+        never came is still a call when its body parses (the model stopped at EOS)."""
+        out: list[Item] = []
+        buf, mode, self._buf, self._mode = self._buf, self._mode, "", "text"
+        if mode == "call":
+            out += self._complete(buf, self.parser.start + buf)
+        elif mode == "bare":
+            out += self._complete(buf, buf)
+        else:
+            self._text(out, buf)
+        if self._ws and not self.calls:
+            out.append(self._ws)
+        self._ws = ""
+        return out
+
+    def _complete(self, body: str, raw: str) -> list[Item]:
+        try:
+            calls = _to_calls(self.parser.parse(body, self.tools))
+        except Exception as e:  # noqa: BLE001 - parsers raise many types on bad text
+            log.info("unparsable %s tool call kept as text: %s", self.parser.name, e)
+            out: list[Item] = []
+            self._text(out, raw)
+            return out
+        self.calls += calls
+        self._ws = ""
+        self._after_call = True
+        return list(calls)
+
+    def _text(self, out: list[Item], text: str) -> None:
+        # Trailing whitespace waits for what follows: more text releases it, a call
+        # drops it, so a reply made only of calls has no blank content.
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body) :]
+        if self._after_call:
+            body = body.lstrip()
+        if body:
+            out.append(body)
+            self._after_call = False
+
+
+# -- tool_choice ------------------------------------------------------------------
+
+
+def _tool_name(tool: Mapping[str, Any]) -> str | None:
+    """A tool's name in OpenAI (``function.name``) or Anthropic (``name``) form."""
+    function = tool.get("function")
+    if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+        return function["name"]
+    name = tool.get("name")
+    return name if isinstance(name, str) else None
+
+
+def apply_tool_choice(
+    tools: Tools | None, tool_choice: str | Mapping[str, Any] | None
+) -> tuple[list[dict[str, Any]] | None, bool]:
+    """The tools the template should see, and whether a call is forced.
+
+    ``"none"`` (OpenAI) or ``{"type": "none"}`` (Anthropic) strips the tools, so the
+    model cannot call one; absent, ``"auto"`` or ``{"type": "auto"}`` keep them;
+    ``"required"``/``{"type": "any"}`` keep them and report forced=True; a named
+    choice (``{"type": "function", "function": {"name": N}}`` or ``{"type": "tool",
+    "name": N}``) keeps only tool N and reports forced=True. Forcing is the
+    template's business; the caller warns when a forced request produced no call.
+    Raises InvalidRequestError (param ``tool_choice``) for an unknown value, a named
+    tool that is not in ``tools``, or a forced choice without tools.
+    """
+    listed = [dict(t) for t in tools or ()]
+    choice: Any = tool_choice
+    if isinstance(choice, Mapping):
+        kind = choice.get("type")
+        if kind in ("auto", "none"):
+            choice = kind
+        elif kind == "any":
+            choice = "required"
+        elif kind in ("function", "tool"):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, Mapping) else choice.get("name")
+            if not isinstance(name, str):
+                raise InvalidRequestError("tool_choice names no tool.", param="tool_choice")
+            named = [t for t in listed if _tool_name(t) == name]
+            if not named:
+                raise InvalidRequestError(
+                    f"tool_choice names {name!r}, which is not among the tools.",
+                    param="tool_choice",
+                )
+            return named, True
+        else:
+            raise InvalidRequestError(f"tool_choice type {kind!r} is not supported.",
+                                      param="tool_choice")
+    if choice is None or choice == "auto":
+        return listed or None, False
+    if choice == "none":
+        return None, False
+    if choice == "required":
+        if not listed:
+            raise InvalidRequestError("tool_choice 'required' needs tools.", param="tool_choice")
+        return listed, True
+    raise InvalidRequestError(
+        f"tool_choice {choice!r} is not one of none, auto, required or a named tool.",
+        param="tool_choice",
+    )
