@@ -6,16 +6,19 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gmlx.engine.errors import GmlxError
+    from gmlx.engine.structured import Grammar
+    from gmlx.engine.tools import ToolCall
 
 
 class FinishReason(StrEnum):
     """Why a request stopped generating."""
 
     STOP = "stop"  # EOS or a stop string
+    TOOL_CALLS = "tool_calls"  # the model stopped after calling tools
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # client disconnect or cancel route
     ERROR = "error"  # the engine failed; the event carries the error
@@ -64,6 +67,11 @@ class GenerateRequest:
     id: str = field(default_factory=new_request_id)
     logprobs: bool = False  # report each generated token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives (0..20)
+    grammar: Grammar | None = None  # constrain the output (structured output)
+    tools: tuple[Mapping[str, Any], ...] | None = None  # parse tool calls out of the text
+    tool_choice_forced: bool = False  # a call was required: warn when none comes
+    split_reasoning: bool = False  # separate <think> blocks into Event.reasoning
+    thinking_budget: int | None = None  # close the thinking block after this many tokens
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,8 @@ class Event:
     error: GmlxError | None = None
     stop_sequence: str | None = None  # the stop string that ended a ``stop`` finish, if any
     cache_tier: str | None = None  # on the final event: the prompt-cache tier the request hit
+    reasoning: str = ""  # with ``split_reasoning``: text inside the thinking block
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed by this event's text
     logprob: float | None = None  # with ``logprobs``: the log-probability of ``token_ids[0]``
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 

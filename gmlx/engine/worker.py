@@ -32,6 +32,14 @@ from gmlx.engine.errors import (
 from gmlx.engine.governor import Governor, ShedError
 from gmlx.engine.loading import LoadedModel
 from gmlx.engine.prompt_cache import PromptCache
+from gmlx.engine.reasoning import (
+    ReasoningSplitter,
+    detect_open_think,
+    make_thinking_budget_processor,
+    thinking_markers,
+)
+from gmlx.engine.structured import make_grammar_processor
+from gmlx.engine.tools import ToolCall, ToolCallStream, tool_parser_for
 from gmlx.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 
@@ -152,6 +160,9 @@ class _Active:
     first_token_at: float | None = None
     cache_tier: str | None = None
     warm_tokens: int = 0
+    processors: list[Any] = field(default_factory=list)  # request-owned logits processors
+    splitter: ReasoningSplitter | None = None
+    tool_stream: ToolCallStream | None = None
 
     def row(self, model: str, position: int | None, now: float) -> dict[str, Any]:
         """This request as a ``requests[]`` row of the metrics snapshot."""
@@ -215,6 +226,8 @@ class ModelWorker:
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
         self.vocab_size = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
         tok = loaded.tokenizer
+        self._tool_parser = tool_parser_for(tok)
+        self._think_markers = thinking_markers(tok)
         # Tokens XTC never excludes: ending or breaking a line must stay possible.
         self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -249,11 +262,30 @@ class ModelWorker:
                 )
             self._waiting += 1
         handle = RequestHandle(request, self)
-        tok = self.loaded.tokenizer
-        active = _Active(handle, tok.detokenizer(), StopMatcher(request.stop))
+        active = self._prepare(handle)
         self._requests[handle.id] = active  # visible to has_request/cancel at once
         self._inbox.put(("submit", active))
         return handle
+
+    def _prepare(self, handle: RequestHandle) -> _Active:
+        """The per-request state: detokenizer, stop matcher, logits processors (grammar,
+        thinking budget, penalties) and the reasoning and tool-call splitters."""
+        req, tok = handle.request, self.loaded.tokenizer
+        active = _Active(handle, tok.detokenizer(), StopMatcher(req.stop))
+        inside = None
+        if self._think_markers and (req.split_reasoning or req.thinking_budget is not None):
+            tail = tok.decode(list(req.prompt_tokens[-16:]))
+            inside = detect_open_think(tail, self._think_markers[0])
+            if req.split_reasoning:
+                active.splitter = ReasoningSplitter(*self._think_markers, starts_inside=inside)
+        active.processors = sampling.make_processors(req.sampling)
+        if budget := make_thinking_budget_processor(tok, req.thinking_budget, inside):
+            active.processors.append(budget)
+        if grammar := make_grammar_processor(tok, req.grammar):
+            active.processors.append(grammar)
+        if req.tools and self._tool_parser is not None:
+            active.tool_stream = ToolCallStream(self._tool_parser, req.tools)
+        return active
 
     @property
     def waiting_for_slot(self) -> int:
@@ -436,7 +468,7 @@ class ModelWorker:
                     caches=[lookup.cache],
                     all_tokens=[prompt[: lookup.warm_tokens]],
                     samplers=[sampling.make_sampler(req.sampling, self._protected_ids)],
-                    logits_processors=[sampling.make_processors(req.sampling)],
+                    logits_processors=[active.processors],
                 )
             except Exception as e:
                 log.exception("cannot start request %s", req.id)
@@ -495,14 +527,36 @@ class ModelWorker:
             finish = FinishReason.STOP if hit_eos else FinishReason.LENGTH
         if r.finish_reason is not None and r.prompt_cache is not None:
             self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
+        reasoning, text, calls = self._split(active, text, final=finish is not None)
+        if finish is FinishReason.STOP and active.tool_stream and active.tool_stream.calls:
+            finish = FinishReason.TOOL_CALLS
         token_ids = () if hit_eos else (r.token,)
-        if text or token_ids:
+        if text or reasoning or calls or token_ids:
             logprob, top = _logprobs(r, active.request) if token_ids else (None, ())
-            active.handle._emit(
-                Event(active.handle.id, text=text, token_ids=token_ids, logprob=logprob, top_logprobs=top)
-            )
+            active.handle._emit(Event(
+                active.handle.id, text=text, token_ids=token_ids, reasoning=reasoning,
+                tool_calls=calls, logprob=logprob, top_logprobs=top,
+            ))
         if finish is not None:
+            if active.request.tool_choice_forced and not (active.tool_stream and active.tool_stream.calls):
+                log.warning("%s: a tool call was required but the model made none", active.request.id)
             self._finish(active, finish)
+
+    @staticmethod
+    def _split(active: _Active, text: str, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """Route released text: thinking-block text to reasoning, tool calls out of the
+        content; ``final`` flushes whatever the splitters hold."""
+        reasoning = ""
+        if active.splitter is not None:
+            reasoning, text = active.splitter.feed(text)
+            if final:
+                more_reasoning, more_text = active.splitter.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        if active.tool_stream is None:
+            return reasoning, text, ()
+        items = active.tool_stream.feed(text) + (active.tool_stream.finish() if final else [])
+        content = "".join(i for i in items if isinstance(i, str))
+        return reasoning, content, tuple(i for i in items if isinstance(i, ToolCall))
 
     def _finish(
         self, active: _Active, reason: FinishReason, error: GmlxError | None = None

@@ -1,0 +1,116 @@
+"""Tool calls, reasoning, thinking budgets and structured output through the worker,
+on the demo model (its random weights are steered with grammars)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from gmlx.engine.errors import InvalidRequestError
+from gmlx.engine.structured import Grammar, compile_response_format
+from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+        },
+    },
+    "required": ["name", "arguments"],
+    # Compact JSON: a random model given free whitespace can loop on blanks forever.
+    "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+}
+
+
+def lark(text: str) -> Grammar:
+    return Grammar(LLMatcher.grammar_from_lark(text), "lark")
+
+
+def tool_prompt(demo_model) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    return tuple(demo_model.tokenizer.encode_chat(messages, tools=[WEATHER]))
+
+
+def collect(worker, request):
+    events = list(worker.generate(request))
+    return events, events[-1]
+
+
+def test_grammar_forced_tool_call_is_parsed(demo_worker, demo_model):
+    grammar = lark('start: <tool_call> "\\n" call "\\n" </tool_call>\ncall: %json ' + json.dumps(CALL_SCHEMA))
+    events, final = collect(demo_worker, GenerateRequest(
+        tool_prompt(demo_model), max_tokens=120, sampling=SamplingParams(temperature=1.0, seed=2),
+        grammar=grammar, tools=(WEATHER,)))
+    calls = [c for e in events for c in e.tool_calls]
+    assert final.finish_reason is FinishReason.TOOL_CALLS
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("call_")
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    assert "".join(e.text for e in events).strip() == ""  # the call is not content
+
+
+def test_without_tools_the_same_text_stays_content(demo_worker, demo_model):
+    grammar = lark('start: <tool_call> "\\n" call "\\n" </tool_call>\ncall: %json ' + json.dumps(CALL_SCHEMA))
+    events, final = collect(demo_worker, GenerateRequest(
+        tool_prompt(demo_model), max_tokens=120, sampling=SamplingParams(temperature=1.0, seed=2), grammar=grammar))
+    assert final.finish_reason is FinishReason.STOP
+    assert "get_weather" in "".join(e.text for e in events)
+
+
+def test_reasoning_is_split_from_content(demo_worker, demo_model):
+    grammar = lark('start: <think> "I should greet." </think> "Hello there"')
+    prompt = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "hi"}]))
+    events, final = collect(demo_worker, GenerateRequest(
+        prompt, max_tokens=40, sampling=SamplingParams(temperature=0), grammar=grammar, split_reasoning=True))
+    assert "".join(e.reasoning for e in events) == "I should greet."
+    assert "".join(e.text for e in events) == "Hello there"
+    assert final.finish_reason is FinishReason.STOP
+
+
+def test_thinking_budget_closes_the_block(demo_worker, demo_model):
+    tok = demo_model.tokenizer
+    prompt = tuple(tok.encode_chat([{"role": "user", "content": "think"}]) + tok.encode("<think>\n", add_special_tokens=False))
+    end_id = tok.token_to_id("</think>")
+    eos = min(tok.eos_token_ids)
+    # Bar the model from closing the block or stopping early, so only the budget can.
+    params = SamplingParams(temperature=0, logit_bias={end_id: -100.0, eos: -100.0})
+    events, _ = collect(demo_worker, GenerateRequest(
+        prompt, max_tokens=12, sampling=params, thinking_budget=5, split_reasoning=True))
+    ids = [t for e in events for t in e.token_ids]
+    assert ids[5] == end_id
+    assert all("</think>" not in e.text and "</think>" not in e.reasoning for e in events)
+    assert "".join(e.reasoning for e in events)
+
+
+def test_json_schema_output_validates(demo_worker, demo_model):
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["color", "n"],
+    }
+    grammar = compile_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    prompt = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "json"}]))
+    for seed in range(3):
+        events, final = collect(demo_worker, GenerateRequest(
+            prompt, max_tokens=60, sampling=SamplingParams(temperature=1.0, seed=seed), grammar=grammar))
+        value = json.loads("".join(e.text for e in events))
+        assert value["color"] in ("red", "green") and 0 <= value["n"] <= 9
+        assert final.finish_reason is FinishReason.STOP
+
+
+def test_malformed_schema_fails_before_generation():
+    with pytest.raises(InvalidRequestError) as info:
+        compile_response_format({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}})
+    assert info.value.param == "response_format"
