@@ -2,20 +2,23 @@
 
 The file has four sections, all optional::
 
-    server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s}
+    server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
+               prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit}
     models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source)
     aliases:  {alias: id or id@profile}
     profiles: {name: {temperature, top_p, ..., max_tokens, system, stop, chat_template_kwargs}}
 
 ``server`` values can be overridden by ``GMLX_<KEY>`` environment variables
-(``GMLX_PORT``, ``GMLX_API_KEY``, ``GMLX_QUEUE_DEPTH_CAP``, ``GMLX_SSE_KEEPALIVE_S`` ...). Every problem is
-raised as one :class:`ConfigError` naming the file, the key and the reason.
+(``GMLX_PORT``, ``GMLX_API_KEY``, ``GMLX_QUEUE_DEPTH_CAP``, ``GMLX_SSE_KEEPALIVE_S``,
+``GMLX_DECODE_BATCH``, ``GMLX_PROMPT_CACHE_BYTES``, ``GMLX_GOVERNOR``, ``GMLX_PREFLIGHT_MEM``,
+``GMLX_OVERCOMMIT`` ...). Every problem is raised as one :class:`ConfigError` naming
+the file, the key and the reason.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -49,9 +52,15 @@ class ServerSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535)
     api_key: str | None = None
     cors: Annotated[list[str], NoDecode] = Field(default_factory=list)  # allowed origins
-    decode_batch: int = Field(8, ge=1, le=512)
+    # None: chosen per model from its capacity table when it loads.
+    decode_batch: int | None = Field(None, ge=1, le=512)
     queue_depth_cap: int | None = Field(None, ge=0)  # default: 4 x decode_batch
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0 turns the keep-alive comments off
+    prompt_cache_bytes: int | None = Field(None, ge=0)  # None: the engine's default; 0: off
+    governor: bool = True  # GMLX_GOVERNOR=0 turns the memory governor off
+    governor_floor_bytes: int | None = Field(None, ge=1)  # None: 5% of memory, 512 MiB..4 GiB
+    preflight_mem: bool = True  # GMLX_PREFLIGHT_MEM=0: no memory check before a request
+    overcommit: bool = False  # GMLX_OVERCOMMIT=1: no capacity table judges requests
 
     @field_validator("cors", mode="before")
     @classmethod
@@ -162,8 +171,15 @@ class Settings(BaseModel):
     def profile_book(self) -> ProfileBook:
         return ProfileBook({name: p.to_profile(name) for name, p in self.profiles.items()})
 
-    def registry(self, decode_batch: int | None = None) -> Registry:
-        """A registry of the configured models (nothing loads until asked)."""
+    def registry(
+        self, decode_batch: int | None = None, *, probe: Callable[[], int] | None = None
+    ) -> Registry:
+        """A registry of the configured models (nothing loads until asked), with one
+        memory governor shared by all of its workers.
+
+        ``probe`` replaces the free-memory probe (``capacity.free_bytes``) for the
+        governor, the capacity table and the preflight; tests script headroom with it.
+        """
         specs = [
             ModelSpec(
                 id=mid,
@@ -176,12 +192,18 @@ class Settings(BaseModel):
             )
             for mid, m in self.models.items()
         ]
+        server = self.server
         return Registry(
             specs,
             aliases=self.aliases,
             profiles=self.profile_book(),
-            decode_batch=decode_batch or self.server.decode_batch,
-            queue_cap=self.server.queue_depth_cap,
+            decode_batch=decode_batch or server.decode_batch,
+            queue_cap=server.queue_depth_cap,
+            prompt_cache_bytes=server.prompt_cache_bytes,
+            governor=server.governor,
+            governor_floor_bytes=server.governor_floor_bytes,
+            overcommit=server.overcommit,
+            probe=probe,
         )
 
     def with_models(self, refs: Iterable[str]) -> tuple[Settings, list[str]]:

@@ -6,6 +6,8 @@ import typer
 
 from gmlx import __version__
 from gmlx.cli.errors import err_console, run_guarded
+from gmlx.cli.estimate import estimate_command
+from gmlx.cli.plan import plan_command
 from gmlx.cli.run import run_command
 from gmlx.cli.serve import serve_command
 
@@ -20,12 +22,14 @@ app = typer.Typer(
 
 app.command("run", help="Chat with a model in the terminal, or answer one prompt with -p.")(run_command)
 app.command("serve", help="Serve models over the OpenAI and Anthropic HTTP protocols.")(serve_command)
+app.command("estimate", help="Estimate whether a prompt fits a model's memory and context.")(
+    estimate_command
+)
+app.command("plan", help="Check whether WIDTH streams of DEPTH tokens each fit a model.")(plan_command)
 
 # Commands announced in the CLI before they exist: each says so and exits 2.
 PLANNED = {
     "launch": "Start a coding agent pointed at a gmlx server (starting one if needed).",
-    "estimate": "Estimate whether a prompt fits a model's memory and context.",
-    "plan": "Check whether WIDTH streams of DEPTH tokens each fit a model.",
     "keep": "Keep a model resident on a running server.",
     "unload": "Unload a model (or every idle model) from a running server.",
     "top": "Live dashboard of a running server: requests, queue, memory, rates.",

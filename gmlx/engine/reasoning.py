@@ -76,7 +76,9 @@ class ReasoningSplitter:
         self.inside = starts_inside  # the next text is reasoning
         self._buf = ""
         self._ws = ""  # trailing whitespace of the reasoning, held until more follows
-        self._lstrip = True  # drop the leading whitespace of this section
+        # Drop the leading whitespace of a reasoning section and of the answer after
+        # one; an answer with no reasoning before it keeps all of its text.
+        self._lstrip = starts_inside
         self._answered = False  # some content has been returned
 
     def feed(self, text: str) -> tuple[str, str]:

@@ -6,24 +6,39 @@ following the addressing rules: an exact id or alias first, then ``id@profile``
 split on the last ``@`` when the suffix names a known profile. A model loads on
 first use (or at start, through :meth:`Registry.preload`) and then runs on its own
 :class:`~gmlx.engine.worker.ModelWorker`.
+
+The registry also owns what the workers share: one memory :class:`Governor`, the
+free-memory probe, and the boot capacity table, built for the first model that
+loads (its geometry against the memory free at that moment).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from gmlx.engine import capacity
 from gmlx.engine.errors import InvalidRequestError, ModelNotFoundError
+from gmlx.engine.governor import Governor, default_floor
 from gmlx.engine.profiles import Profile, ProfileBook
 
 if TYPE_CHECKING:
+    from gmlx.engine.capacity import CapacityTable, Geometry
     from gmlx.engine.loading import LoadedModel
     from gmlx.engine.worker import ModelWorker
 
 log = logging.getLogger("gmlx.engine")
+
+DEFAULT_DECODE_BATCH = 8  # the width of a model whose geometry cannot be measured
+
+
+def _total_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 @dataclass(frozen=True)
@@ -75,8 +90,17 @@ class Registry:
         specs: the models, in listing order.
         aliases: alias -> ``id`` or ``id@profile``; targets must resolve.
         profiles: the known profiles (built-in intents plus user profiles).
-        decode_batch: the decode width of every worker.
+        decode_batch: the decode width of every worker (None: each model's from its
+            capacity table, ``capacity.default_decode_batch``).
         queue_cap: most requests waiting per worker (None: the worker's default).
+        prompt_cache_bytes: each worker's prompt cache bound (None: the worker's
+            default; 0: off).
+        governor: True for a governor on ``probe`` (floor ``governor_floor_bytes``, else
+            ``default_floor`` of the machine's memory), False for a disabled one, or
+            a ready Governor.
+        overcommit: no capacity table judges requests (``GMLX_OVERCOMMIT=1``); the
+            table is still built and reported in the metrics.
+        probe: the free working set in bytes (default ``capacity.free_bytes``).
     """
 
     def __init__(
@@ -85,13 +109,29 @@ class Registry:
         *,
         aliases: Mapping[str, str] | None = None,
         profiles: ProfileBook | None = None,
-        decode_batch: int = 8,
+        decode_batch: int | None = None,
         queue_cap: int | None = None,
+        prompt_cache_bytes: int | None = None,
+        governor: Governor | bool = True,
+        governor_floor_bytes: int | None = None,
+        overcommit: bool = False,
+        probe: Callable[[], int] | None = None,
     ) -> None:
         self.specs: dict[str, ModelSpec] = {s.id: s for s in specs}
         self.profiles = profiles or ProfileBook()
         self.decode_batch = decode_batch
         self.queue_cap = queue_cap
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self.overcommit = overcommit
+        self.probe: Callable[[], int] = probe or capacity.free_bytes
+        if isinstance(governor, Governor):
+            self.governor = governor
+        else:
+            floor = governor_floor_bytes or default_floor(_total_memory())
+            self.governor = Governor(self.probe, floor_bytes=floor, enabled=governor)
+        self.capacity: CapacityTable | None = None  # the boot table, of ``capacity_model``
+        self.capacity_model: str | None = None
+        self._geometry: dict[str, Geometry] = {}
         self._workers: dict[str, ModelWorker] = {}
         self._locks: dict[str, threading.Lock] = {i: threading.Lock() for i in self.specs}
         self.aliases: dict[str, Target] = {}
@@ -170,7 +210,7 @@ class Registry:
             if (worker := self._workers.get(model_id)) is not None:
                 return worker
             from gmlx.engine.loading import load_model
-            from gmlx.engine.worker import ModelWorker
+            from gmlx.engine.worker import DEFAULT_PROMPT_CACHE_BYTES, ModelWorker
 
             spec = self.specs[model_id]
             loaded = load_model(spec.source, model_id=spec.id)
@@ -178,10 +218,80 @@ class Registry:
                 loaded.context_length = min(loaded.context_length, spec.max_kv_size)
             for note in loaded.notes:
                 log.info("%s: %s", spec.id, note)
-            worker = ModelWorker(loaded, decode_batch=self.decode_batch, queue_cap=self.queue_cap)
+            table = self._measure(loaded)
+            decode_batch = self.decode_batch
+            if decode_batch is None:
+                decode_batch = (
+                    capacity.default_decode_batch(table, loaded.context_length)
+                    if table is not None
+                    else DEFAULT_DECODE_BATCH
+                )
+            cache_bytes = self.prompt_cache_bytes
+            worker = ModelWorker(
+                loaded,
+                decode_batch=decode_batch,
+                queue_cap=self.queue_cap,
+                prompt_cache_bytes=DEFAULT_PROMPT_CACHE_BYTES if cache_bytes is None else cache_bytes,
+                governor=self.governor,
+            )
             self._workers[model_id] = worker
-            log.info("loaded %s from %s (context %d)", spec.id, spec.source, loaded.context_length)
+            log.info(
+                "loaded %s from %s (context %d, decode batch %d)",
+                spec.id, spec.source, loaded.context_length, decode_batch,
+            )
             return worker
+
+    def _measure(self, loaded: LoadedModel) -> CapacityTable | None:
+        """Probe a freshly loaded model's geometry and tabulate it against the memory
+        free now; the first model's table is kept as the boot table. None when the
+        model cannot be probed (its requests then run without a memory model).
+        """
+        from gmlx.engine.worker import DEFAULT_PREFILL_STEP
+
+        try:
+            geom = capacity.probe_geometry(loaded)
+            table = capacity.capacity_table(geom, self.probe(), DEFAULT_PREFILL_STEP)
+        except Exception:  # a model the probe does not understand still serves
+            log.warning("cannot measure the memory geometry of %s", loaded.id, exc_info=True)
+            return None
+        self._geometry[loaded.id] = geom
+        if self.capacity is None:
+            self.capacity, self.capacity_model = table, loaded.id
+            log.info(
+                "capacity (%s): budget %s, max context %s by width",
+                loaded.id, capacity.human(table.budget_bytes),
+                ", ".join(f"{w}: {c}" for w, c in table.max_ctx.items()),
+            )
+        return table
+
+    def geometry(self, model_id: str) -> Geometry | None:
+        """A resident model's measured geometry (None: not loaded, or not measurable)."""
+        return self._geometry.get(model_id)
+
+    def free_bytes(self) -> int | None:
+        """The free working set now (None when the probe fails)."""
+        try:
+            return int(self.probe())
+        except Exception:
+            log.warning("the free-memory probe failed", exc_info=True)
+            return None
+
+    def running_kv_bytes(self) -> int:
+        """KV bytes the running requests of every worker hold now: what finishing
+        them would give back (the drained working set is free memory plus this)."""
+        total = 0
+        for worker in self.workers():
+            geom = self._geometry.get(worker.loaded.id)
+            if geom is None:
+                continue
+            for row in worker.rows():
+                if row["state"] in ("prefill", "decode"):
+                    total += capacity.kv_bytes(geom, row["prompt_tokens"] + row["generated"])
+        return total
+
+    def table_for_requests(self) -> CapacityTable | None:
+        """The boot table when it may judge requests (None under overcommit)."""
+        return None if self.overcommit else self.capacity
 
     def preload(self, model_ids: Iterable[str] | None = None) -> None:
         """Load the named models now (default: the pinned ones)."""
@@ -192,6 +302,10 @@ class Registry:
         )
         for model_id in ids:
             self.worker(model_id)
+
+    def resident_worker(self, model_id: str) -> ModelWorker | None:
+        """The worker of a model if it is loaded; never loads it."""
+        return self._workers.get(model_id)
 
     def workers(self) -> list[ModelWorker]:
         """The workers of the loaded models."""
@@ -210,6 +324,8 @@ class Registry:
         spec = target.spec
         worker = self._workers.get(spec.id)
         context = worker.loaded.context_length if worker is not None else spec.max_kv_size
+        table = self.table_for_requests()
+        at_width_1 = table.max_ctx_at(1) if table and spec.id == self.capacity_model else None
         return ModelInfo(
             id=name,
             resident=worker is not None,
@@ -219,6 +335,7 @@ class Registry:
             profile=target.profile_name,
             default=spec.default and alias_of is None,
             context_length=context,
+            max_context_at_width_1=at_width_1,
             alias_of=alias_of,
         )
 

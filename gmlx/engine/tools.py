@@ -315,3 +315,48 @@ def apply_tool_choice(
         f"tool_choice {choice!r} is not one of none, auto, required or a named tool.",
         param="tool_choice",
     )
+
+
+# -- forcing a call -----------------------------------------------------------------
+
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def forced_call_grammar(parser: ToolParser | None, tokenizer: Tokenizer, tools: Tools) -> Any:
+    """A grammar that makes the model write exactly one call to one of ``tools``, in
+    the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` syntax, with the
+    arguments following the tool's parameter schema.
+
+    Returns None for other call syntaxes, where forcing stays the template's job.
+    """
+    if parser is None or parser.name != "json_tools" or not tools:
+        return None
+    from llguidance import LLMatcher
+
+    from gmlx.engine.structured import Grammar
+
+    variants = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+        params = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"const": _tool_name(tool)}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,  # the call object is ours: name and arguments only
+        })
+    schema: dict[str, Any] = {"anyOf": variants} if len(variants) > 1 else dict(variants[0])
+    schema["x-guidance"] = _COMPACT_JSON
+    special = tokenizer.hf.get_added_vocab()
+
+    def marker(text: str) -> str:  # a special token by name, else the literal text
+        return text if text in special and text.startswith("<") else json.dumps(text)
+
+    lark = (f'start: {marker(parser.start)} "\\n" call "\\n" {marker(parser.end)}\n'
+            f"call: %json {json.dumps(schema)}")
+    grammar = LLMatcher.grammar_from_lark(lark)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        log.warning("cannot force a tool call with these tools: %s", messages[0] if messages else "")
+        return None
+    return Grammar(grammar, "tool_call")

@@ -226,7 +226,7 @@ class ModelWorker:
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
         self.vocab_size = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
         tok = loaded.tokenizer
-        self._tool_parser = tool_parser_for(tok)
+        self.tool_parser = tool_parser_for(tok)
         self._think_markers = thinking_markers(tok)
         # Tokens XTC never excludes: ending or breaking a line must stay possible.
         self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
@@ -283,8 +283,8 @@ class ModelWorker:
             active.processors.append(budget)
         if grammar := make_grammar_processor(tok, req.grammar):
             active.processors.append(grammar)
-        if req.tools and self._tool_parser is not None:
-            active.tool_stream = ToolCallStream(self._tool_parser, req.tools)
+        if req.tools and self.tool_parser is not None:
+            active.tool_stream = ToolCallStream(self.tool_parser, req.tools)
         return active
 
     @property

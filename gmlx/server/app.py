@@ -1,7 +1,8 @@
 """``create_app(settings)``: the FastAPI app over one model registry.
 
-All state lives on ``app.state`` (``settings``, ``registry``, ``started_at``), so
-several apps can live in one process (tests do).
+All state lives on ``app.state`` (``settings``, ``registry``, ``started_at`` in epoch
+seconds, ``started_mono`` on the monotonic clock), so several apps can live in one
+process (tests do).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from gmlx import __version__
 from gmlx.config import Settings
+from gmlx.engine.residency import Registry
 from gmlx.server import errors
-from gmlx.server.admin import health, models
+from gmlx.server.admin import cache, capacity, health, metrics, models, requests, status
 from gmlx.server.anthropic import routes as anthropic_routes
 from gmlx.server.auth import require_api_key
 from gmlx.server.openai import responses as openai_responses
@@ -27,11 +29,14 @@ from gmlx.server.openai import routes as openai_routes
 log = logging.getLogger("gmlx.server")
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, *, registry: Registry | None = None) -> FastAPI:
     """The server app. Models in ``settings.startup_models()`` load when it starts;
     the others on their first request. Stopping the app stops every worker.
+
+    ``registry`` replaces ``settings.registry()`` (tests pass one with a scripted
+    memory probe).
     """
-    registry = settings.registry()
+    registry = registry if registry is not None else settings.registry()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,6 +67,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.registry = registry
     app.state.started_at = int(time.time())
+    app.state.started_mono = time.monotonic()
+    app.state.preflight = capacity.preflight  # generation.start calls it after rendering
     errors.install(app)
     if settings.server.cors:
         app.add_middleware(
@@ -74,6 +81,11 @@ def create_app(settings: Settings) -> FastAPI:
     protected = [Depends(require_api_key)]
     for router in (
         models.router,
+        metrics.router,
+        status.router,
+        capacity.router,
+        cache.router,
+        requests.router,
         openai_routes.router,
         openai_responses.router,
         anthropic_routes.router,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -23,6 +23,8 @@ from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 
 if TYPE_CHECKING:
     from gmlx.engine.profiles import Profile
+    from gmlx.engine.structured import Grammar
+    from gmlx.engine.tools import ToolCall
     from gmlx.engine.residency import Registry
     from gmlx.engine.tokenizer import Tokenizer
     from gmlx.engine.worker import ModelWorker, RequestHandle
@@ -39,6 +41,7 @@ class Job:
     model: str  # the name the response reports: what the request asked for, else the id
     prompt_tokens: int
     created: int
+    tokenizer: Tokenizer | None = None  # names the alternatives of top_logprobs
 
     @property
     def id(self) -> str:
@@ -54,6 +57,9 @@ class Result:
     finish_reason: FinishReason
     usage: Usage
     stop_sequence: str | None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tokens: list[Event] = field(default_factory=list)  # events that carry a token (logprobs)
 
 
 def warn_ignored(request: Request, body: GenerationBody) -> None:
@@ -91,7 +97,7 @@ async def render(
     if messages is not None:
         if profile.system and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": profile.system}, *messages]
-        kwargs = {**profile.chat_template_kwargs, **body.template_kwargs()}
+        kwargs = body.template_kwargs(profile.chat_template_kwargs)
         ids = await asyncio.to_thread(_encode_chat, tokenizer, messages, tools, kwargs)
     else:
         ids = await asyncio.to_thread(tokenizer.encode, prompt or "")
@@ -107,15 +113,30 @@ async def start(
     tools: list[dict[str, Any]] | None = None,
     max_tokens: int | None = None,
     stop: Sequence[str] | None = None,
+    grammar: Grammar | None = None,
+    forced_tool: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> Job:
     """Submit one request (chat ``messages`` or a raw ``prompt``) to its model's worker.
 
-    Explicit ``max_tokens`` and ``stop`` win over the profile's. Raises GmlxError
-    (unknown model or profile, prompt too long, bad sampling values, a model that
-    fails to load) before anything is streamed.
+    Explicit ``max_tokens`` and ``stop`` win over the profile's. Chat requests get
+    their reasoning split out and, with ``tools``, their tool calls parsed; a
+    ``grammar`` constrains the output. Raises GmlxError (unknown model or profile,
+    prompt too long, bad sampling values or schema, a model that fails to load)
+    before anything is streamed.
     """
     warn_ignored(request, body)
     r = await render(request, body, messages=messages, prompt=prompt, tools=tools)
+    if grammar is None and forced_tool and tools:  # make "required" mean it where we can
+        from gmlx.engine.tools import forced_call_grammar
+
+        grammar = forced_call_grammar(r.worker.tool_parser, r.worker.loaded.tokenizer, tools)
+    if grammar is not None:  # the first structured request builds the vocabulary index
+        from gmlx.engine.structured import llg_tokenizer
+
+        await asyncio.to_thread(llg_tokenizer, r.worker.loaded.tokenizer)
+    request.app.state.preflight(request, r, max_tokens)  # memory check: admin/capacity.py
     if max_tokens is None:
         max_tokens = r.profile.max_tokens
     if max_tokens is None:  # unset everywhere: whatever the context window leaves
@@ -125,9 +146,16 @@ async def start(
         max_tokens=max_tokens,
         sampling=r.profile.sampling_params(body.sampling()),
         stop=tuple(stop) if stop else r.profile.stop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        grammar=grammar,
+        tools=tuple(tools) if tools else None,
+        tool_choice_forced=forced_tool,
+        split_reasoning=messages is not None,
+        thinking_budget=body.thinking_budget,
     )
     handle = r.worker.submit(engine_request)
-    return Job(handle, r.model, len(r.ids), int(time.time()))
+    return Job(handle, r.model, len(r.ids), int(time.time()), r.worker.loaded.tokenizer)
 
 
 def _encode_chat(
@@ -159,12 +187,22 @@ async def collect(job: Job, request: Request) -> Result:
     """Wait for the whole answer; a client that disconnects meanwhile cancels it."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.handle))
     parts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    tokens: list[Event] = []
     try:
         async for ev in job.handle:
             parts.append(ev.text)
+            reasoning.append(ev.reasoning)
+            calls.extend(ev.tool_calls)
+            if ev.token_ids:
+                tokens.append(ev)
             if ev.final:
                 assert ev.finish_reason is not None and ev.usage is not None
-                return Result("".join(parts), ev.finish_reason, ev.usage, ev.stop_sequence)
+                if ev.finish_reason is FinishReason.SHED and ev.error is not None:
+                    raise ev.error  # whole responses have no stream to carry it in
+                return Result("".join(parts), ev.finish_reason, ev.usage, ev.stop_sequence,
+                              "".join(reasoning), calls, tokens)
     finally:
         watcher.cancel()
     raise AssertionError("a request stream ended without a final event")

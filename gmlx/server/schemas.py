@@ -7,11 +7,11 @@ the fields it honours in ``HONORED``; any other field a request sets is reported
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gmlx.engine.errors import InvalidRequestError
 
@@ -29,6 +29,11 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "frequency_penalty",
     "frequency_context_size",
     "seed",
+    "top_n_sigma",
+    "typical_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "p_less",
 )
 
 COMMON_HONORED: frozenset[str] = frozenset(
@@ -39,6 +44,10 @@ COMMON_HONORED: frozenset[str] = frozenset(
         "logit_bias",
         "chat_template_kwargs",
         "enable_thinking",
+        "thinking_budget",
+        "reasoning_effort",
+        "reasoning",
+        "response_format",
         *SAMPLING_FIELDS,
     }
 )
@@ -64,9 +73,18 @@ class GenerationBody(BaseModel):
     frequency_penalty: float | None = None
     frequency_context_size: int | None = None
     seed: int | None = None
+    top_n_sigma: float | None = None
+    typical_p: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    p_less: bool | None = None
     logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # reaches the chat template as a variable
+    thinking_budget: int | None = Field(default=None, ge=0)  # reasoning tokens before </think>
+    reasoning_effort: str | None = None  # OpenAI chat: none/minimal/low/medium/high/xhigh
+    reasoning: dict[str, Any] | None = None  # OpenAI Responses: {"effort": ...}
+    response_format: dict[str, Any] | None = None  # json_schema / json_object / text
 
     def sampling(self) -> dict[str, Any]:
         """The sampling values this request sets explicitly (they override the profile)."""
@@ -83,11 +101,18 @@ class GenerationBody(BaseModel):
                 ) from None
         return values
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """Extra chat-template variables this request sets."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.enable_thinking is not None:
-            kwargs["enable_thinking"] = self.enable_thinking
+    def template_kwargs(self, profile_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The chat-template variables of this request over the profile's: reasoning
+        effort mapped to template variables, ``chat_template_kwargs``, ``enable_thinking``."""
+        from gmlx.engine.reasoning import template_kwargs
+
+        kwargs = template_kwargs(
+            self.enable_thinking,
+            self.reasoning_effort,
+            self.chat_template_kwargs,
+            profile_kwargs,
+            reasoning=self.reasoning,
+        )
         # `required` and named tool choices are the template's to implement; `none` and
         # `auto` are enforced by the routes (tools stripped, or left to the model).
         choice = getattr(self, "tool_choice", None)

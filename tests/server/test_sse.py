@@ -11,7 +11,7 @@ from gmlx.engine.types import Event
 from gmlx.server import sse
 from gmlx.server.anthropic.routes import _stream as anthropic_stream
 from gmlx.server.generation import Job
-from gmlx.server.openai.routes import _chat_stream
+from gmlx.server.openai.routes import ChatStreamOptions, _chat_stream
 
 
 async def _collect(source: AsyncIterator[str]) -> list[str]:
@@ -48,7 +48,7 @@ class FailingHandle:
 
 def test_openai_stream_error_is_an_event_then_done():
     handle = FailingHandle()
-    chunks = asyncio.run(_collect(_chat_stream(Job(handle, "demo", 3, 0), False)))  # type: ignore[arg-type]
+    chunks = asyncio.run(_collect(_chat_stream(Job(handle, "demo", 3, 0), ChatStreamOptions(False, False, False))))  # type: ignore[arg-type]
     assert chunks[-1] == sse.DONE
     error = json.loads(chunks[-2].removeprefix("data: "))
     assert error["error"]["type"] == "server_error" and "boom" in error["error"]["message"]

@@ -8,18 +8,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from gmlx.engine.governor import Band
 from gmlx.engine.residency import Registry
 
 router = APIRouter()
 
-RETRY_AFTER_S = "1"
+RETRY_AFTER_S = {"pressure": "5", "queue": "1", "busy": "1"}  # memory clears slower than slots
 
 
 @router.get("/health", response_model=None)
 async def health(request: Request, ready: bool = False) -> dict[str, Any] | JSONResponse:
     """Exactly ``{"status": "healthy", "pid": N}``; ``ready=1`` adds ``ready``, or
-    answers 503 with a one-word ``reason`` (``queue``: requests wait; ``busy``: every
-    loaded model decodes at full width) and ``Retry-After``.
+    answers 503 with a one-word ``reason`` (``pressure``: the memory governor is
+    orange or red; ``queue``: requests wait; ``busy``: every loaded model decodes at
+    full width), the first that holds, and ``Retry-After``.
     """
     body: dict[str, Any] = {"status": "healthy", "pid": os.getpid()}
     if not ready:
@@ -27,7 +29,10 @@ async def health(request: Request, ready: bool = False) -> dict[str, Any] | JSON
     registry: Registry = request.app.state.registry
     workers = registry.workers()
     reason = None
-    if any(w.waiting for w in workers):
+    governor = registry.governor
+    if governor.enabled and governor.update() in (Band.ORANGE, Band.RED):
+        reason = "pressure"
+    elif any(w.waiting for w in workers):
         reason = "queue"
     elif workers and all(w.in_flight >= w.decode_batch for w in workers):
         reason = "busy"
@@ -36,5 +41,5 @@ async def health(request: Request, ready: bool = False) -> dict[str, Any] | JSON
     return JSONResponse(
         {**body, "ready": False, "reason": reason},
         status_code=503,
-        headers={"Retry-After": RETRY_AFTER_S},
+        headers={"Retry-After": RETRY_AFTER_S[reason]},
     )

@@ -6,9 +6,10 @@ import json
 from typing import Any
 
 from gmlx.engine.errors import InvalidRequestError
+from gmlx.engine.tools import ToolCall, apply_tool_choice
 from gmlx.engine.types import FinishReason, Usage
 from gmlx.server.anthropic.schemas import MessagesRequest
-from gmlx.server.generation import Job
+from gmlx.server.generation import Job, Result
 
 
 def _block_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -74,11 +75,10 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def template_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
-    """Anthropic tools in the function shape chat templates expect; none for ``tool_choice: none``."""
-    if not body.tools or (body.tool_choice or {}).get("type") == "none":
-        return None
-    return [
+def tools_and_choice(body: MessagesRequest) -> tuple[list[dict[str, Any]] | None, bool]:
+    """Anthropic tools in the function shape chat templates expect, after
+    ``tool_choice`` (``none`` strips them), and whether a call is forced."""
+    tools = [
         {
             "type": "function",
             "function": {
@@ -87,35 +87,67 @@ def template_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
                 "parameters": t.get("input_schema") or {},
             },
         }
-        for t in body.tools
+        for t in body.tools or []
     ]
+    return apply_tool_choice(tools or None, body.tool_choice)
+
+
+def template_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
+    return tools_and_choice(body)[0]
 
 
 def stop_reason(finish: FinishReason, stop_sequence: str | None) -> str:
     if finish is FinishReason.LENGTH:
         return "max_tokens"
+    if finish is FinishReason.TOOL_CALLS:
+        return "tool_use"
+    if finish in (FinishReason.SHED, FinishReason.CANCELLED):
+        return finish.value
     return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def tool_use(call: ToolCall) -> dict[str, Any]:
+    """A ``tool_use`` block; arguments that are not a JSON object pass as ``{"input": ...}``."""
+    try:
+        args = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        args = {"input": call.arguments}
+    if not isinstance(args, dict):
+        args = {"input": args}
+    return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": args}
+
+
+def thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def message(
     job: Job,
-    text: str | None,
+    result: Result | None,
     *,
     stop: str | None = None,
     stop_sequence: str | None = None,
     usage: Usage | None = None,
 ) -> dict[str, Any]:
-    """A Message; ``text`` None gives the empty shell that ``message_start`` carries."""
+    """A Message; ``result`` None gives the empty shell that ``message_start`` carries."""
+    content: list[dict[str, Any]] = []
+    if result is not None:
+        if result.reasoning:
+            content.append(thinking(result.reasoning))
+        if result.text or not result.tool_calls:
+            content.append({"type": "text", "text": result.text})
+        content += [tool_use(c) for c in result.tool_calls]
     return {
         "id": f"msg_{job.id}",
         "type": "message",
         "role": "assistant",
         "model": job.model,
-        "content": [] if text is None else [{"type": "text", "text": text}],
+        "content": content,
         "stop_reason": stop,
         "stop_sequence": stop_sequence,
         "usage": {
             "input_tokens": job.prompt_tokens,
             "output_tokens": usage.completion_tokens if usage else 0,
+            "cache_read_input_tokens": usage.cached_tokens if usage else 0,
         },
     }

@@ -38,6 +38,9 @@ class ChatCompletionRequest(GenerationBody):
         "stream_options",
         "tools",
         "tool_choice",
+        "logprobs",
+        "top_logprobs",
+        "timings_per_token",
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -47,6 +50,9 @@ class ChatCompletionRequest(GenerationBody):
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    timings_per_token: bool | None = None
 
     @property
     def output_cap(self) -> int | None:
@@ -85,6 +91,7 @@ class ResponsesRequest(GenerationBody):
         "max_output_tokens",
         "tools",
         "tool_choice",
+        "text",
     }
 
     input: str | list[dict[str, Any]]
@@ -92,6 +99,7 @@ class ResponsesRequest(GenerationBody):
     max_output_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}
 
 
 def stop_list(stop: str | list[str] | None) -> list[str] | None:

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from gmlx.engine.errors import InvalidRequestError
-from gmlx.engine.types import FinishReason, Usage
+from gmlx.engine.types import Event, FinishReason, Usage
 from gmlx.server.generation import Job, Result
 from gmlx.server.openai.schemas import ChatMessage
+
+if TYPE_CHECKING:
+    from gmlx.engine.tools import ToolCall
+
+log = logging.getLogger("gmlx.server")
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
@@ -56,21 +64,73 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def template_tools(
     tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
 ) -> list[dict[str, Any]] | None:
-    """The tools the chat template sees: none at all when ``tool_choice`` is ``none``."""
-    if not tools or tool_choice == "none":
-        return None
-    return tools
+    """The tools the chat template sees (none for ``tool_choice: none``)."""
+    from gmlx.engine.tools import apply_tool_choice
+
+    return apply_tool_choice(tools, tool_choice)[0]
 
 
-def usage(u: Usage) -> dict[str, int]:
+def usage(u: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 
-def chat_completion(job: Job, result: Result) -> dict[str, Any]:
+def top_logprobs_cap() -> int:
+    """``TOP_LOGPROBS_K`` from the server's environment: 0 to 20, default 0."""
+    raw = os.environ.get("TOP_LOGPROBS_K", "0")
+    try:
+        return min(20, max(0, int(raw)))
+    except ValueError:
+        log.warning("TOP_LOGPROBS_K=%r is not a number; alternatives stay off", raw)
+        return 0
+
+
+def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A chat ``tool_calls`` entry; streamed deltas add their ``index``."""
+    entry: dict[str, Any] = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return entry if index is None else {"index": index, **entry}
+
+
+def logprob_content(job: Job, events: Iterable[Event]) -> list[dict[str, Any]]:
+    """``logprobs.content`` entries, one per generated token.
+
+    An entry's ``token`` is the text that token released (a character split over
+    several tokens is released by its last one), so the entries join to the output
+    text exactly; ``bytes`` are that text's UTF-8 bytes.
+    """
+    tok = job.tokenizer
+
+    def alt(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tok.decode([token_id]) if tok is not None else str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        {
+            "token": ev.text,
+            "logprob": ev.logprob,
+            "bytes": list(ev.text.encode()),
+            "top_logprobs": [alt(i, lp) for i, lp in ev.top_logprobs],
+        }
+        for ev in events
+        if ev.logprob is not None
+    ]
+
+
+def chat_completion(job: Job, result: Result, logprobs: bool = False) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = [tool_call(c) for c in result.tool_calls]
+        message["content"] = result.text or None
     return {
         "id": f"chatcmpl-{job.id}",
         "object": "chat.completion",
@@ -79,8 +139,8 @@ def chat_completion(job: Job, result: Result) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
+                "message": message,
+                "logprobs": {"content": logprob_content(job, result.tokens)} if logprobs else None,
                 "finish_reason": finish_reason(result.finish_reason),
             }
         ],
@@ -96,6 +156,7 @@ def chat_chunk(
     *,
     include_usage: bool = False,
     final_usage: Usage | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; with ``final_usage`` it is the usage-only chunk."""
     chunk: dict[str, Any] = {
@@ -110,7 +171,7 @@ def chat_chunk(
             {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
                 "finish_reason": finish_reason(finish) if finish else None,
             }
         ],

@@ -1,0 +1,198 @@
+"""``gmlx estimate``: will a prompt fit a model's memory and context window?
+
+Against a running server (``--url``) it asks ``POST /v1/estimate``, which knows the
+prompt cache, the running requests and the recent rates. Without ``--url`` and
+with a MODEL (``demo``, a GGUF file, an MLX folder or a configured id) it loads the
+model here and prices the prompt with the same estimate against this machine's
+free memory. Exit code 0 when it fits, 1 when it does not or cannot be judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gmlx.cli.errors import err_console, fail
+
+if TYPE_CHECKING:
+    from gmlx.engine.residency import Registry
+    from gmlx.engine.worker import ModelWorker
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+OptionalModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Model id, `demo`, a GGUF file or an MLX folder (`MODEL@profile` picks a "
+        "profile). Without --url the model is loaded here; without MODEL, the server's.",
+        show_default=False,
+    ),
+]
+ServerUrlOpt = Annotated[
+    str | None,
+    typer.Option("--url", help=f"Ask a running gmlx server [default: {DEFAULT_URL} when no MODEL].",
+                 show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+
+
+# -- talking to a server ------------------------------------------------------------
+
+
+def call_server(method: str, url: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    """One JSON request to a gmlx server. A server that cannot be reached, or an
+    error answer, ends the command with one red sentence and exit code 1."""
+    import httpx
+
+    headers = {}
+    if key := os.environ.get("GMLX_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=60, **kwargs)
+    except httpx.HTTPError as e:
+        fail(f"Cannot reach a gmlx server at {url}: {e or type(e).__name__}.")
+    try:
+        body = r.json()
+    except ValueError:
+        fail(f"The server at {url} answered {r.status_code} without JSON: is it a gmlx server?")
+    if r.status_code >= 400:
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        fail(err.get("message") or f"The server at {url} answered {r.status_code}.")
+    return body
+
+
+# -- loading a model here -------------------------------------------------------------
+
+
+def load_here(ref: str) -> tuple[Registry, ModelWorker, str, str | None]:
+    """Resolve MODEL as the server does and load it into a one-model registry (which
+    measures it and builds its capacity table); returns the registry, the worker,
+    the model string that addresses it and its profile."""
+    from gmlx.config import load_settings
+
+    settings, (name,) = load_settings().with_models([ref])
+    registry = settings.registry(decode_batch=1)
+    target = registry.address(name)
+    with err_console.status(f"Loading {ref} …", spinner="dots"):
+        worker = registry.worker(target.spec.id)
+    return registry, worker, name, target.profile_name
+
+
+def estimate_here(ref: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The ``/v1/estimate`` answer computed in this process, for a model loaded here."""
+    from gmlx.engine.tools import apply_tool_choice
+    from gmlx.server.admin.capacity import estimate
+    from gmlx.server.generation import Rendered
+    from gmlx.server.openai import translate
+    from gmlx.server.openai.schemas import ChatCompletionRequest
+
+    registry, worker, name, _ = load_here(ref)
+    try:
+        req = ChatCompletionRequest.model_validate({**body, "model": name})
+        target = registry.address(req.model, req.profile)
+        profile = registry.profile(target, worker.loaded)
+        messages = translate.chat_messages(req.messages)
+        # As generation.render does: the profile's system prompt unless one is given.
+        if profile.system and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": profile.system}, *messages]
+        tools, _ = apply_tool_choice(req.tools, req.tool_choice)
+        kwargs = req.template_kwargs(profile.chat_template_kwargs)
+        ids = worker.loaded.tokenizer.encode_chat(messages, tools=tools, **kwargs)
+        result = estimate(registry, Rendered(worker, profile, name, ids), req.output_cap)
+    finally:
+        registry.close()
+    return {**result, "resident": None, "where": "local"}
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+def chat_body(prompt_file: Path, max_tokens: int | None) -> dict[str, Any]:
+    """The file as a chat body: a JSON chat-completions body as is, any other text as
+    one user message."""
+    text = prompt_file.read_text()
+    body: dict[str, Any] | None = None
+    if text.lstrip().startswith("{"):
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+    if not isinstance(body, dict) or "messages" not in body:
+        body = {"messages": [{"role": "user", "content": text}]}
+    if max_tokens is not None:
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def verdict(est: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the estimate says the request fits, and a sentence saying why."""
+    if est.get("resident") is False:
+        return False, "the model is not loaded on the server, so nothing can be counted yet"
+    if est.get("context_ok") is False:
+        return False, f"it exceeds the context window of {est['context_limit']} tokens"
+    if est.get("fits_drained") is False:
+        return False, "it needs more memory than the server can ever free for it"
+    if est.get("fits_drained") is None:
+        return False, "the memory it needs cannot be judged"
+    if est.get("fits_now") is False:
+        return True, "it fits once the running requests finish"
+    return True, "it fits now"
+
+
+def render_table(est: dict[str, Any], title: str) -> Table:
+    from gmlx.engine.capacity import human
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in est.items():
+        if key == "object":
+            continue
+        shown = "—" if value is None else str(value)
+        if key.endswith("_bytes") and isinstance(value, int):
+            shown = f"{human(value)} ({value})"
+        table.add_row(key, shown)
+    return table
+
+
+def estimate_command(
+    prompt_file: Annotated[
+        Path,
+        typer.Option("--prompt-file", "-f", exists=True, dir_okay=False, readable=True,
+                     help="The prompt: plain text (one user message) or a JSON chat body."),
+    ],
+    model: OptionalModelArg = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", "-n", min=1, help="Pin the output cap (its KV is priced too).",
+                     show_default=False),
+    ] = None,
+    url: ServerUrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Estimate whether a prompt fits: its tokens, the cached part, the memory it
+    needs, and the context window."""
+    body = chat_body(prompt_file, max_tokens)
+    if url is None and model is not None:
+        est = estimate_here(model, body)
+        where = "here"
+    else:
+        url = url or DEFAULT_URL
+        est = call_server("POST", url, "/v1/estimate", json={**body, "model": model or ""})
+        where = url
+    fits, why = verdict(est)
+    if as_json:
+        typer.echo(json.dumps({**est, "fits": fits}))
+    else:
+        out = Console()
+        out.print(render_table(est, f"estimate of {prompt_file.name} on {est.get('model')} ({where})"))
+        colour = "green" if fits else "red"
+        out.print(f"[bold {colour}]{'fits' if fits else 'does not fit'}:[/] {why}.")
+    raise typer.Exit(0 if fits else 1)
