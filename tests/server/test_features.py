@@ -268,3 +268,61 @@ def test_reasoning_effort_reaches_the_template(http):
     ok = http.post("/v1/chat/completions", json={"model": "demo", "messages": USER, "max_tokens": 2,
                                                    "reasoning_effort": "low", "thinking_budget": 4})
     assert ok.status_code == 200
+
+
+# -- reasoning: the demo template opens <think> when enable_thinking is on -----------------
+
+
+def think_bias(tokenizer) -> dict[str, float]:
+    """Bar the random model from closing the block itself, so the budget closes it."""
+    return {str(tokenizer.token_to_id("</think>")): -100}
+
+
+def test_chat_reasoning_content_and_budget(openai_client, demo_tokenizer):
+    r = openai_client.chat.completions.create(
+        model="demo", messages=USER, max_tokens=12, temperature=0, logit_bias=think_bias(demo_tokenizer),
+        extra_body={"enable_thinking": True, "thinking_budget": 4})
+    message = r.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in (message.content or "")
+    # The budget closed the block: the rest is content. Without a budget the (barred)
+    # model never closes it and all 12 tokens are reasoning.
+    assert message.content
+    unbounded = openai_client.chat.completions.create(
+        model="demo", messages=USER, max_tokens=12, temperature=0, logit_bias=think_bias(demo_tokenizer),
+        extra_body={"enable_thinking": True})
+    assert not unbounded.choices[0].message.content
+    assert len(unbounded.choices[0].message.model_extra["reasoning_content"]) > len(reasoning)
+
+    stream = openai_client.chat.completions.create(
+        model="demo", messages=USER, max_tokens=12, temperature=0, logit_bias=think_bias(demo_tokenizer),
+        extra_body={"enable_thinking": True, "thinking_budget": 4}, stream=True)
+    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in stream if c.choices)
+    assert streamed == reasoning
+
+
+def test_without_thinking_there_is_no_reasoning(openai_client):
+    r = openai_client.chat.completions.create(model="demo", messages=USER, max_tokens=6, temperature=0)
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+
+
+def test_anthropic_thinking_blocks(anthropic_client, demo_tokenizer):
+    kwargs = dict(model="demo", max_tokens=12, messages=USER,
+                  thinking={"type": "enabled", "budget_tokens": 4},
+                  extra_body={"temperature": 0, "logit_bias": think_bias(demo_tokenizer)})
+    msg = anthropic_client.messages.create(**kwargs)
+    assert msg.content[0].type == "thinking" and msg.content[0].thinking
+    with anthropic_client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == msg.content[0].thinking
+
+
+def test_responses_reasoning_item(openai_client, demo_tokenizer):
+    kwargs = dict(model="demo", input="hi", max_output_tokens=12, reasoning={"effort": "low"},
+                  extra_body={"temperature": 0, "thinking_budget": 4, "logit_bias": think_bias(demo_tokenizer)})
+    r = openai_client.responses.create(**kwargs)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text
+    with openai_client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].type == "reasoning"
+    assert final.output[0].content[0].text == r.output[0].content[0].text

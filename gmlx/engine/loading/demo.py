@@ -2,7 +2,8 @@
 
 A qwen2-architecture model (hidden 128, 2 layers) with seeded random weights and a
 real byte-level BPE tokenizer trained with the ``tokenizers`` library on a corpus
-shipped in this module, plus a ChatML template that renders tools. It is built on
+shipped in this module, plus a ChatML template that renders tools and, with
+``enable_thinking``, opens a ``<think>`` block for the model to reason in. It is built on
 first use into the gmlx cache and reused afterwards; its text is meaningless, but
 it exercises every code path a real model does.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from gmlx.engine.loading import DEMO_ID, LoadedModel
 from gmlx.paths import cache_dir
 
-VERSION = 1
+VERSION = 2  # bump whenever the built files change
 SEED = 20261129
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
@@ -73,7 +74,9 @@ CHAT_TEMPLATE = """\
 {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}
 """
 
 # The tokenizer's training corpus: English prose, code, numbers and a little of
