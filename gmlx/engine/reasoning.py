@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from gmlx.engine.errors import InvalidRequestError
 from gmlx.engine.structured import GeneratedTokens, allow_only
-from gmlx.engine.tokenizer import Tokenizer
+from gmlx.engine.tokenizer import Tokenizer, partial_suffix
 
 # (start text, end text, the start and end tokens a vocabulary must hold). Gemma 4
 # writes "<|channel>thought\n…<channel|>": the "thought" label belongs to the marker.
@@ -52,14 +52,6 @@ def detect_open_think(prompt_text: str, start: str) -> bool:
     return prompt_text.rstrip().endswith(start)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 class ReasoningSplitter:
     """Splits streamed text into reasoning and content at the thinking markers.
 
@@ -89,7 +81,7 @@ class ReasoningSplitter:
             marker = self.end if self.inside else self.start
             at = self._buf.find(marker)
             if at < 0:
-                cut = len(self._buf) - _partial_suffix(self._buf, marker)
+                cut = len(self._buf) - partial_suffix(self._buf, marker)
                 parts[self.inside] += self._section(self._buf[:cut])
                 self._buf = self._buf[cut:]
                 return parts[True], parts[False]

@@ -205,6 +205,15 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
 
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``:
+    how much text to hold back because it may be the start of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
 class StopMatcher:
     """Holds back text that could be the start of a stop string.
 
@@ -230,20 +239,10 @@ class StopMatcher:
             self._held = ""
             self.stopped = True
             return buf[:cut], True
-        keep = self._partial_suffix(buf)
+        keep = max((partial_suffix(buf, stop) for stop in self.stops), default=0)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
         out, self._held = self._held, ""
         return "" if self.stopped else out
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best

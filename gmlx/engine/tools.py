@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gmlx.engine.errors import InvalidRequestError
-from gmlx.engine.tokenizer import Tokenizer
+from gmlx.engine.tokenizer import Tokenizer, partial_suffix
 
 log = logging.getLogger("gmlx.engine")
 
@@ -148,14 +148,6 @@ def _to_calls(parsed: Any) -> list[ToolCall]:
     return calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 class ToolCallStream:
     """Splits streamed model text into plain text and completed tool calls.
 
@@ -206,7 +198,7 @@ class ToolCallStream:
                 self._buf = self._buf[start + len(self.parser.start) :]
                 self._mode = "call"
                 continue
-            keep = _partial_suffix(self._buf, self.parser.start) if self.parser.start else 0
+            keep = partial_suffix(self._buf, self.parser.start) if self.parser.start else 0
             cut = len(self._buf) - keep
             self._text(out, self._buf[:cut])
             self._buf = self._buf[cut:]
