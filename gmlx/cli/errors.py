@@ -6,7 +6,6 @@ Tracebacks appear only with ``GMLX_DEBUG=1``.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
