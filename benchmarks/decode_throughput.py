@@ -1,0 +1,121 @@
+"""Batched decode throughput: gmlx's worker against mlx-lm's BatchGenerator driven
+directly (the peer: the same engine with no server-side bookkeeping), in one run.
+
+    python benchmarks/decode_throughput.py                       # tiny model, CPU-friendly
+    python benchmarks/decode_throughput.py --shape llama3-8b     # on an accelerator
+
+Random weights of a real shape measure speed honestly: decode speed does not depend
+on the weights' values. Prints one row per batch width with tokens/s for both and
+their ratio (gmlx / peer; 1.0 means no overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import replace
+
+import mlx.core as mx
+
+SHAPES = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=704, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=8192),
+    "llama3-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
+}
+
+
+def build(shape: str, dtype: str):
+    from mlx_lm.utils import _get_classes
+
+    from gmlx.engine.loading import load_model
+
+    demo = load_model("demo")  # its tokenizer; prompts use ids it knows
+    config = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                  tie_word_embeddings=False, **SHAPES[shape])
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return replace(demo, id=shape, model=model, config=config, context_length=8192)
+
+
+def prompts(width: int, length: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 700 + 3 for j in range(length)] for i in range(width)]
+
+
+def run_peer(loaded, width: int, prompt_len: int, tokens: int) -> float:
+    """Decode tokens/s of mlx-lm's BatchGenerator, all prompts inserted at once."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(loaded.model, stop_tokens=[], completion_batch_size=width, prefill_batch_size=width)
+    gen.insert(prompts(width, prompt_len), max_tokens=[tokens] * width)
+    done, produced, start = 0, 0, None
+    while done < width:
+        _, responses = gen.next()
+        if responses and start is None:
+            start, produced = time.perf_counter(), 0  # time decode only, from the first token
+        produced += len(responses)
+        done += sum(r.finish_reason is not None for r in responses)
+    elapsed = time.perf_counter() - start
+    gen.close()
+    return (produced - width) / elapsed
+
+
+def run_gmlx(loaded, width: int, prompt_len: int, tokens: int) -> float:
+    """Decode tokens/s of gmlx's ModelWorker with ``width`` concurrent requests."""
+    from gmlx.engine.types import GenerateRequest, SamplingParams
+    from gmlx.engine.worker import ModelWorker
+
+    worker = ModelWorker(loaded, decode_batch=width, prompt_cache_bytes=0)
+    try:
+        handles = [worker.submit(GenerateRequest(tuple(p), max_tokens=tokens, sampling=SamplingParams(temperature=0)))
+                   for p in prompts(width, prompt_len)]
+        firsts, ends, counts = [0.0] * width, [0.0] * width, [0] * width
+
+        def consume(i: int) -> None:  # one reader per stream, as a server's clients are
+            for ev in handles[i]:
+                if ev.token_ids:
+                    counts[i] += 1
+                    if counts[i] == 1:
+                        firsts[i] = time.perf_counter()
+            ends[i] = time.perf_counter()
+
+        readers = [threading.Thread(target=consume, args=(i,)) for i in range(width)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        elapsed = max(ends) - max(firsts)  # from when every stream was decoding
+        return (sum(counts) - width) / elapsed
+    finally:
+        worker.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--widths", default="1,4,16")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    args = parser.parse_args()
+
+    loaded = build(args.shape, args.dtype)
+    print(f"device: {mx.default_device()}  shape: {args.shape}  dtype: {args.dtype}  "
+          f"prompt: {args.prompt}  tokens: {args.tokens}")
+    run_peer(loaded, 1, 8, 8)  # warm up kernels for both
+    run_gmlx(loaded, 1, 8, 8)
+    print(f"{'width':>5} {'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'ratio':>6}")
+    for width in (int(w) for w in args.widths.split(",")):
+        peer = run_peer(loaded, width, args.prompt, args.tokens)
+        ours = run_gmlx(loaded, width, args.prompt, args.tokens)
+        print(f"{width:>5} {peer:>13.1f} {ours:>11.1f} {ours / peer:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
