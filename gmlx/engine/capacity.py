@@ -285,9 +285,14 @@ def free_bytes(reserve_bytes: int = 0) -> int:
 
     cached = mx.get_cache_memory()
     if backend() == "cuda":
+        # The device's own free memory (what the driver can still hand out) plus
+        # MLX's reusable buffer cache; seen on an H200: keys free_memory, total_memory.
         info = mx.device_info()
-        total = int(info.get("memory_size") or info.get("total_memory") or 0)
-        free = total - mx.get_active_memory() if total else psutil.virtual_memory().available
+        if "free_memory" in info:
+            free = int(info["free_memory"]) + cached
+        else:
+            total = int(info.get("total_memory") or info.get("memory_size") or 0)
+            free = total - mx.get_active_memory() if total else psutil.virtual_memory().available
     else:
         free = psutil.virtual_memory().available + cached
     limit = _memory_limit()
