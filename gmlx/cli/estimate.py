@@ -36,8 +36,11 @@ OptionalModelArg = Annotated[
 ]
 ServerUrlOpt = Annotated[
     str | None,
-    typer.Option("--url", help=f"Ask a running gmlx server [default: {DEFAULT_URL} when no MODEL].",
-                 show_default=False),
+    typer.Option(
+        "--url",
+        help=f"Ask a running gmlx server [default: {DEFAULT_URL} when no MODEL].",
+        show_default=False,
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
 
@@ -165,14 +168,25 @@ def render_table(est: dict[str, Any], title: str) -> Table:
 def estimate_command(
     prompt_file: Annotated[
         Path,
-        typer.Option("--prompt-file", "-f", exists=True, dir_okay=False, readable=True,
-                     help="The prompt: plain text (one user message) or a JSON chat body."),
+        typer.Option(
+            "--prompt-file",
+            "-f",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+            help="The prompt: plain text (one user message) or a JSON chat body.",
+        ),
     ],
     model: OptionalModelArg = None,
     max_tokens: Annotated[
         int | None,
-        typer.Option("--max-tokens", "-n", min=1, help="Pin the output cap (its KV is priced too).",
-                     show_default=False),
+        typer.Option(
+            "--max-tokens",
+            "-n",
+            min=1,
+            help="Pin the output cap (its KV is priced too).",
+            show_default=False,
+        ),
     ] = None,
     url: ServerUrlOpt = None,
     as_json: JsonOpt = False,
@@ -192,7 +206,9 @@ def estimate_command(
         typer.echo(json.dumps({**est, "fits": fits}))
     else:
         out = Console()
-        out.print(render_table(est, f"estimate of {prompt_file.name} on {est.get('model')} ({where})"))
+        out.print(
+            render_table(est, f"estimate of {prompt_file.name} on {est.get('model')} ({where})")
+        )
         colour = "green" if fits else "red"
         out.print(f"[bold {colour}]{'fits' if fits else 'does not fit'}:[/] {why}.")
     raise typer.Exit(0 if fits else 1)

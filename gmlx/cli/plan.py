@@ -37,8 +37,14 @@ def plan_here(ref: str, width: int, depth: int) -> dict[str, Any]:
         table = registry.capacity
         geom = registry.geometry(worker.loaded.id)
         if table is None or geom is None:
-            return {"width": width, "depth": depth, "model": worker.loaded.id, "ok": None,
-                    "reason": "no_table", "detail": "the model's memory geometry cannot be measured"}
+            return {
+                "width": width,
+                "depth": depth,
+                "model": worker.loaded.id,
+                "ok": None,
+                "reason": "no_table",
+                "detail": "the model's memory geometry cannot be measured",
+            }
         ok, detail = capacity.plan(table, width, depth)
         return {
             "width": width,
@@ -89,8 +95,10 @@ def plan_command(
         if fits:
             out.print("[bold green]fits[/]" + _admit_line(result) + ".")
         elif result.get("ok") is None:
-            out.print("[bold red]cannot be judged:[/] the server has no capacity table "
-                      "(none was built, or GMLX_OVERCOMMIT=1).")
+            out.print(
+                "[bold red]cannot be judged:[/] the server has no capacity table "
+                "(none was built, or GMLX_OVERCOMMIT=1)."
+            )
         else:
             out.print(f"[bold red]does not fit:[/] {result.get('detail')}.")
     raise typer.Exit(0 if fits else 1)

@@ -227,17 +227,22 @@ class Registry:
                     else DEFAULT_DECODE_BATCH
                 )
             cache_bytes = self.prompt_cache_bytes
+            if cache_bytes is None:
+                cache_bytes = DEFAULT_PROMPT_CACHE_BYTES
             worker = ModelWorker(
                 loaded,
                 decode_batch=decode_batch,
                 queue_cap=self.queue_cap,
-                prompt_cache_bytes=DEFAULT_PROMPT_CACHE_BYTES if cache_bytes is None else cache_bytes,
+                prompt_cache_bytes=cache_bytes,
                 governor=self.governor,
             )
             self._workers[model_id] = worker
             log.info(
                 "loaded %s from %s (context %d, decode batch %d)",
-                spec.id, spec.source, loaded.context_length, decode_batch,
+                spec.id,
+                spec.source,
+                loaded.context_length,
+                decode_batch,
             )
             return worker
 
@@ -259,7 +264,8 @@ class Registry:
             self.capacity, self.capacity_model = table, loaded.id
             log.info(
                 "capacity (%s): budget %s, max context %s by width",
-                loaded.id, capacity.human(table.budget_bytes),
+                loaded.id,
+                capacity.human(table.budget_bytes),
                 ", ".join(f"{w}: {c}" for w, c in table.max_ctx.items()),
             )
         return table

@@ -33,8 +33,9 @@ def prompt_file(tmp_path_factory) -> Path:
 def url(tmp_path_factory) -> Iterator[str]:
     """A live server with `demo` loaded and `cold` configured but never loaded."""
     config = tmp_path_factory.mktemp("cli-server") / "gmlx.yaml"
-    config.write_text("server: {decode_batch: 2}\nmodels:\n  demo: {source: demo, default: true}\n"
-                      "  cold: demo\n")
+    config.write_text(
+        "server: {decode_batch: 2}\nmodels:\n  demo: {source: demo, default: true}\n  cold: demo\n"
+    )
     settings, _ = load_settings(config).with_models(["demo"])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -68,8 +69,13 @@ def test_estimate_offline_on_demo(prompt_file, demo_model):
 
 
 def test_estimate_reads_a_json_chat_body(tmp_path):
-    body = {"messages": [{"role": "system", "content": "Be terse."},
-                         {"role": "user", "content": PROMPT}], "max_tokens": 7}
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": PROMPT},
+        ],
+        "max_tokens": 7,
+    }
     path = tmp_path / "body.json"
     path.write_text(json.dumps(body))
     r = gmlx("estimate", "demo", "-f", str(path), "--json")
@@ -90,11 +96,15 @@ def test_estimate_against_a_server(url, prompt_file):
     r = gmlx("estimate", "demo", "-f", str(prompt_file), "--url", url, "--json")
     assert r.exit_code == 0, r.output
     est = json.loads(r.stdout)
-    done = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
-        "model": "demo", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})
+    done = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=30,
+        json={"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2},
+    )
     assert est["resident"] is True and est["prompt_tokens"] == done.json()["usage"]["prompt_tokens"]
-    again = json.loads(gmlx("estimate", "demo", "-f", str(prompt_file), "--url", url,
-                            "--json").stdout)
+    again = json.loads(
+        gmlx("estimate", "demo", "-f", str(prompt_file), "--url", url, "--json").stdout
+    )
     assert again["cache_tier"] == "exact" and again["warm_tokens"] > 0
     cold = gmlx("estimate", "cold", "-f", str(prompt_file), "--url", url)
     assert cold.exit_code == 1 and "not loaded" in cold.stdout

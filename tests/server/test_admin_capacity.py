@@ -27,6 +27,14 @@ models:
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _clean_shared_cache(server) -> Iterator[None]:
+    """Leave the shared server's prompt cache as empty as this module found it, so
+    other modules' seeded answers do not start from this module's prefixes."""
+    yield
+    httpx.delete(f"{server.url}/v1/cache", timeout=30).raise_for_status()
+
+
 class Headroom:
     """The free working set the server sees, set by the test."""
 
@@ -59,8 +67,11 @@ def headroom() -> Headroom:
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory, headroom) -> Iterator[LiveServer]:
     """Decode width 2, queue cap 1, governor floor 1000 bytes, scripted headroom."""
-    env = {"GMLX_DECODE_BATCH": "2", "GMLX_QUEUE_DEPTH_CAP": "1",
-           "GMLX_GOVERNOR_FLOOR_BYTES": str(FLOOR)}
+    env = {
+        "GMLX_DECODE_BATCH": "2",
+        "GMLX_QUEUE_DEPTH_CAP": "1",
+        "GMLX_GOVERNOR_FLOOR_BYTES": str(FLOOR),
+    }
     live = start(tmp_path_factory.mktemp("scripted"), env, headroom)
     yield live
     live.stop()
@@ -87,8 +98,11 @@ def streaming(sdk: openai.OpenAI, worker, n: int) -> Iterator[list]:
         streams = []
         for i in range(n):
             s = sdk.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": f"Stream {i}."}],
-                max_tokens=8000, stream=True, logit_bias=bias,
+                model="demo",
+                messages=[{"role": "user", "content": f"Stream {i}."}],
+                max_tokens=8000,
+                stream=True,
+                logit_bias=bias,
             )
             stack.callback(s.close)
             next(iter(s))  # the role chunk: the request is submitted
@@ -113,10 +127,21 @@ def plan(client: httpx.Client, width: int, depth: int = 1000) -> dict:
 
 @pytest.mark.parametrize("model", ["demo", "coder"])  # coder adds a profile system prompt
 def test_estimate_prompt_tokens_equal_usage(http, openai_client, model):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    body = {"model": model, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-            "tools": tools, "max_tokens": 3}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": tools,
+        "max_tokens": 3,
+    }
     est = http.post("/v1/estimate", json=body).json()
     done = openai_client.chat.completions.create(**body)
     assert est["resident"] is True and est["prompt_tokens"] == done.usage.prompt_tokens
@@ -129,13 +154,16 @@ def test_estimate_prompt_tokens_equal_usage(http, openai_client, model):
 
 
 def test_estimate_context_limit_and_unpinned_output(http):
-    load = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1})
+    load = http.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1}
+    )
     assert load.status_code == 200  # now resident, so the estimate can count
     est = http.post("/v1/estimate", json={"model": "tiny", "messages": HI, "max_tokens": 60})
     assert est.json()["context_ok"] is False and est.json()["context_limit"] == 64
     free = http.post("/v1/estimate", json={"model": "demo", "messages": HI}).json()
-    pinned = http.post("/v1/estimate", json={"model": "demo", "messages": HI,
-                                             "max_completion_tokens": 4000}).json()
+    pinned = http.post(
+        "/v1/estimate", json={"model": "demo", "messages": HI, "max_completion_tokens": 4000}
+    ).json()
     assert free["max_tokens"] is None and pinned["max_tokens"] == 4000
     assert pinned["need_bytes"] > free["need_bytes"]
     r = http.post("/v1/estimate", json={"model": "nope", "messages": HI})
@@ -215,8 +243,10 @@ def test_preflight_refuses_what_cannot_fit(scripted, sc, headroom):
     try:
         headroom.set(100_000)  # green against the floor, but smaller than any request
         for stream in (False, True):
-            r = sc.post("/v1/chat/completions",
-                        json={"model": "demo", "messages": HI, "max_tokens": 4, "stream": stream})
+            r = sc.post(
+                "/v1/chat/completions",
+                json={"model": "demo", "messages": HI, "max_tokens": 4, "stream": stream},
+            )
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["message"].startswith("prompt is too long")
@@ -227,7 +257,9 @@ def test_preflight_refuses_what_cannot_fit(scripted, sc, headroom):
         assert anth.status_code == 400
         assert anth.json()["error"]["message"].startswith("prompt is too long")
         settings.preflight_mem = False  # what GMLX_PREFLIGHT_MEM=0 sets
-        ok = sc.post("/v1/chat/completions", json={"model": "demo", "messages": HI, "max_tokens": 2})
+        ok = sc.post(
+            "/v1/chat/completions", json={"model": "demo", "messages": HI, "max_tokens": 2}
+        )
         assert ok.status_code == 200, ok.text
     finally:
         settings.preflight_mem = True
@@ -238,8 +270,13 @@ def test_preflight_refuses_what_cannot_fit(scripted, sc, headroom):
 
 
 def test_switches_from_the_environment(monkeypatch):
-    for key, value in {"GMLX_PREFLIGHT_MEM": "0", "GMLX_GOVERNOR": "0", "GMLX_OVERCOMMIT": "1",
-                       "GMLX_PROMPT_CACHE_BYTES": "0", "GMLX_DECODE_BATCH": "3"}.items():
+    for key, value in {
+        "GMLX_PREFLIGHT_MEM": "0",
+        "GMLX_GOVERNOR": "0",
+        "GMLX_OVERCOMMIT": "1",
+        "GMLX_PROMPT_CACHE_BYTES": "0",
+        "GMLX_DECODE_BATCH": "3",
+    }.items():
         monkeypatch.setenv(key, value)
     s = ServerSettings()
     assert (s.preflight_mem, s.governor, s.overcommit) == (False, False, True)

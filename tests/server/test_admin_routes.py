@@ -9,12 +9,28 @@ from contextlib import contextmanager
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 SECTIONS = {
-    "server", "concurrency", "queue", "requests", "resident_models",
-    "governor", "memory", "capacity", "rates",
+    "server",
+    "concurrency",
+    "queue",
+    "requests",
+    "resident_models",
+    "governor",
+    "memory",
+    "capacity",
+    "rates",
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clean_shared_cache(server) -> Iterator[None]:
+    """Leave the shared server's prompt cache as empty as this module found it, so
+    other modules' seeded answers do not start from this module's prefixes."""
+    yield
+    httpx.delete(f"{server.url}/v1/cache", timeout=30).raise_for_status()
 
 
 def no_eos(worker) -> dict[str, int]:
@@ -73,8 +89,13 @@ def test_prometheus_text_parses(http):
     r = http.get("/v1/metrics", params={"format": "prometheus"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
-    for name in ("gmlx_concurrency_in_flight", "gmlx_queue_eta_s", "gmlx_governor_band",
-                 "gmlx_capacity_max_ctx", "gmlx_requests"):
+    for name in (
+        "gmlx_concurrency_in_flight",
+        "gmlx_queue_eta_s",
+        "gmlx_governor_band",
+        "gmlx_capacity_max_ctx",
+        "gmlx_requests",
+    ):
         assert name in families, name
     bands = {s.labels["band"]: s.value for s in families["gmlx_governor_band"].samples}
     assert bands == {"green": 1.0, "yellow": 0.0, "orange": 0.0, "red": 0.0}
@@ -144,8 +165,11 @@ def test_cache_stats_hit_reset_and_deletes(http):
     assert estimate(http, convo)["cache_tier"] == "miss"
     missing = http.post("/v1/cache/reset", json={"model": "nope"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "model_not_found"
-    for method, path in (("POST", "/v1/cache/reset"), ("DELETE", "/v1/cache"),
-                         ("DELETE", "/v1/cache/prefix")):
+    for method, path in (
+        ("POST", "/v1/cache/reset"),
+        ("DELETE", "/v1/cache"),
+        ("DELETE", "/v1/cache/prefix"),
+    ):
         chat(http, convo)
         assert http.get("/v1/cache/stats").json()["models"]["demo"]["entries"] >= 1
         assert http.request(method, path).status_code == 200
@@ -180,9 +204,15 @@ def test_unknown_request_is_404(http):
 
 
 def test_admin_routes_need_the_key(key_server, api_key):
-    paths = [("GET", "/v1/metrics"), ("GET", "/metrics"), ("GET", "/v1/status"),
-             ("GET", "/v1/cache/stats"), ("DELETE", "/v1/cache"),
-             ("GET", "/v1/capacity/plan?width=1&depth=10"), ("POST", "/v1/requests/x/cancel")]
+    paths = [
+        ("GET", "/v1/metrics"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/status"),
+        ("GET", "/v1/cache/stats"),
+        ("DELETE", "/v1/cache"),
+        ("GET", "/v1/capacity/plan?width=1&depth=10"),
+        ("POST", "/v1/requests/x/cancel"),
+    ]
     with httpx.Client(base_url=key_server.url, timeout=30) as c:
         for method, path in paths:
             r = c.request(method, path)

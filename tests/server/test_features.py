@@ -58,14 +58,14 @@ RF = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
 @pytest.mark.parametrize("seed", [1, 2])
 def test_json_schema_non_stream_validates(openai_client, seed):
     r = openai_client.chat.completions.create(
-        model="demo", messages=USER, response_format=RF, temperature=1.0, seed=seed, max_tokens=200)
+        model="demo", messages=USER, response_format=RF, temperature=1.0, seed=seed, max_tokens=500)
     assert r.choices[0].finish_reason == "stop"
     check(json.loads(r.choices[0].message.content))
 
 
 def test_json_schema_stream_validates(openai_client):
     stream = openai_client.chat.completions.create(
-        model="demo", messages=USER, response_format=RF, temperature=1.0, seed=3, max_tokens=200, stream=True)
+        model="demo", messages=USER, response_format=RF, temperature=1.0, seed=3, max_tokens=500, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     check(json.loads(text))
 
@@ -91,7 +91,7 @@ def test_bad_response_formats_are_400(http):
 
 def test_anthropic_output_config(anthropic_client):
     msg = anthropic_client.messages.create(
-        model="demo", max_tokens=200, messages=USER,
+        model="demo", max_tokens=500, messages=USER,
         extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "seed": 4,
                     "temperature": 1.0})
     check(json.loads(msg.content[0].text))
@@ -99,7 +99,7 @@ def test_anthropic_output_config(anthropic_client):
 
 def test_responses_text_format(openai_client):
     r = openai_client.responses.create(
-        model="demo", input="Name a city.", max_output_tokens=200, temperature=1.0,
+        model="demo", input="Name a city.", max_output_tokens=500, temperature=1.0,
         text={"format": {"type": "json_schema", "name": "city", "schema": SCHEMA}}, extra_body={"seed": 6})
     check(json.loads(r.output_text))
 
@@ -110,7 +110,7 @@ def test_responses_text_format(openai_client):
 def test_required_tool_call_non_stream(openai_client):
     r = openai_client.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-        tool_choice="required", temperature=1.0, seed=1, max_tokens=100)
+        tool_choice="required", temperature=1.0, seed=1, max_tokens=200)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -122,7 +122,7 @@ def test_required_tool_call_stream(openai_client):
     stream = openai_client.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=2,
-        max_tokens=100, stream=True)
+        max_tokens=200, stream=True)
     calls, finish = [], None
     for chunk in stream:
         if chunk.choices:
@@ -159,14 +159,14 @@ def test_tool_choice_none_strips_tools(http, demo_tokenizer):
 def test_anthropic_tool_use(anthropic_client):
     tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}
     msg = anthropic_client.messages.create(
-        model="demo", max_tokens=100, messages=[{"role": "user", "content": "Weather?"}], tools=[tool],
+        model="demo", max_tokens=200, messages=[{"role": "user", "content": "Weather?"}], tools=[tool],
         tool_choice={"type": "any"}, extra_body={"seed": 3, "temperature": 1.0})
     assert msg.stop_reason == "tool_use"
     (block,) = [b for b in msg.content if b.type == "tool_use"]
     assert block.name == "get_weather" and isinstance(block.input["city"], str)
 
     with anthropic_client.messages.stream(
-        model="demo", max_tokens=100, messages=[{"role": "user", "content": "Weather?"}], tools=[tool],
+        model="demo", max_tokens=200, messages=[{"role": "user", "content": "Weather?"}], tools=[tool],
         tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"seed": 3, "temperature": 1.0},
     ) as stream:
         final = stream.get_final_message()
@@ -186,13 +186,13 @@ def test_anthropic_tool_use(anthropic_client):
 
 def test_responses_function_call(openai_client):
     r = openai_client.responses.create(
-        model="demo", input="Weather?", max_output_tokens=100, temperature=1.0,
+        model="demo", input="Weather?", max_output_tokens=200, temperature=1.0,
         tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required", extra_body={"seed": 1})
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     json.loads(calls[0].arguments)
     with openai_client.responses.stream(
-        model="demo", input="Weather?", max_output_tokens=100, temperature=1.0,
+        model="demo", input="Weather?", max_output_tokens=200, temperature=1.0,
         tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required", extra_body={"seed": 1},
     ) as stream:
         final = stream.get_final_response()

@@ -108,8 +108,18 @@ async def estimate_chat(request: Request, body: ChatCompletionRequest) -> dict[s
     target = registry.address(body.model, body.profile)
     if not registry.resident(target.spec.id):
         null = dict.fromkeys(
-            ("prompt_tokens", "warm_tokens", "cache_tier", "need_bytes", "free_bytes",
-             "drained_bytes", "fits_now", "fits_drained", "context_ok", "est_ttft_s")
+            (
+                "prompt_tokens",
+                "warm_tokens",
+                "cache_tier",
+                "need_bytes",
+                "free_bytes",
+                "drained_bytes",
+                "fits_now",
+                "fits_drained",
+                "context_ok",
+                "est_ttft_s",
+            )
         )
         return {
             "object": "estimate",

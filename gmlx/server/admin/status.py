@@ -32,13 +32,9 @@ def _engine(registry: Registry) -> dict[str, Any]:
         state = "generating"
     else:
         state = "ready"
-    try:
-        backend: str | None = capacity.backend()
-    except Exception:  # MLX missing or broken: the status still answers
-        backend = None
     return {
         "state": state,
-        "backend": backend,
+        "backend": capacity.backend(),
         "python": platform.python_version(),
         "resident_models": len(workers),
         "in_flight": sum(w.in_flight for w in workers),
