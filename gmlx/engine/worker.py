@@ -373,7 +373,10 @@ class ModelWorker:
                 self.loaded.model,
                 stop_tokens=[[t] for t in eos],
                 completion_batch_size=self.decode_batch,
-                prefill_batch_size=self.decode_batch,
+                # One prompt prefills at a time (in chunks, between decode steps): the
+                # capacity model prices one prefill transient, and a burst of long
+                # prompts must not multiply it.
+                prefill_batch_size=1,
                 prefill_step_size=self.prefill_step_size,
             )
 
