@@ -255,7 +255,7 @@ class Registry:
 
         try:
             geom = capacity.probe_geometry(loaded)
-            table = capacity.capacity_table(geom, self.probe(), DEFAULT_PREFILL_STEP)
+            table = capacity.capacity_table(geom, self.free_bytes() or 0, DEFAULT_PREFILL_STEP)
         except Exception:  # a model the probe does not understand still serves
             log.warning("cannot measure the memory geometry of %s", loaded.id, exc_info=True)
             return None
@@ -275,12 +275,17 @@ class Registry:
         return self._geometry.get(model_id)
 
     def free_bytes(self) -> int | None:
-        """The free working set now (None when the probe fails)."""
+        """The memory requests may still use now (None when the probe fails): the free
+        working set less the governor's reserve, twice its floor. Whatever fits this
+        keeps the band at yellow or better, so a plan that says it fits is never shed.
+        """
         try:
-            return int(self.probe())
+            free = int(self.probe())
         except Exception:
             log.warning("the free-memory probe failed", exc_info=True)
             return None
+        reserve = 2 * self.governor.floor_bytes if self.governor.enabled else 0
+        return max(0, free - reserve)
 
     def running_kv_bytes(self) -> int:
         """KV bytes the running requests of every worker hold now: what finishing

@@ -250,7 +250,8 @@ def test_preflight_refuses_what_cannot_fit(scripted, sc, headroom):
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["message"].startswith("prompt is too long")
-            assert "100000 bytes" in err["message"] and err["code"] == "context_length_exceeded"
+            # The budget: the headroom less the governor's reserve (twice its 1000-byte floor).
+            assert "98000 bytes" in err["message"] and err["code"] == "context_length_exceeded"
         est = sc.post("/v1/estimate", json={"model": "demo", "messages": HI}).json()
         assert est["fits_now"] is False and est["fits_drained"] is False
         anth = sc.post("/v1/messages", json={"model": "demo", "max_tokens": 4, "messages": HI})
