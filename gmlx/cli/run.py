@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -12,10 +15,11 @@ from rich.console import Console
 from gmlx.cli.errors import err_console, fail
 from gmlx.cli.options import MaxTokensOpt, ModelArg, SeedOpt, SystemOpt, TemperatureOpt
 from gmlx.engine.errors import GmlxError
-from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
+from gmlx.engine.types import Event, FinishReason, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from gmlx.engine.profiles import Profile
+    from gmlx.engine.structured import Grammar
     from gmlx.engine.worker import ModelWorker
 
 HELP_LINE = "Type a message; /reset clears the conversation, /exit (or Ctrl-D) leaves. Ctrl-C stops an answer."
@@ -36,22 +40,45 @@ def load_addressed(ref: str, profile: str | None) -> tuple[ModelWorker, Profile]
     return worker, registry.profile(target, worker.loaded)
 
 
+@dataclass(frozen=True)
+class AnswerOptions:
+    """How each answer is generated and shown."""
+
+    max_tokens: int
+    sampling: SamplingParams
+    grammar: Grammar | None = None
+    logprobs: bool = False
+    template_kwargs: dict[str, Any] | None = None
+    thinking_budget: int | None = None
+
+
 def stream_answer(
     worker: ModelWorker,
     messages: list[dict[str, Any]],
+    opts: AnswerOptions,
     *,
-    max_tokens: int,
-    sampling: SamplingParams,
     write: Callable[[str], None],
+    write_reasoning: Callable[[str], None] | None = None,
+    tokens: list[Event] | None = None,
 ) -> tuple[str, FinishReason]:
-    """Generate one assistant turn, writing text as it arrives.
+    """Generate one assistant turn, writing text (and reasoning) as it arrives;
+    events that carry a token are appended to ``tokens`` when given (logprobs).
 
     Ctrl-C cancels the request and returns what was written so far, with a
     ``cancelled`` finish; the worker frees the slot before this returns.
     """
-    tokens = worker.loaded.tokenizer.encode_chat(messages)
+    prompt = worker.loaded.tokenizer.encode_chat(messages, **(opts.template_kwargs or {}))
     handle = worker.submit(
-        GenerateRequest(tuple(tokens), max_tokens=max_tokens, sampling=sampling)
+        GenerateRequest(
+            tuple(prompt),
+            max_tokens=opts.max_tokens,
+            sampling=opts.sampling,
+            grammar=opts.grammar,
+            logprobs=opts.logprobs,
+            top_logprobs=5 if opts.logprobs else 0,
+            split_reasoning=True,
+            thinking_budget=opts.thinking_budget,
+        )
     )
     parts: list[str] = []
     while True:
@@ -59,13 +86,48 @@ def stream_answer(
         # then ends; a fresh iterator resumes from the same event queue.
         try:
             for event in handle:
+                if event.reasoning and write_reasoning is not None:
+                    write_reasoning(event.reasoning)
                 if event.text:
                     parts.append(event.text)
                     write(event.text)
+                if tokens is not None and event.token_ids:
+                    tokens.append(event)
                 if event.final:
                     return "".join(parts), event.finish_reason or FinishReason.STOP
         except KeyboardInterrupt:
             handle.cancel()  # keep draining until the worker confirms it
+
+
+def print_logprobs(worker: ModelWorker, tokens: list[Event]) -> None:
+    """A table of each generated token, its log-probability and the top alternatives."""
+    from rich.table import Table
+
+    decode = worker.loaded.tokenizer.decode
+    table = Table("token", "logprob", "alternatives", box=None, pad_edge=False)
+    for ev in tokens:
+        alternatives = "  ".join(f"{decode([i])!r} {lp:.2f}" for i, lp in ev.top_logprobs[1:])
+        table.add_row(repr(decode(list(ev.token_ids))), f"{ev.logprob:.3f}", alternatives)
+    err_console.print(table)
+
+
+def load_grammar(json_schema: Path | None, json_object: bool) -> Grammar | None:
+    """The grammar for ``--json-schema FILE`` or ``--json``; one clear error otherwise."""
+    from gmlx.engine.errors import InvalidRequestError
+    from gmlx.engine.structured import compile_response_format
+
+    if json_schema is None:
+        return compile_response_format({"type": "json_object"}) if json_object else None
+    try:
+        schema = json.loads(json_schema.read_text())
+    except OSError as e:
+        fail(f"Cannot read the JSON schema {json_schema}: {e.strerror or e}.")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        fail(f"{json_schema} is not valid JSON: {e}.")
+    try:
+        return compile_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+    except InvalidRequestError as e:
+        fail(f"{json_schema}: {e}")
 
 
 def run_command(
@@ -76,42 +138,68 @@ def run_command(
     seed: SeedOpt = None,
     system: SystemOpt = None,
     profile: Annotated[str | None, typer.Option("--profile", help="Sampling and system-prompt profile: a built-in intent (coding, chat, creative, ...) or one from the config.")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sample from the k most likely tokens (0: all).")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below this fraction of the top token's probability.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option("--repetition-penalty", min=0.0, help="Penalize tokens already in the context (> 1).")] = None,
+    json_schema: Annotated[Path | None, typer.Option("--json-schema", help="Constrain answers to JSON valid against this JSON Schema file.", dir_okay=False)] = None,
+    json_object: Annotated[bool, typer.Option("--json", help="Constrain answers to a JSON object.")] = False,
+    logprobs: Annotated[bool, typer.Option("--logprobs", help="After each answer, print every token's log-probability and top alternatives (stderr).")] = False,
+    think: Annotated[bool | None, typer.Option("--think/--no-think", help="Ask a reasoning model to think first (or not); reasoning shows dimmed on stderr.")] = None,
+    thinking_budget: Annotated[int | None, typer.Option("--thinking-budget", min=0, help="Close the thinking block after this many tokens.")] = None,
 ) -> None:
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")
+    grammar = load_grammar(json_schema, json_object)
     worker, preset = load_addressed(model, profile)
     # Explicit flags win over the profile, as request fields do on the server.
-    sampling = preset.sampling_params({"temperature": temperature, "seed": seed})
+    explicit = {"temperature": temperature, "seed": seed, "top_p": top_p, "top_k": top_k,
+                "min_p": min_p, "repetition_penalty": repetition_penalty}
+    kwargs = dict(preset.chat_template_kwargs)
+    if think is not None:
+        kwargs["enable_thinking"] = think
+    opts = AnswerOptions(
+        max_tokens=max_tokens,
+        sampling=preset.sampling_params(explicit),
+        grammar=grammar,
+        logprobs=logprobs,
+        template_kwargs=kwargs,
+        thinking_budget=thinking_budget,
+    )
     system = system if system is not None else preset.system
     try:
         base = [{"role": "system", "content": system}] if system else []
         if prompt is not None:
-            _one_shot(worker, [*base, {"role": "user", "content": prompt}], max_tokens, sampling)
+            _one_shot(worker, [*base, {"role": "user", "content": prompt}], opts)
         else:
-            _chat(worker, base, max_tokens, sampling)
+            _chat(worker, base, opts)
     finally:
         worker.close()
 
 
-def _one_shot(
-    worker: ModelWorker, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams
-) -> None:
+def _reasoning_writer() -> Callable[[str], None]:
+    return lambda t: err_console.print(t, end="", style="dim", markup=False, highlight=False)
+
+
+def _one_shot(worker: ModelWorker, messages: list[dict[str, Any]], opts: AnswerOptions) -> None:
     out = sys.stdout
 
     def write(text: str) -> None:
         out.write(text)
         out.flush()
 
-    _, finish = stream_answer(worker, messages, max_tokens=max_tokens, sampling=sampling, write=write)
+    tokens: list[Event] = []
+    _, finish = stream_answer(worker, messages, opts, write=write, write_reasoning=_reasoning_writer(),
+                              tokens=tokens)
     out.write("\n")
     out.flush()
+    if opts.logprobs:
+        print_logprobs(worker, tokens)
     if finish is FinishReason.CANCELLED:
         raise SystemExit(130)
 
 
-def _chat(
-    worker: ModelWorker, base: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams
-) -> None:
+def _chat(worker: ModelWorker, base: list[dict[str, Any]], opts: AnswerOptions) -> None:
     console = Console(highlight=False)
     console.print(f"[dim]{worker.loaded.id} · {HELP_LINE}[/]")
     history = list(base)
@@ -137,20 +225,24 @@ def _chat(
             console.print(f"[dim]Unknown command {text.split()[0]}. {HELP_LINE}[/]")
             continue
         turn = [*history, {"role": "user", "content": text}]
+        tokens: list[Event] = []
         try:
             answer, finish = stream_answer(
                 worker,
                 turn,
-                max_tokens=max_tokens,
-                sampling=sampling,
+                opts,
                 write=lambda t: console.print(t, end="", markup=False, highlight=False),
+                write_reasoning=lambda t: console.print(t, end="", style="dim", markup=False, highlight=False),
+                tokens=tokens,
             )
         except GmlxError as e:
             console.print(f"[bold red]error:[/] {e}", markup=True)
             continue
         console.print()
+        if opts.logprobs:
+            print_logprobs(worker, tokens)
         if finish is FinishReason.CANCELLED:
             console.print("[dim](stopped)[/]")
         elif finish is FinishReason.LENGTH:
-            console.print(f"[dim](stopped at --max-tokens {max_tokens})[/]")
+            console.print(f"[dim](stopped at --max-tokens {opts.max_tokens})[/]")
         history = [*turn, {"role": "assistant", "content": answer}]

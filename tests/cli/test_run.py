@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def test_chat_leaves_on_end_of_input():
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_worker(demo_model):
     """Ctrl-C during an answer cancels the request; the next answer runs normally."""
-    from gmlx.cli.run import stream_answer
+    from gmlx.cli.run import AnswerOptions, stream_answer
     from gmlx.engine.worker import ModelWorker
 
     worker = ModelWorker(demo_model, decode_batch=1)
@@ -142,13 +143,13 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_worker(demo_model):
     messages = [{"role": "user", "content": "Hello"}]
     try:
         # The write raises inside the loop; stream_answer must treat it like Ctrl-C.
-        answer, finish = stream_answer(worker, messages, max_tokens=500,
-                                       sampling=SamplingParams(temperature=0), write=interrupting_write)
+        answer, finish = stream_answer(worker, messages, AnswerOptions(500, SamplingParams(temperature=0)),
+                                       write=interrupting_write)
         assert finish is FinishReason.CANCELLED
         assert answer == "".join(written)
         assert len(written) < 500
-        answer, finish = stream_answer(worker, messages, max_tokens=5,
-                                       sampling=SamplingParams(temperature=0), write=lambda t: None)
+        answer, finish = stream_answer(worker, messages, AnswerOptions(5, SamplingParams(temperature=0)),
+                                       write=lambda t: None)
         assert finish is FinishReason.LENGTH and answer
     finally:
         worker.close()
@@ -157,3 +158,52 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_worker(demo_model):
 def test_version():
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.stdout.startswith("gmlx ")
+
+
+def test_json_schema_flag_constrains_the_answer(tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for seed in ("1", "2"):
+        result = runner.invoke(app, ["run", "demo", "-p", "number", "--json-schema", str(path), "-t", "1",
+                                     "--seed", seed, "-n", "40"])
+        assert result.exit_code == 0, result.output
+        assert 0 <= json.loads(result.stdout)["n"] <= 9
+
+
+def test_bad_json_schema_files_are_one_sentence(tmp_path):
+    missing = gmlx("run", "demo", "-p", "x", "--json-schema", str(tmp_path / "none.json"))
+    assert missing.returncode == 2 or (missing.returncode == 1 and "Traceback" not in missing.stderr)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{nope")
+    result = gmlx("run", "demo", "-p", "x", "--json-schema", str(broken))
+    assert result.returncode == 1 and "not valid JSON" in result.stderr and "Traceback" not in result.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "bogus"}')
+    result = gmlx("run", "demo", "-p", "x", "--json-schema", str(bad))
+    assert result.returncode == 1 and "Invalid JSON schema" in result.stderr
+
+
+def test_logprobs_flag_prints_a_table_on_stderr():
+    result = gmlx("run", "demo", "-p", "hi", "--logprobs", "-n", "4", "-t", "0")
+    assert result.returncode == 0, result.stderr
+    assert "logprob" in result.stderr and "alternatives" in result.stderr
+    assert "logprob" not in result.stdout  # stdout is the answer alone
+
+
+def test_sampler_flags_change_the_answer():
+    base = ["run", "demo", "-p", "Hello", "-n", "12", "-t", "1", "--seed", "5"]
+    plain = runner.invoke(app, base).stdout
+    greedy = runner.invoke(app, ["run", "demo", "-p", "Hello", "-n", "12", "-t", "0"]).stdout
+    assert runner.invoke(app, [*base, "--top-k", "1"]).stdout == greedy
+    assert runner.invoke(app, [*base, "--min-p", "0.999"]).stdout == greedy
+    assert plain != greedy
+
+
+def test_think_flag_shows_reasoning_on_stderr():
+    plain = gmlx("run", "demo", "-p", "hi", "-n", "8", "-t", "0")
+    result = gmlx("run", "demo", "-p", "hi", "--think", "--thinking-budget", "3", "-n", "8", "-t", "0")
+    assert result.returncode == 0, result.stderr
+    assert plain.stderr == "" and result.stderr.strip()  # the reasoning, dimmed on stderr
+    assert "<think>" not in result.stdout and "</think>" not in result.stdout
