@@ -68,3 +68,35 @@ def test_eight_concurrent_streams(wide_server):
         assert finish == "length" and usage == TOKENS
     texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices) for chunks, _, _ in results]
     assert len(set(texts)) > 1  # each stream its own answer
+
+
+@pytest.fixture(scope="module")
+def narrow_server(tmp_path_factory):
+    path: Path = tmp_path_factory.mktemp("narrow") / "gmlx.yaml"
+    path.write_text("server:\n  decode_batch: 1\n  sse_keepalive_s: 0.1\n")
+    settings, _ = load_settings(path).with_models(["demo"])
+    live = LiveServer.start(create_app(settings))
+    yield live
+    live.stop()
+
+
+def test_a_queued_stream_gets_keepalive_comments(narrow_server):
+    """While a stream waits for a slot it is silent; comment lines keep it alive."""
+    worker = narrow_server.app.state.registry.worker("demo")
+    no_eos = {str(t): -100 for t in worker.loaded.tokenizer.eos_token_ids}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "logit_bias": no_eos}
+    with httpx.Client(base_url=narrow_server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1500}) as first:
+            for line in first.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # the first stream holds the only slot now
+            with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 3}) as second:
+                seen: list[str] = []
+                for line in second.iter_lines():
+                    seen.append(line)
+                    if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                        break
+                    if len(seen) > 20 and any(s.startswith(": keep-alive") for s in seen):
+                        break
+            assert any(s.startswith(": keep-alive") for s in seen), seen[:10]
