@@ -88,7 +88,8 @@ def test_a_queued_stream_gets_keepalive_comments(narrow_server):
             "logit_bias": no_eos}
     with httpx.Client(base_url=narrow_server.url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1500}) as first:
-            for line in first.iter_lines():
+            lines = first.iter_lines()  # kept referenced: closing it would end the response
+            for line in lines:
                 if '"content":"' in line and '"content":""' not in line:
                     break  # the first stream holds the only slot now
             with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 3}) as second:
