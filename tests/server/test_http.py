@@ -148,7 +148,8 @@ def test_disconnect_cancels_the_engine_request(server):
         client.stream("POST", "/v1/chat/completions", json=body) as r,
     ):
         # The role chunk can come before the request has its slot: wait for text.
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # kept referenced: closing it would end the response
+        for line in lines:
             if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                 break
         assert worker.in_flight == 1
