@@ -36,6 +36,7 @@ class ShedError(ServerOverloadedError):
     """A running request was ended to keep the server within memory."""
 
     openai_type = "server_overloaded_shed"
+    anthropic_type = "server_overloaded_shed"  # the spec names one type for both protocols
     code = "server_overloaded_shed"
 
 
