@@ -4,7 +4,8 @@ The file has four sections, all optional::
 
     server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
                prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit}
-    models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source)
+    models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source;
+              a source is ``demo``, a GGUF file, an MLX folder or ``hf:org/repo[/file]``)
     aliases:  {alias: id or id@profile}
     profiles: {name: {temperature, top_p, ..., max_tokens, system, stop, chat_template_kwargs}}
 
@@ -36,6 +37,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from gmlx.engine.errors import ConfigError
 from gmlx.engine.loading import DEMO_ID, source_kind
+from gmlx.engine.loading.hf_cache import PREFIX as HF_PREFIX
 from gmlx.engine.profiles import Profile, ProfileBook
 from gmlx.engine.residency import ModelSpec, Registry
 from gmlx.paths import config_file
@@ -241,7 +243,7 @@ class Settings(BaseModel):
 
 
 def _is_source(ref: str) -> bool:
-    return ref == DEMO_ID or Path(ref).expanduser().exists()
+    return ref == DEMO_ID or ref.startswith(HF_PREFIX) or Path(ref).expanduser().exists()
 
 
 def _id_for(source: str) -> str:

@@ -48,3 +48,45 @@ def vocab_path(name: str) -> Path:
     if not path.is_file():
         pytest.skip(f"vocab fixture {path} is absent (CI keeps ../shared beside the checkout)")
     return path
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A private, offline Hugging Face hub cache; returns ``cache(repo_id, files)`` that
+    stores ``{path in repo: local file}`` as ``hf download`` would (blobs, snapshot
+    symlinks, ``refs/main``) and returns the snapshot folder."""
+    import hashlib
+    import shutil
+
+    root = tmp_path / "hf-hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HOME", raising=False)
+
+    def cache(repo_id: str, files: dict[str, Path]) -> Path:
+        repo = root / f"models--{repo_id.replace('/', '--')}"
+        commit = hashlib.sha1(repo_id.encode()).hexdigest()
+        snapshot = repo / "snapshots" / commit
+        for name, source in files.items():
+            digest = hashlib.sha256(source.read_bytes()).hexdigest()
+            blob = repo / "blobs" / digest
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, blob)
+            link = snapshot / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        return snapshot
+
+    cache.root = root  # type: ignore[attr-defined]
+    return cache
+
+
+@pytest.fixture(scope="session")
+def demo_files(gmlx_home: Path) -> dict[str, Path]:
+    """The demo model's files by name, as a repo would hold them."""
+    from gmlx.engine.loading import demo
+
+    folder = demo.ensure_built()
+    return {p.name: p for p in folder.iterdir() if p.is_file()}

@@ -140,3 +140,12 @@ def test_serve_fails_on_a_bad_config_with_one_sentence(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:")
     assert str(path) in lines[0] and "server.port" in lines[0]
+
+
+def test_command_line_hf_models(hf_cache, demo_files):
+    hf_cache("gmlx-test/demo-mlx", demo_files)
+    s, names = load_settings().with_models(["hf:gmlx-test/demo-mlx@coding"])
+    assert names == ["demo-mlx@coding"]
+    assert s.models["demo-mlx"].source == "hf:gmlx-test/demo-mlx"
+    with pytest.raises(ModelSourceError, match="never downloads"):
+        load_settings().with_models(["hf:gmlx-test/absent"])

@@ -46,6 +46,18 @@ ApiKeyOpt = Annotated[
     ),
 ]
 
+DecodeBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--decode-batch",
+        min=1,
+        max=512,
+        help="Streams each model decodes together; also the queue cap's base "
+        "[default: from each model's capacity table].",
+        show_default=False,
+    ),
+]
+
 
 def serve_command(
     models: ModelsArg = None,
@@ -53,6 +65,7 @@ def serve_command(
     host: HostOpt = None,
     port: PortOpt = None,
     api_key: ApiKeyOpt = None,
+    decode_batch: DecodeBatchOpt = None,
 ) -> None:
     """Load the named models, then serve until Ctrl-C.
 
@@ -65,7 +78,7 @@ def serve_command(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     settings = load_settings(config)
-    flags = {"host": host, "port": port, "api_key": api_key}
+    flags = {"host": host, "port": port, "api_key": api_key, "decode_batch": decode_batch}
     server = settings.server.model_copy(update={k: v for k, v in flags.items() if v is not None})
     settings, _ = settings.model_copy(update={"server": server}).with_models(models or [])
     if not settings.models:

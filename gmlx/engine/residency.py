@@ -46,7 +46,7 @@ class ModelSpec:
     """One configured model: where it comes from and how to load and present it."""
 
     id: str
-    source: str  # ``demo``, a GGUF file, an MLX folder
+    source: str  # ``demo``, a GGUF file, an MLX folder, ``hf:org/repo[/file]`` (cache only)
     max_kv_size: int | None = None  # lowers the context window, never raises it
     profile: str | None = None  # the profile used when a request names none
     default: bool = False  # the model an empty ``model`` field means

@@ -31,6 +31,9 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
+INT32_MAX = 2**31 - 1
+
+
 def validate(params: SamplingParams, vocab_size: int) -> None:
     """Raise InvalidRequestError for values no sampler can honour."""
     checks = [
@@ -50,9 +53,16 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
     for ok, name, rule in checks:
         if not ok:
             raise InvalidRequestError(f"{name} {rule}.", param=name)
+    # MLX takes these as 32-bit ints: a larger one would fail the step mid-batch.
+    for name in ("top_k", "repetition_context_size", "presence_context_size",
+                 "frequency_context_size"):
+        if getattr(params, name) > INT32_MAX:
+            raise InvalidRequestError(f"{name} must be <= {INT32_MAX}.", param=name)
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         if getattr(params, name) < 1:
             raise InvalidRequestError(f"{name} must be >= 1.", param=name)
+    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+        raise InvalidRequestError("seed must fit in 64 bits.", param="seed")
     for token, bias in (params.logit_bias or {}).items():
         if not 0 <= token < vocab_size:
             raise InvalidRequestError(
@@ -127,7 +137,8 @@ def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None)
     if params.top_n_sigma > 0:
         filters.append(lambda x: apply_top_n_sigma(x, params.top_n_sigma))
     if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
+        # mlx-lm refuses k >= vocab; keeping that many tokens is keeping them all.
+        filters.append(lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x)
     if params.typical_p < 1:
         filters.append(lambda x: apply_typical_p(x, params.typical_p))
     if 0 < params.top_p < 1:
@@ -137,7 +148,7 @@ def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None)
     if params.p_less:
         filters.append(apply_p_less)
     seed = params.seed if params.seed is not None else random.getrandbits(63)
-    key = mx.random.key(seed)
+    key = mx.random.key(seed % 2**64)  # MLX keys are unsigned; OpenAI seeds may be negative
     inv_temp = 1.0 / params.temperature
     xtc = params.xtc_probability > 0
     keep_ids = mx.array(protected_ids or [], dtype=mx.int32)

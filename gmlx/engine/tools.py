@@ -258,6 +258,37 @@ def _tool_name(tool: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def check_tools(tools: Tools | None) -> None:
+    """Raise InvalidRequestError (param ``tools``) unless every tool is a function tool
+    with a name and, when it has one, a parameters object.
+
+    Tools arrive in the chat-completions shape (``{"type": "function", "function":
+    {...}}``; the Anthropic and Responses routes convert theirs) or flat. A template
+    renders whatever it is handed, so a nameless tool would otherwise only surface as
+    a call nobody can match.
+    """
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise InvalidRequestError(f"{where} must be an object.", param="tools")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise InvalidRequestError(
+                f"{where} has type {kind!r}; only function tools are supported.", param="tools"
+            )
+        function = tool.get("function", tool)
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{where}.function must be an object.", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"{where} needs a name (a non-empty string).", param="tools")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise InvalidRequestError(
+                f"{where} ({name}): parameters must be a JSON schema object.", param="tools"
+            )
+
+
 def apply_tool_choice(
     tools: Tools | None, tool_choice: str | Mapping[str, Any] | None
 ) -> tuple[list[dict[str, Any]] | None, bool]:
@@ -270,8 +301,10 @@ def apply_tool_choice(
     "name": N}``) keeps only tool N and reports forced=True. Forcing is the
     template's business; the caller warns when a forced request produced no call.
     Raises InvalidRequestError (param ``tool_choice``) for an unknown value, a named
-    tool that is not in ``tools``, or a forced choice without tools.
+    tool that is not in ``tools``, or a forced choice without tools, and (param
+    ``tools``) for tools that :func:`check_tools` refuses.
     """
+    check_tools(tools)
     listed = [dict(t) for t in tools or ()]
     choice: Any = tool_choice
     if isinstance(choice, Mapping):

@@ -9,6 +9,8 @@ Anthropic routes (``/v1/messages...``) get ``{"type": "error", "error": {"type",
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -64,17 +66,39 @@ def error_response(exc: GmlxError, protocol: Protocol) -> JSONResponse:
     return JSONResponse(error_body(exc, protocol), status_code=exc.status, headers=exc.headers)
 
 
+# The member tags pydantic puts in an error's location when a union fails ("str",
+# "list[dict[str,any]]", "literal['a','b']"): types, not fields a client wrote.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+
+
+def _field(loc: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(
+        str(p) for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.match(p))
+    )
+
+
 def validation_error(exc: RequestValidationError | ValidationError) -> InvalidRequestError:
-    """A pydantic validation failure as one sentence naming the field."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = ".".join(loc)
+    """A pydantic validation failure as one sentence naming the field.
+
+    A union reports one error per member; they become one sentence at the field
+    (``Input should be a valid string or a valid list``), and when a member matched
+    deeper (a list whose item is wrong) that deeper error is the one reported.
+    """
+    errors = list(exc.errors()) or [{"loc": (), "msg": "invalid body"}]
+    top = _field(errors[0].get("loc", ()))
+    related = [e for e in errors if _field(e.get("loc", ()))[: len(top)] == top]
+    depth = max(len(_field(e.get("loc", ()))) for e in related)
+    chosen = [e for e in related if len(_field(e.get("loc", ()))) == depth]
+    field = ".".join(_field(chosen[0].get("loc", ())))
+    prefix = "Input should be "
+    msgs = list(dict.fromkeys(str(e.get("msg", "invalid value")) for e in chosen))
+    if len(msgs) > 1 and all(m.startswith(prefix) for m in msgs):
+        msgs = [prefix + " or ".join(m.removeprefix(prefix) for m in msgs)]
     where = f" at {field}" if field else ""
-    more = len(exc.errors()) - 1
+    more = len(errors) - len(related)
     extra = f" (and {more} more problems)" if more > 0 else ""
     return InvalidRequestError(
-        f"Invalid request body{where}: {first.get('msg', 'invalid value')}{extra}.",
-        param=field or None,
+        f"Invalid request body{where}: {'; '.join(msgs)}{extra}.", param=field or None
     )
 
 

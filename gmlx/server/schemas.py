@@ -3,12 +3,16 @@
 Request models accept unknown fields (``extra="allow"``). Each route's model lists
 the fields it honours in ``HONORED``; any other field a request sets is reported by
 :meth:`GenerationBody.ignored`, so the route logs one warning naming them all.
+
+Declared fields are validated strictly (:data:`REQUEST_CONFIG`): a value of the wrong
+JSON type, a non-finite number or an output cap below 1 is a 400 that names the field,
+before anything reaches a template or the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -16,6 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gmlx.engine.errors import InvalidRequestError
 
 B = TypeVar("B", bound=BaseModel)
+
+# Strict: "10" is not a number and "true" is not a boolean (the protocols' own servers
+# refuse them too), and lax coercion would let a typo through as a different value.
+# No inf/NaN: JSON parsers accept 1e309 and NaN, and no sampler can use them.
+REQUEST_CONFIG = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+# An output cap: at least one token (0 or less is a client bug, not "no output").
+OutputCap = Annotated[int, Field(ge=1)]
 
 SAMPLING_FIELDS: tuple[str, ...] = (
     "temperature",
@@ -56,7 +68,7 @@ COMMON_HONORED: frozenset[str] = frozenset(
 class GenerationBody(BaseModel):
     """Addressing and sampling fields of any generation request."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST_CONFIG
     HONORED: ClassVar[frozenset[str]] = COMMON_HONORED
 
     model: str = ""

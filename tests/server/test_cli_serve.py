@@ -82,3 +82,30 @@ def test_run_takes_profiles_like_the_server():
     assert suffix.stdout == option.stdout == greedy.stdout
     bad = runner.invoke(app, ["run", "demo@nope", *base])
     assert bad.exit_code == 1 and "Unknown profile 'nope'" in str(bad.exception)
+
+
+def test_decode_batch_flag_beats_env_and_file(tmp_path, monkeypatch):
+    """`--decode-batch` wins over GMLX_DECODE_BATCH, which wins over server.decode_batch."""
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from gmlx.cli.main import app
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    config = tmp_path / "gmlx.yaml"
+    config.write_text("server: {decode_batch: 2}\nmodels: {demo: {source: demo, pinned: true}}\n")
+    monkeypatch.setenv("GMLX_DECODE_BATCH", "5")
+    runner = CliRunner()
+    widths = []
+    for flag in (["--decode-batch", "3"], []):
+        result = runner.invoke(app, ["serve", "--config", str(config), *flag])
+        assert result.exit_code == 0, result.output
+        registry = served.pop().state.registry
+        try:
+            widths.append(registry.resident_worker("demo").decode_batch)
+        finally:
+            registry.close()
+    assert widths == [3, 5]
+    bad = runner.invoke(app, ["serve", "demo", "--decode-batch", "0"])
+    assert bad.exit_code == 2

@@ -42,6 +42,11 @@ def governed(tmp_path_factory, probe):
     live.stop()
 
 
+def has_text(line: str) -> bool:
+    """A chat chunk with content, or an Anthropic text delta."""
+    return ('"content":"' in line and '"content":""' not in line) or '"text_delta"' in line
+
+
 def stream_until_shed(live: LiveServer, probe: Headroom, path: str, body: dict) -> list[str]:
     """Start a long stream, turn the headroom red once it produces text, read to the end."""
     probe.value = GREEN
@@ -52,7 +57,7 @@ def stream_until_shed(live: LiveServer, probe: Headroom, path: str, body: dict) 
         assert r.status_code == 200
         for line in r.iter_lines():
             lines.append(line)
-            if probe.value == GREEN and ("delta" in line and '"content":""' not in line and "text" in line):
+            if probe.value == GREEN and has_text(line):
                 probe.value = RED
     time.sleep(0.2)
     probe.value = GREEN

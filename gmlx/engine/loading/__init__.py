@@ -1,5 +1,6 @@
-"""Model sources: turn a model reference (``demo``, a GGUF file, an MLX folder)
-into a runnable :class:`LoadedModel`.
+"""Model sources: turn a model reference (``demo``, a GGUF file, an MLX folder, or an
+``hf:`` reference to either in the local Hugging Face cache) into a runnable
+:class:`LoadedModel`.
 
 Each source module exposes ``load(path) -> LoadedModel`` and ``load_tokenizer(path)``;
 this module decides which one a reference names and wraps every failure in a
@@ -39,11 +40,12 @@ class LoadedModel:
 def source_kind(ref: str | Path) -> str:
     """Which source a reference names: ``demo``, ``gguf`` or ``mlx``.
 
-    Raises ModelSourceError when the path is missing or is not a model.
+    Raises ModelSourceError when the path is missing or is not a model, or when an
+    ``hf:`` reference is not in the local cache.
     """
     if str(ref) == DEMO_ID:
         return "demo"
-    path = Path(ref).expanduser()
+    path = local_path(ref)
     if not path.exists():
         raise ModelSourceError(f"Model path {path} does not exist.")
     if path.is_file():
@@ -61,6 +63,16 @@ def source_kind(ref: str | Path) -> str:
         f"{path} is not a model: the folder has no config.json"
         + (f" and {len(ggufs)} GGUF files (name one)." if ggufs else ".")
     )
+
+
+def local_path(ref: str | Path) -> Path:
+    """The file or folder a non-demo reference names; ``hf:`` references resolve from
+    the local Hugging Face cache, never the network (ModelSourceError if absent)."""
+    from gmlx.engine.loading import hf_cache
+
+    if hf_cache.is_ref(ref):
+        return hf_cache.resolve(str(ref))
+    return Path(ref).expanduser()
 
 
 def _is_gguf(path: Path) -> bool:
@@ -85,11 +97,11 @@ def load_model(ref: str | Path, *, model_id: str | None = None) -> LoadedModel:
     elif kind == "gguf":
         from gmlx.engine.loading import gguf
 
-        loaded = gguf.load(_gguf_file(Path(ref).expanduser()))
+        loaded = gguf.load(_gguf_file(local_path(ref)))
     else:
         from gmlx.engine.loading import mlx_dir
 
-        loaded = mlx_dir.load(Path(ref).expanduser())
+        loaded = mlx_dir.load(local_path(ref))
     if model_id:
         loaded.id = model_id
     return loaded
@@ -105,7 +117,7 @@ def load_tokenizer(ref: str | Path) -> Tokenizer:
     if kind == "gguf":
         from gmlx.engine.loading import gguf
 
-        return gguf.load_tokenizer(_gguf_file(Path(ref).expanduser()))
+        return gguf.load_tokenizer(_gguf_file(local_path(ref)))
     from gmlx.engine.loading import mlx_dir
 
-    return mlx_dir.load_tokenizer(Path(ref).expanduser())
+    return mlx_dir.load_tokenizer(local_path(ref))

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from gmlx.server.schemas import COMMON_HONORED, GenerationBody, json_body
+from gmlx.server.schemas import (
+    COMMON_HONORED,
+    REQUEST_CONFIG,
+    GenerationBody,
+    OutputCap,
+    json_body,
+)
 
 
 class AnthropicMessage(BaseModel):
     """One turn; content is a string or a list of typed blocks."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST_CONFIG
 
-    role: str
+    role: Literal["user", "assistant"]  # system text goes in the top-level ``system``
     content: str | list[dict[str, Any]]
 
 
@@ -33,7 +39,7 @@ class MessagesRequest(GenerationBody):
 
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
-    max_tokens: int | None = None  # required by Anthropic; optional here
+    max_tokens: OutputCap | None = None  # required by Anthropic; optional here
     stop_sequences: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None

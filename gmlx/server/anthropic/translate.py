@@ -12,10 +12,34 @@ from gmlx.server.anthropic.schemas import MessagesRequest
 from gmlx.server.generation import Job, Result
 
 
-def _block_text(content: str | list[dict[str, Any]] | None) -> str:
+def _block_text(content: Any, where: str, param: str = "messages") -> str:
+    """The text of ``system`` or a ``tool_result``'s content: a string or text blocks.
+
+    Raises InvalidRequestError for any other shape, so a block the model would never
+    see is refused rather than silently dropped.
+    """
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(str(b.get("text") or "") for b in content if b.get("type") == "text")
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"{where} must be a string or a list of text blocks.", param=param
+        )
+    texts: list[str] = []
+    for block in content:
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise InvalidRequestError(
+                f"{where} takes only text blocks, not {kind!r}.", param=param
+            )
+        texts.append(_text(block, param))
+    return "".join(texts)
+
+
+def _text(block: dict[str, Any], param: str = "messages") -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequestError("A text block needs its text as a string.", param=param)
+    return text
 
 
 def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
@@ -26,7 +50,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     """
     out: list[dict[str, Any]] = []
     if body.system:
-        out.append({"role": "system", "content": _block_text(body.system)})
+        out.append({"role": "system", "content": _block_text(body.system, "system", "system")})
     for m in body.messages:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
@@ -37,7 +61,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
         for block in m.content:
             kind = block.get("type")
             if kind == "text":
-                texts.append(str(block.get("text") or ""))
+                texts.append(_text(block))
             elif kind == "tool_use":
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 calls.append(
@@ -52,7 +76,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                     {
                         "role": "tool",
                         "tool_call_id": block.get("tool_use_id"),
-                        "content": _block_text(block.get("content")),
+                        "content": _block_text(block.get("content"), "tool_result content"),
                     }
                 )
             elif kind in ("thinking", "redacted_thinking"):

@@ -28,6 +28,8 @@ from gmlx.server.openai.translate import text_of
 
 router = APIRouter()
 
+INPUT_ROLES = ("user", "assistant", "system", "developer")  # of Responses message items
+
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """Responses ``instructions`` and ``input`` items as chat messages."""
@@ -40,6 +42,12 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role", "user")
+            if role not in INPUT_ROLES:
+                raise InvalidRequestError(
+                    f"Unsupported input message role {role!r}; use one of "
+                    f"{', '.join(INPUT_ROLES)}.",
+                    param="input",
+                )
             messages.append(
                 {
                     "role": "system" if role == "developer" else role,

@@ -6,16 +6,22 @@ field and reported as ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from gmlx.server.schemas import COMMON_HONORED, GenerationBody, json_body
+from gmlx.server.schemas import (
+    COMMON_HONORED,
+    REQUEST_CONFIG,
+    GenerationBody,
+    OutputCap,
+    json_body,
+)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = False
 
@@ -23,9 +29,9 @@ class StreamOptions(BaseModel):
 class ChatMessage(BaseModel):
     """One message; content is a string or a list of typed parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST_CONFIG
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -44,8 +50,8 @@ class ChatCompletionRequest(GenerationBody):
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # wins over max_tokens and the profile
+    max_tokens: OutputCap | None = None
+    max_completion_tokens: OutputCap | None = None  # wins over max_tokens and the profile
     stop: str | list[str] | None = None
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
@@ -75,7 +81,7 @@ class CompletionRequest(GenerationBody):
     }
 
     prompt: str | list[Any]
-    max_tokens: int | None = None
+    max_tokens: OutputCap | None = None
     stop: str | list[str] | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
@@ -96,7 +102,7 @@ class ResponsesRequest(GenerationBody):
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: OutputCap | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}

@@ -26,19 +26,35 @@ def finish_reason(reason: FinishReason) -> str:
     return reason.value
 
 
-def text_of(content: str | list[dict[str, Any]] | None, param: str = "messages") -> str:
+def text_of(content: Any, param: str = "messages") -> str:
     """The text of message content given as a string or a list of typed parts.
 
-    Raises InvalidRequestError for image parts (no vision support yet) and for
-    parts of unknown types.
+    Raises InvalidRequestError for image parts (no vision support yet), for parts
+    of unknown types and for content of any other shape (Responses input items are
+    not schema-typed, so their content arrives here as whatever the client sent).
     """
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"Message content must be a string or a list of parts, not {_json_type(content)}.",
+            param=param,
+        )
     texts: list[str] = []
     for part in content:
+        if not isinstance(part, dict):
+            raise InvalidRequestError(
+                f"A content part must be an object, not {_json_type(part)}.", param=param
+            )
         kind = part.get("type")
         if kind in TEXT_PARTS:
-            texts.append(str(part.get("text") or ""))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequestError(
+                    f"A {kind} part needs its text as a string, not {_json_type(text)}.",
+                    param=param,
+                )
+            texts.append(text)
         elif kind in IMAGE_PARTS:
             raise InvalidRequestError(
                 "Image input needs a vision model (one configured with mmproj:), "
@@ -48,6 +64,13 @@ def text_of(content: str | list[dict[str, Any]] | None, param: str = "messages")
         else:
             raise InvalidRequestError(f"Unsupported content part type {kind!r}.", param=param)
     return "".join(texts)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for error messages."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -221,10 +244,10 @@ def check_completion_prompt(
                 param="prompt",
             )
     rejections = [
-        (n is not None and n > 1, "n", "n > 1 is not supported: the server returns one choice"),
+        (n is not None and n != 1, "n", "n must be 1: the server returns one choice"),
         (bool(echo), "echo", "echo is not supported"),
         (bool(suffix), "suffix", "suffix is not supported"),
-        (best_of is not None and best_of > 1, "best_of", "best_of > 1 is not supported"),
+        (best_of is not None and best_of != 1, "best_of", "best_of must be 1"),
     ]
     for bad, param, message in rejections:
         if bad:
