@@ -8,7 +8,6 @@ handle only moves :class:`Event` objects across.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import queue
@@ -16,9 +15,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Iterator
 from typing import Any
 
 from gmlx.engine import sampling
@@ -38,17 +35,20 @@ from gmlx.engine.reasoning import (
     make_thinking_budget_processor,
     thinking_markers,
 )
+from gmlx.engine.requests import ActiveRequest, RequestHandle, RequestState
+from gmlx.engine.stats import WorkerStats, token_logprobs
 from gmlx.engine.structured import make_grammar_processor
+from gmlx.engine.tokenizer import StopMatcher
 from gmlx.engine.tools import ToolCall, ToolCallStream, tool_parser_for
-from gmlx.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
+
+__all__ = ["ModelWorker", "RequestHandle", "RequestState"]
 
 log = logging.getLogger("gmlx.engine")
 
 DEFAULT_DECODE_BATCH = 8
 DEFAULT_PREFILL_STEP = 512
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
-RECENT = 8  # requests averaged in the "recent" rates
 RETRY_AFTER_RANGE = (2, 60)
 
 
@@ -75,117 +75,6 @@ def _thread_main(holder: list[ModelWorker]) -> None:
 def _close_live_workers() -> None:
     for worker in list(_live_workers):
         worker.close()
-
-
-class RequestState(StrEnum):
-    QUEUED = "queued"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FINISHED = "finished"
-
-
-class RequestHandle:
-    """The consumer's end of one request: iterate it for events, or cancel it.
-
-    Iteration yields text events and the final event; a request that failed raises
-    its :class:`GmlxError` where it is consumed instead of yielding it.
-    """
-
-    def __init__(self, request: GenerateRequest, worker: ModelWorker) -> None:
-        self.request = request
-        self.id = request.id
-        self._worker = worker
-        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._async: asyncio.Queue[Event] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        try:
-            self._loop = asyncio.get_running_loop()
-            self._async = asyncio.Queue()
-        except RuntimeError:
-            pass
-
-    def _emit(self, event: Event) -> None:
-        """Called on the worker thread."""
-        if self._loop is None:
-            self._sync.put(event)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, event)  # type: ignore[union-attr]
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def cancel(self) -> None:
-        self._worker.cancel(self.id)
-
-    @staticmethod
-    def _check(event: Event) -> Event:
-        if event.finish_reason is FinishReason.ERROR and event.error is not None:
-            raise event.error
-        return event
-
-    def __iter__(self) -> Iterator[Event]:
-        if self._loop is not None:
-            raise RuntimeError("this request was submitted from an event loop: use `async for`")
-        while True:
-            try:
-                event = self._sync.get(timeout=0.1)  # a timeout keeps Ctrl-C responsive
-            except queue.Empty:
-                continue
-            yield self._check(event)
-            if event.final:
-                return
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        if self._async is None:
-            raise RuntimeError("this request was not submitted from an event loop")
-        while True:
-            event = await self._async.get()
-            yield self._check(event)
-            if event.final:
-                return
-
-
-@dataclass
-class _Active:
-    """Worker-side state of one request."""
-
-    handle: RequestHandle
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
-    state: RequestState = RequestState.QUEUED
-    uid: int | None = None
-    generated: int = 0
-    submitted_at: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    cache_tier: str | None = None
-    warm_tokens: int = 0
-    processors: list[Any] = field(default_factory=list)  # request-owned logits processors
-    splitter: ReasoningSplitter | None = None
-    tool_stream: ToolCallStream | None = None
-
-    def row(self, model: str, position: int | None, now: float) -> dict[str, Any]:
-        """This request as a ``requests[]`` row of the metrics snapshot."""
-        req = self.request
-        decode_s = now - self.first_token_at if self.first_token_at else 0.0
-        return {
-            "id": req.id,
-            "model": model,
-            "state": self.state.value,
-            "position": position,
-            "prompt_tokens": len(req.prompt_tokens),
-            "generated": self.generated,
-            "max_tokens": req.max_tokens,
-            "elapsed_s": round(now - self.submitted_at, 3),
-            "ttft_s": round(self.first_token_at - self.submitted_at, 3) if self.first_token_at else None,
-            "decode_tok_s": round((self.generated - 1) / decode_s, 2) if decode_s > 0 and self.generated > 1 else None,
-            "cache": {"tier": self.cache_tier, "warm_tokens": self.warm_tokens} if self.cache_tier else None,
-            "speculative": None,
-        }
-
-    @property
-    def request(self) -> GenerateRequest:
-        return self.handle.request
 
 
 class ModelWorker:
@@ -231,9 +120,9 @@ class ModelWorker:
         # Tokens XTC never excludes: ending or breaking a line must stay possible.
         self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._pending: deque[_Active] = deque()
-        self._by_uid: dict[int, _Active] = {}
-        self._requests: dict[str, _Active] = {}
+        self._pending: deque[ActiveRequest] = deque()
+        self._by_uid: dict[int, ActiveRequest] = {}
+        self._requests: dict[str, ActiveRequest] = {}
         self._closed = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(
@@ -267,11 +156,11 @@ class ModelWorker:
         self._inbox.put(("submit", active))
         return handle
 
-    def _prepare(self, handle: RequestHandle) -> _Active:
+    def _prepare(self, handle: RequestHandle) -> ActiveRequest:
         """The per-request state: detokenizer, stop matcher, logits processors (grammar,
         thinking budget, penalties) and the reasoning and tool-call splitters."""
         req, tok = handle.request, self.loaded.tokenizer
-        active = _Active(handle, tok.detokenizer(), StopMatcher(req.stop))
+        active = ActiveRequest(handle, tok.detokenizer(), StopMatcher(req.stop))
         inside = None
         if self._think_markers and (req.split_reasoning or req.thinking_budget is not None):
             tail = tok.decode(list(req.prompt_tokens[-16:]))
@@ -535,7 +424,7 @@ class ModelWorker:
             finish = FinishReason.TOOL_CALLS
         token_ids = () if hit_eos else (r.token,)
         if text or reasoning or calls or token_ids:
-            logprob, top = _logprobs(r, active.request) if token_ids else (None, ())
+            logprob, top = token_logprobs(r, active.request) if token_ids else (None, ())
             active.handle._emit(Event(
                 active.handle.id, text=text, token_ids=token_ids, reasoning=reasoning,
                 tool_calls=calls, logprob=logprob, top_logprobs=top,
@@ -546,7 +435,7 @@ class ModelWorker:
             self._finish(active, finish)
 
     @staticmethod
-    def _split(active: _Active, text: str, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
+    def _split(active: ActiveRequest, text: str, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
         """Route released text: thinking-block text to reasoning, tool calls out of the
         content; ``final`` flushes whatever the splitters hold."""
         reasoning = ""
@@ -562,7 +451,7 @@ class ModelWorker:
         return reasoning, content, tuple(i for i in items if isinstance(i, ToolCall))
 
     def _finish(
-        self, active: _Active, reason: FinishReason, error: GmlxError | None = None
+        self, active: ActiveRequest, reason: FinishReason, error: GmlxError | None = None
     ) -> None:
         active.state = RequestState.FINISHED
         if active.uid is not None:
@@ -584,78 +473,3 @@ class ModelWorker:
     def _fail_all(self, error: GmlxError) -> None:
         for active in list(self._by_uid.values()):
             self._finish(active, FinishReason.ERROR, error)
-
-
-def _logprobs(r: Any, request: GenerateRequest) -> tuple[float | None, tuple[tuple[int, float], ...]]:
-    """The sampled token's log-probability and the top alternatives, when asked for."""
-    if not request.logprobs:
-        return None, ()
-    import mlx.core as mx
-
-    row = r.logprobs  # already evaluated by the generation step
-    chosen = row[r.token].item()
-    k = min(request.top_logprobs, row.shape[-1])
-    if k <= 0:
-        return chosen, ()
-    ids = mx.argpartition(-row, k - 1)[:k]
-    values = row[ids]
-    pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
-    return chosen, tuple(pairs)
-
-
-class WorkerStats:
-    """Rates and counters of one worker, written by its thread, read by any."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.requests_finished = 0
-        self.rejections = 0
-        self.last_reject_reason: str | None = None
-        self.finish_reasons: dict[str, int] = {}
-        self._recent: deque[tuple[float, float | None, float | None]] = deque(maxlen=RECENT)
-        self._steps: deque[tuple[float, int]] = deque(maxlen=256)
-        self._decode_tokens = 0
-        self._decode_s = 0.0
-
-    def note_step(self, tokens: int) -> None:
-        if tokens:
-            self._steps.append((time.monotonic(), tokens))
-
-    def record(self, active: _Active, reason: FinishReason) -> None:
-        now = time.monotonic()
-        self.requests_finished += 1
-        self.finish_reasons[reason.value] = self.finish_reasons.get(reason.value, 0) + 1
-        if active.admitted_at is None:
-            return
-        prefill = decode = None
-        if active.first_token_at is not None:
-            cold = len(active.request.prompt_tokens) - active.warm_tokens
-            prefill_s = active.first_token_at - active.admitted_at
-            prefill = cold / prefill_s if prefill_s > 0 else None
-            decode_s = now - active.first_token_at
-            if active.generated > 1 and decode_s > 0:
-                decode = (active.generated - 1) / decode_s
-                self._decode_tokens += active.generated - 1
-                self._decode_s += decode_s
-        self._recent.append((now - active.submitted_at, prefill, decode))
-
-    def mean_request_s(self) -> float | None:
-        durations = [d for d, _, _ in list(self._recent)]
-        return sum(durations) / len(durations) if durations else None
-
-    def rates(self, window_s: float = 2.0) -> dict[str, Any]:
-        now = time.monotonic()
-        steps = [(t, n) for t, n in list(self._steps) if now - t <= window_s]
-        recent = list(self._recent)
-
-        def mean(values: list[float | None]) -> float | None:
-            vals = [v for v in values if v is not None]
-            return round(sum(vals) / len(vals), 2) if vals else None
-
-        return {
-            "decode_tok_s": round(sum(n for _, n in steps) / window_s, 2) if steps else 0.0,
-            "decode_streams": max((n for _, n in steps[-4:]), default=0),
-            "prefill_tok_s_recent": mean([p for _, p, _ in recent]),
-            "decode_tok_s_recent": mean([d for _, _, d in recent]),
-            "decode_tok_s_lifetime": round(self._decode_tokens / self._decode_s, 2) if self._decode_s else None,
-        }

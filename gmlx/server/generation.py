@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from gmlx.engine.tools import ToolCall
     from gmlx.engine.residency import Registry
     from gmlx.engine.tokenizer import Tokenizer
-    from gmlx.engine.worker import ModelWorker, RequestHandle
+    from gmlx.engine.requests import RequestHandle
+    from gmlx.engine.worker import ModelWorker
     from gmlx.server.schemas import GenerationBody
 
 log = logging.getLogger("gmlx.server")
