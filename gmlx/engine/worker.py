@@ -198,7 +198,7 @@ class ModelWorker:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
         if request.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
-        if any(not 0 <= t < self.vocab_size for t in request.prompt_tokens):
+        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= self.vocab_size:
             raise InvalidRequestError("The prompt holds a token id outside the vocabulary.")
         budget = self.loaded.context_length
         if n + request.max_tokens > budget:

@@ -1,0 +1,451 @@
+"""Served throughput: ``gmlx serve`` against ``mlx_lm.server`` (the peer), in one run.
+
+    python benchmarks/throughput.py                   # a small random model (hidden 512, 4 layers)
+    python benchmarks/throughput.py --model demo      # the built-in demo model (mostly Python overhead)
+
+Both servers run as subprocesses on free 127.0.0.1 ports, serving the same model folder
+(so the same weights, tokenizer and chat template), and are driven by the same client
+code: ``openai.AsyncOpenAI`` streaming chat completions, greedy (temperature 0), with a
+``logit_bias`` of -100 on every end-of-sequence id (both servers honour ``logit_bias``,
+so every stream runs to ``max_tokens``; the tokens actually produced are still taken
+from each stream's ``usage`` and printed).
+
+Width runs: ``width`` requests are sent at once, each with its own prompt of a fixed
+token length (a unique tag first, so no prefix cache can help), for a fixed number
+of output tokens. Measured per stream, on the client:
+  - TTFT: request sent -> first chunk with non-empty ``content`` (gmlx sends an empty
+    role chunk before the model has run; it does not count).
+  - aggregate decode tok/s: tokens received after T0 / (T_end - T0), where T0 is when
+    the last stream received its first token (from then on every stream is decoding)
+    and T_end is when the last stream finished. Tokens received by T0 are counted as
+    the content chunks received by then (each chunk is one token unless a token is an
+    incomplete UTF-8 sequence; the "chunks" column checks that chunks == tokens).
+The same definition serves both servers; the ratio column is gmlx / peer.
+
+Prefix reuse: a ~2k-token system prompt shared by two requests. The first (a miss:
+the prefix is new to the server) and the second (a hit: same system prompt, another
+user message) are sent one after the other; TTFT miss / TTFT hit is each server's
+speed-up. Repeated ``--prefix-reps`` times with a fresh prefix; medians are printed.
+
+Each server gets one short warm-up request before anything is timed. Both servers
+are killed at the end, also on error. Requests and server start-up are bounded by
+timeouts; nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+# A model big enough that a decode step is real matrix work on a CPU, small enough that
+# a 2-core machine finishes the whole benchmark in minutes. The demo's tokenizer and
+# chat template are reused, so prompts render identically on both servers.
+SMALL_SHAPE = {
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "intermediate_size": 1408,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+}
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "local", "model", "answers",
+    "questions", "writes", "code", "calls", "tools", "agents", "run", "machine", "memory", "governor",
+    "keeps", "server", "alive", "green", "yellow", "orange", "red", "bands", "weather", "Paris",
+    "London", "Tokyo", "sunny", "warm", "hello", "world",
+]
+REQUEST_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 180.0
+
+
+# -- the model -----------------------------------------------------------------------
+
+
+def build_small_model(target: Path) -> Path:
+    """A random qwen2 model of SMALL_SHAPE with the demo's tokenizer, in ``target``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from gmlx.engine.loading import demo
+
+    source = demo.ensure_built()
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, target / f.name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(SMALL_SHAPE)
+    mx.random.seed(0)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+class Prompts:
+    """Chat messages of exact token lengths, rendered with the model's own template."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(folder))
+        # Banned from the output (logit bias -100): every special token (end of sequence,
+        # and the think and tool-call markers, which would send a random model's text into
+        # reasoning or tool-call parsing), and every token that is not whole UTF-8 text on
+        # its own, so that each generated token is exactly one streamed chunk on both
+        # servers and chunks can be timed as tokens.
+        special = {self.tok.convert_tokens_to_ids(t) for t in self.tok.all_special_tokens}
+        special |= set(self.tok.added_tokens_encoder.values())
+        partial = {i for i in range(len(self.tok)) if "\ufffd" in (t := self.tok.decode([i])) or not t}
+        self.banned_ids = sorted(special | partial)
+
+    def length(self, messages: list[dict[str, str]]) -> int:
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return len(self.tok.encode(text, add_special_tokens=False))
+
+    def text(self, tag: str, n_tokens: int, role: str = "user") -> str:
+        """Text starting with ``tag`` whose message renders to ``n_tokens`` prompt tokens
+        (or the first length past it)."""
+        words, i = [tag], 0
+        while True:
+            content = " ".join(words)
+            missing = n_tokens - self.length([{"role": role, "content": content}])
+            if missing <= 0:
+                return content
+            # Grow by about half the gap at a time: re-tokenizing 2k tokens per word is slow.
+            for _ in range(max(1, missing // 2)):
+                words.append(WORDS[(i * 7 + len(tag)) % len(WORDS)])
+                i += 1
+
+
+# -- the servers -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    port: int = field(default_factory=free_port)
+    model: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with self.log.open("wb") as out:
+            # A new session, so stopping it takes the whole process group with it.
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2.0)
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not become ready in {START_TIMEOUT_S:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def make_servers(folder: Path, workdir: Path, peer_args: list[str] | None = None) -> tuple[Server, Server]:
+    # gmlx gets an empty home, so no user config file or cache takes part.
+    home = workdir / "gmlx-home"
+    home.mkdir()
+    env = {**os.environ, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    bin_dir = Path(sys.executable).parent
+    gmlx = Server("gmlx", [str(bin_dir / "gmlx"), "serve", str(folder)], env, workdir / "gmlx.log")
+    gmlx.argv += ["--port", str(gmlx.port)]
+    peer = Server("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder),
+                                    "--log-level", "WARNING", *(peer_args or [])], env, workdir / "peer.log")
+    peer.argv += ["--port", str(peer.port)]
+    peer.model = "default_model"  # the peer's name for the model given with --model
+    return gmlx, peer
+
+
+# -- one streamed request -------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    sent: float
+    first: float | None = None  # first non-empty content chunk
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0  # from usage
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # the prompt tokens the server reports as reused
+
+    @property
+    def ttft(self) -> float:
+        assert self.first is not None
+        return self.first - self.sent
+
+
+def _delta_text(delta: Any) -> str:
+    # gmlx and the peer may route text to a reasoning field (the peer calls it
+    # `reasoning`, gmlx `reasoning_content`); any text the model produced counts.
+    extra = delta.model_extra or {}
+    return delta.content or extra.get("reasoning") or extra.get("reasoning_content") or ""
+
+
+async def stream_chat(client: openai.AsyncOpenAI, model: str, messages: list[dict[str, str]],
+                      max_tokens: int, logit_bias: dict[str, int]) -> Stream:
+    s = Stream(sent=time.perf_counter())
+    response = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, logit_bias=logit_bias,
+    )
+    async for chunk in response:
+        now = time.perf_counter()
+        if chunk.choices and _delta_text(chunk.choices[0].delta):
+            if s.first is None:
+                s.first = now
+            s.chunk_times.append(now)
+        if chunk.usage is not None:
+            s.tokens, s.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            if details := chunk.usage.prompt_tokens_details:
+                s.cached_tokens = details.cached_tokens
+    s.end = time.perf_counter()
+    if s.first is None:
+        raise RuntimeError("a stream produced no content")
+    return s
+
+
+# -- the measurements -----------------------------------------------------------------
+
+
+@dataclass
+class WidthResult:
+    width: int
+    decode_tok_s: float
+    ttft_p50: float
+    ttft_p95: float
+    tokens: int
+    chunks: int
+    prompt_tokens: int
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def aggregate(streams: list[Stream]) -> float:
+    """Tokens received after T0 (the last first token) / (T_end - T0); see the docstring."""
+    t0 = max(s.first for s in streams if s.first is not None)
+    t_end = max(s.end for s in streams)
+    before = sum(sum(1 for t in s.chunk_times if t <= t0) for s in streams)
+    return (sum(s.tokens for s in streams) - before) / (t_end - t0)
+
+
+async def run_width(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, width: int,
+                    prompt_len: int, tokens: int, rounds: int, bias: dict[str, int]) -> WidthResult:
+    rates: list[float] = []
+    ttfts: list[float] = []
+    all_streams: list[Stream] = []
+    for r in range(rounds):
+        batch = [[{"role": "user", "content": prompts.text(f"w{width}r{r}s{i}{server.name[:4]}", prompt_len)}]
+                 for i in range(width)]
+        streams = await asyncio.gather(*(stream_chat(client, server.model, m, tokens, bias) for m in batch))
+        rates.append(aggregate(streams))
+        ttfts += [s.ttft for s in streams]
+        all_streams += streams
+    return WidthResult(
+        width, statistics.median(rates), percentile(ttfts, 0.5), percentile(ttfts, 0.95),
+        sum(s.tokens for s in all_streams), sum(len(s.chunk_times) for s in all_streams),
+        round(statistics.mean(s.prompt_tokens for s in all_streams)),
+    )
+
+
+@dataclass
+class PrefixResult:
+    miss: float
+    hit: float
+    prompt_tokens: int
+    cached_tokens: int | None  # reused on the hit, as the server reports it
+
+    @property
+    def speedup(self) -> float:
+        return self.miss / self.hit
+
+
+async def run_prefix(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, prefix_len: int,
+                     reps: int, bias: dict[str, int]) -> PrefixResult:
+    misses: list[float] = []
+    hits: list[float] = []
+    for r in range(reps):
+        system = {"role": "system", "content": prompts.text(f"prefix{r}{server.name[:4]}", prefix_len, "system")}
+        first = [system, {"role": "user", "content": "What is the weather like in Paris today?"}]
+        second = [system, {"role": "user", "content": "Write a function that adds two numbers."}]
+        miss = await stream_chat(client, server.model, first, 4, bias)
+        hit = await stream_chat(client, server.model, second, 4, bias)
+        misses.append(miss.ttft)
+        hits.append(hit.ttft)
+    return PrefixResult(statistics.median(misses), statistics.median(hits), hit.prompt_tokens, hit.cached_tokens)
+
+
+async def warm_up(server: Server, client: openai.AsyncOpenAI, bias: dict[str, int]) -> None:
+    await stream_chat(client, server.model, [{"role": "user", "content": "Hello, world!"}], 8, bias)
+
+
+# -- the run --------------------------------------------------------------------------
+
+
+async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts: Prompts
+                  ) -> tuple[dict[str, list[WidthResult]], dict[str, PrefixResult]]:
+    bias = {str(i): -100 for i in prompts.banned_ids}
+    servers = (gmlx, peer)
+    clients = {s.name: openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0,
+                                          timeout=REQUEST_TIMEOUT_S) for s in servers}
+    try:
+        if not gmlx.model:
+            models = (await clients[gmlx.name].models.list()).data
+            gmlx.model = models[0].id
+        for s in servers:
+            await warm_up(s, clients[s.name], bias)
+        widths: dict[str, list[WidthResult]] = {s.name: [] for s in servers}
+        for k, width in enumerate(args.widths):
+            # Alternate which server goes first, so slow drift of the machine evens out.
+            for s in servers if k % 2 == 0 else servers[::-1]:
+                res = await run_width(s, clients[s.name], prompts, width, args.prompt, args.tokens,
+                                      args.rounds, bias)
+                widths[s.name].append(res)
+                print(f"  {s.name:>14} width {width}: {res.decode_tok_s:.1f} tok/s, "
+                      f"TTFT p50 {res.ttft_p50 * 1000:.0f} ms", flush=True)
+        prefix: dict[str, PrefixResult] = {}
+        for s in servers:
+            prefix[s.name] = await run_prefix(s, clients[s.name], prompts, args.prefix, args.prefix_reps, bias)
+            print(f"  {s.name:>14} prefix: miss {prefix[s.name].miss * 1000:.0f} ms, "
+                  f"hit {prefix[s.name].hit * 1000:.0f} ms", flush=True)
+        return widths, prefix
+    finally:
+        for c in clients.values():
+            await c.close()
+
+
+def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server,
+           widths: dict[str, list[WidthResult]], prefix: dict[str, PrefixResult]) -> None:
+    import mlx.core as mx
+
+    print()
+    print(f"model: {model_desc}; device: {mx.default_device()}; prompt {args.prompt} tokens, "
+          f"output {args.tokens} tokens, rounds {args.rounds}, greedy, EOS biased -100")
+    print("aggregate decode tok/s = tokens received after the last stream's first token / "
+          "(last finish - last first token)")
+    print()
+    print("| width | peer tok/s | gmlx tok/s | ratio | peer TTFT p50/p95 ms | gmlx TTFT p50/p95 ms "
+          "| tokens peer/gmlx | chunks peer/gmlx |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for ours, theirs in zip(widths[gmlx.name], widths[peer.name]):
+        print(f"| {ours.width} | {theirs.decode_tok_s:.1f} | {ours.decode_tok_s:.1f} | "
+              f"{ours.decode_tok_s / theirs.decode_tok_s:.2f} | "
+              f"{theirs.ttft_p50 * 1000:.0f} / {theirs.ttft_p95 * 1000:.0f} | "
+              f"{ours.ttft_p50 * 1000:.0f} / {ours.ttft_p95 * 1000:.0f} | "
+              f"{theirs.tokens} / {ours.tokens} | {theirs.chunks} / {ours.chunks} |")
+    print()
+    print(f"prefix reuse ({prefix[gmlx.name].prompt_tokens} prompt tokens, ~{args.prefix}-token shared "
+          f"system prompt, median of {args.prefix_reps}):")
+    print()
+    print("| server | TTFT miss ms | TTFT hit ms | speed-up (miss / hit) | cached tokens on the hit |")
+    print("|---|---:|---:|---:|---:|")
+    for s in (peer, gmlx):
+        p = prefix[s.name]
+        print(f"| {s.name} | {p.miss * 1000:.0f} | {p.hit * 1000:.0f} | {p.speedup:.1f}x | {p.cached_tokens} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("small", "demo"), default="small",
+                        help="small: random qwen2, hidden 512, 4 layers, demo tokenizer; demo: the built-in model")
+    parser.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 4, 8])
+    parser.add_argument("--prompt", type=int, default=96, help="prompt tokens per request (width runs)")
+    parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per width; the median rate is kept")
+    parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (prefix-reuse case)")
+    parser.add_argument("--prefix-reps", type=int, default=3)
+    parser.add_argument("--peer-args", type=shlex.split, default=[],
+                        help="extra mlx_lm.server flags, for experiments (e.g. '--prefill-step-size 512')")
+    parser.add_argument("--keep-logs", action="store_true", help="print where the server logs are and keep them")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="gmlx-bench-"))
+    gmlx = peer = None
+    try:
+        if args.model == "small":
+            folder = build_small_model(workdir / "small-model")
+            shape = ", ".join(f"{k.removesuffix('_size').removeprefix('num_')} {v}" for k, v in SMALL_SHAPE.items())
+            model_desc = f"random qwen2 ({shape}), demo tokenizer, float32"
+        else:
+            from gmlx.engine.loading import demo
+
+            folder = demo.ensure_built()
+            model_desc = "gmlx demo (random qwen2, hidden 128, 2 layers), float32"
+        prompts = Prompts(folder)
+        gmlx, peer = make_servers(folder, workdir, args.peer_args)
+        for s in (gmlx, peer):
+            s.start()
+        for s in (gmlx, peer):
+            s.wait_ready()
+        started = time.perf_counter()
+        widths, prefix = asyncio.run(measure(args, gmlx, peer, prompts))
+        report(args, model_desc, gmlx, peer, widths, prefix)
+        print(f"\nmeasured in {time.perf_counter() - started:.0f} s")
+    finally:
+        for s in (gmlx, peer):
+            if s is not None:
+                s.stop()
+        if args.keep_logs:
+            print(f"server logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
