@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import LiveServer
+from live_server import LiveServer
 
 from gmlx.config import ServerSettings, load_settings
 from gmlx.server.app import create_app

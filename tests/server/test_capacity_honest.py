@@ -15,7 +15,7 @@ from gmlx.config import load_settings
 from gmlx.engine import capacity
 from gmlx.server.app import create_app
 
-from conftest import LiveServer  # noqa: I001  (tests/server on the path)
+from live_server import LiveServer  # noqa: I001  (tests/server on the path)
 
 MiB = 1024**2
 DEPTH = 1024  # tokens each stream reaches: prompt + output

@@ -12,7 +12,7 @@ import pytest
 from gmlx.config import load_settings
 from gmlx.server.app import create_app
 
-from conftest import LiveServer  # noqa: I001  (tests/server on the path)
+from live_server import LiveServer  # noqa: I001  (tests/server on the path)
 
 WIDTH = 8
 TOKENS = 200

@@ -1,0 +1,44 @@
+"""A uvicorn server on 127.0.0.1 in a thread, for tests that need a real one.
+
+Its own module (not conftest) so test files can import it by a unique name.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+
+@dataclass
+class LiveServer:
+    """A uvicorn server running ``app`` in a thread, on a socket bound before it starts."""
+
+    app: FastAPI
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @classmethod
+    def start(cls, app: FastAPI, timeout: float = 60.0) -> LiveServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return cls(app, f"http://127.0.0.1:{port}", server, thread)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
