@@ -64,6 +64,15 @@ SMALL_SHAPE = {
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
 }
+# Qwen2.5-1.5B's shape, for an accelerator: decode steps of a few milliseconds, where a
+# server's per-token overhead shows.
+QWEN_1_5B_SHAPE = {
+    "hidden_size": 1536,
+    "num_hidden_layers": 28,
+    "intermediate_size": 8960,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+}
 WORDS = [
     "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "local", "model", "answers",
     "questions", "writes", "code", "calls", "tools", "agents", "run", "machine", "memory", "governor",
@@ -77,8 +86,8 @@ START_TIMEOUT_S = 180.0
 # -- the model -----------------------------------------------------------------------
 
 
-def build_small_model(target: Path) -> Path:
-    """A random qwen2 model of SMALL_SHAPE with the demo's tokenizer, in ``target``."""
+def build_small_model(target: Path, shape: dict[str, int] = SMALL_SHAPE, dtype: str = "float32") -> Path:
+    """A random qwen2 model of ``shape`` with the demo's tokenizer, in ``target``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -91,10 +100,11 @@ def build_small_model(target: Path) -> Path:
         if f.name not in ("model.safetensors", "config.json"):
             shutil.copy(f, target / f.name)
     config = json.loads((source / "config.json").read_text())
-    config.update(SMALL_SHAPE)
+    config.update(shape, torch_dtype=dtype)
     mx.random.seed(0)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -197,8 +207,8 @@ def make_servers(folder: Path, workdir: Path, peer_args: list[str] | None = None
     home = workdir / "gmlx-home"
     home.mkdir()
     env = {**os.environ, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    bin_dir = Path(sys.executable).parent
-    gmlx = Server("gmlx", [str(bin_dir / "gmlx"), "serve", str(folder)], env, workdir / "gmlx.log")
+    gmlx = Server("gmlx", [sys.executable, "-m", "gmlx.cli.main", "serve", str(folder)], env,
+                  workdir / "gmlx.log")
     gmlx.argv += ["--port", str(gmlx.port)]
     peer = Server("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder),
                                     "--log-level", "WARNING", *(peer_args or [])], env, workdir / "peer.log")
@@ -402,8 +412,10 @@ def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("small", "demo"), default="small",
-                        help="small: random qwen2, hidden 512, 4 layers, demo tokenizer; demo: the built-in model")
+    parser.add_argument("--model", choices=("small", "demo", "qwen1.5b"), default="small",
+                        help="small: random qwen2, hidden 512, 4 layers, demo tokenizer; demo: the built-in "
+                             "model; qwen1.5b: random weights of Qwen2.5-1.5B's shape (for an accelerator)")
+    parser.add_argument("--dtype", default="float32", help="weights dtype of the random models")
     parser.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 4, 8])
     parser.add_argument("--prompt", type=int, default=96, help="prompt tokens per request (width runs)")
     parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
@@ -418,10 +430,11 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="gmlx-bench-"))
     gmlx = peer = None
     try:
-        if args.model == "small":
-            folder = build_small_model(workdir / "small-model")
-            shape = ", ".join(f"{k.removesuffix('_size').removeprefix('num_')} {v}" for k, v in SMALL_SHAPE.items())
-            model_desc = f"random qwen2 ({shape}), demo tokenizer, float32"
+        if args.model in ("small", "qwen1.5b"):
+            dims = SMALL_SHAPE if args.model == "small" else QWEN_1_5B_SHAPE
+            folder = build_small_model(workdir / "model", dims, args.dtype)
+            shape = ", ".join(f"{k.removesuffix('_size').removeprefix('num_')} {v}" for k, v in dims.items())
+            model_desc = f"random qwen2 ({shape}), demo tokenizer, {args.dtype}"
         else:
             from gmlx.engine.loading import demo
 
