@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -59,6 +60,9 @@ DecodeBatchOpt = Annotated[
 ]
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve_command(
     models: ModelsArg = None,
     config: ConfigOpt = None,
@@ -77,6 +81,10 @@ def serve_command(
     from gmlx.server.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    # Each token crosses from a model's worker thread to the event loop; with Python's
+    # default 5 ms switch interval a thread waiting for the GIL can wait that long, once
+    # per token. A shorter interval keeps the hand-off well under a decode step.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     settings = load_settings(config)
     flags = {"host": host, "port": port, "api_key": api_key, "decode_batch": decode_batch}
     server = settings.server.model_copy(update={k: v for k, v in flags.items() if v is not None})

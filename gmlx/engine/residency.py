@@ -251,11 +251,11 @@ class Registry:
         free now; the first model's table is kept as the boot table. None when the
         model cannot be probed (its requests then run without a memory model).
         """
-        from gmlx.engine.worker import DEFAULT_PREFILL_STEP
+        from gmlx.engine.worker import default_prefill_step
 
         try:
             geom = capacity.probe_geometry(loaded)
-            table = capacity.capacity_table(geom, self.free_bytes() or 0, DEFAULT_PREFILL_STEP)
+            table = capacity.capacity_table(geom, self.free_bytes() or 0, default_prefill_step())
         except Exception:  # a model the probe does not understand still serves
             log.warning("cannot measure the memory geometry of %s", loaded.id, exc_info=True)
             return None

@@ -47,7 +47,15 @@ __all__ = ["ModelWorker", "RequestHandle", "RequestState"]
 log = logging.getLogger("gmlx.engine")
 
 DEFAULT_DECODE_BATCH = 8
-DEFAULT_PREFILL_STEP = 512
+DEFAULT_PREFILL_STEP = 512  # CPU: unfused attention makes the chunk's transient large
+
+
+def default_prefill_step() -> int:
+    """Prompt tokens per prefill step: 512 on the CPU, 2048 where attention is fused
+    (Metal, CUDA), so its transient stays small and fewer, larger steps win."""
+    from gmlx.engine.capacity import backend
+
+    return DEFAULT_PREFILL_STEP if backend() == "cpu" else 2048
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
 RETRY_AFTER_RANGE = (2, 60)
 
@@ -97,7 +105,7 @@ class ModelWorker:
         loaded: LoadedModel,
         *,
         decode_batch: int = DEFAULT_DECODE_BATCH,
-        prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        prefill_step_size: int | None = None,
         queue_cap: int | None = None,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         governor: Governor | None = None,
@@ -106,7 +114,7 @@ class ModelWorker:
             raise ValueError("decode_batch must be >= 1")
         self.loaded = loaded
         self.decode_batch = decode_batch
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size = prefill_step_size or default_prefill_step()
         self.queue_cap = 4 * decode_batch if queue_cap is None else max(0, queue_cap)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.governor = governor
