@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 
-from gmlx.config import load_settings
-from gmlx.server.app import create_app
-
-from live_server import LiveServer  # noqa: I001  (tests/server on the path)
+from live_server import serve_config  # noqa: I001  (tests/server on the path)
 
 WIDTH = 8
 TOKENS = 200
@@ -20,10 +15,7 @@ TOKENS = 200
 
 @pytest.fixture(scope="module")
 def wide_server(tmp_path_factory):
-    path: Path = tmp_path_factory.mktemp("wide") / "gmlx.yaml"
-    path.write_text(f"server:\n  decode_batch: {WIDTH}\n")
-    settings, _ = load_settings(path).with_models(["demo"])
-    live = LiveServer.start(create_app(settings))
+    live = serve_config(tmp_path_factory.mktemp("wide"), f"server:\n  decode_batch: {WIDTH}\n")
     yield live
     live.stop()
 
@@ -72,10 +64,7 @@ def test_eight_concurrent_streams(wide_server):
 
 @pytest.fixture(scope="module")
 def narrow_server(tmp_path_factory):
-    path: Path = tmp_path_factory.mktemp("narrow") / "gmlx.yaml"
-    path.write_text("server:\n  decode_batch: 1\n  sse_keepalive_s: 0.1\n")
-    settings, _ = load_settings(path).with_models(["demo"])
-    live = LiveServer.start(create_app(settings))
+    live = serve_config(tmp_path_factory.mktemp("narrow"), "server:\n  decode_batch: 1\n  sse_keepalive_s: 0.1\n")
     yield live
     live.stop()
 

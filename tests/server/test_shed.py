@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-
 import httpx
 import pytest
 
-from gmlx.config import load_settings
-from gmlx.server.app import create_app
-
-from live_server import LiveServer  # noqa: I001  (tests/server on the path)
+from live_server import LiveServer, serve_config  # noqa: I001  (tests/server on the path)
 
 FLOOR = 1000
 GREEN, RED = 10**12, 10
@@ -34,10 +29,8 @@ def probe() -> Headroom:
 
 @pytest.fixture(scope="module")
 def governed(tmp_path_factory, probe):
-    path: Path = tmp_path_factory.mktemp("shed") / "gmlx.yaml"
-    path.write_text(f"server:\n  decode_batch: 2\n  governor_floor_bytes: {FLOOR}\n")
-    settings, _ = load_settings(path).with_models(["demo"])
-    live = LiveServer.start(create_app(settings, registry=settings.registry(probe=probe)))
+    yaml_text = f"server:\n  decode_batch: 2\n  governor_floor_bytes: {FLOOR}\n"
+    live = serve_config(tmp_path_factory.mktemp("shed"), yaml_text, probe=probe)
     yield live
     live.stop()
 
