@@ -175,6 +175,9 @@ def test_estimate_never_loads_a_model(scripted, sc):
     assert est["resident"] is False and est["prompt_tokens"] is None and est["fits_now"] is None
     dry = sc.post("/v1/chat/completions", json={"model": "cold", "messages": HI, "dry_run": True})
     assert dry.json()["resident"] is False
+    # A malformed body is refused for a cold model too, still without loading it.
+    bad = sc.post("/v1/estimate", json={"model": "cold", "messages": HI, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     assert not scripted.app.state.registry.resident("cold")
 
 

@@ -106,6 +106,9 @@ async def estimate_chat(request: Request, body: ChatCompletionRequest) -> dict[s
     """
     registry: Registry = request.app.state.registry
     target = registry.address(body.model, body.profile)
+    # The body is checked as the chat route checks it, resident model or not.
+    tools, _ = apply_tool_choice(body.tools, body.tool_choice)
+    messages = translate.chat_messages(body.messages)
     if not registry.resident(target.spec.id):
         null = dict.fromkeys(
             (
@@ -129,10 +132,7 @@ async def estimate_chat(request: Request, body: ChatCompletionRequest) -> dict[s
             "max_tokens": body.output_cap,
             "context_limit": target.spec.max_kv_size,
         }
-    tools, _ = apply_tool_choice(body.tools, body.tool_choice)  # as the chat route does
-    rendered = await generation.render(
-        request, body, messages=translate.chat_messages(body.messages), tools=tools
-    )
+    rendered = await generation.render(request, body, messages=messages, tools=tools)
     return estimate(registry, rendered, body.output_cap)
 
 
