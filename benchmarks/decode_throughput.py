@@ -66,6 +66,16 @@ def run_peer(loaded, width: int, prompt_len: int, tokens: int) -> float:
     return (produced - width) / elapsed
 
 
+def run_peer_in_thread(loaded, width: int, prompt_len: int, tokens: int) -> float:
+    """The peer loop on a thread of its own: separates the cost of running MLX off the
+    main thread from the cost of gmlx's own per-token work."""
+    result: list[float] = []
+    thread = threading.Thread(target=lambda: result.append(run_peer(loaded, width, prompt_len, tokens)))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
 def run_gmlx(loaded, width: int, prompt_len: int, tokens: int) -> float:
     """Decode tokens/s of gmlx's ModelWorker with ``width`` concurrent requests."""
     from gmlx.engine.types import GenerateRequest, SamplingParams
@@ -103,6 +113,8 @@ def main() -> None:
     parser.add_argument("--widths", default="1,4,16")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--threaded-peer", action="store_true",
+                        help="also time the peer loop on its own thread (diagnoses threading costs)")
     args = parser.parse_args()
 
     loaded = build(args.shape, args.dtype)
@@ -110,11 +122,13 @@ def main() -> None:
           f"prompt: {args.prompt}  tokens: {args.tokens}")
     run_peer(loaded, 1, 8, 8)  # warm up kernels for both
     run_gmlx(loaded, 1, 8, 8)
-    print(f"{'width':>5} {'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'ratio':>6}")
+    extra = f" {'peer-thread':>12}" if args.threaded_peer else ""
+    print(f"{'width':>5} {'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'ratio':>6}{extra}")
     for width in (int(w) for w in args.widths.split(",")):
         peer = run_peer(loaded, width, args.prompt, args.tokens)
         ours = run_gmlx(loaded, width, args.prompt, args.tokens)
-        print(f"{width:>5} {peer:>13.1f} {ours:>11.1f} {ours / peer:>6.2f}")
+        threaded = f" {run_peer_in_thread(loaded, width, args.prompt, args.tokens):>12.1f}" if args.threaded_peer else ""
+        print(f"{width:>5} {peer:>13.1f} {ours:>11.1f} {ours / peer:>6.2f}{threaded}")
 
 
 if __name__ == "__main__":
