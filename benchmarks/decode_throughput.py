@@ -85,23 +85,23 @@ def run_gmlx(loaded, width: int, prompt_len: int, tokens: int) -> float:
     try:
         handles = [worker.submit(GenerateRequest(tuple(p), max_tokens=tokens, sampling=SamplingParams(temperature=0)))
                    for p in prompts(width, prompt_len)]
-        firsts, ends, counts = [0.0] * width, [0.0] * width, [0] * width
+        stamps: list[list[float]] = [[] for _ in range(width)]
 
         def consume(i: int) -> None:  # one reader per stream, as a server's clients are
             for ev in handles[i]:
                 if ev.token_ids:
-                    counts[i] += 1
-                    if counts[i] == 1:
-                        firsts[i] = time.perf_counter()
-            ends[i] = time.perf_counter()
+                    stamps[i].append(time.perf_counter())
 
         readers = [threading.Thread(target=consume, args=(i,)) for i in range(width)]
         for t in readers:
             t.start()
         for t in readers:
             t.join()
-        elapsed = max(ends) - max(firsts)  # from when every stream was decoding
-        return (sum(counts) - width) / elapsed
+        # Count only what was decoded while every stream was decoding: prefill admits
+        # one prompt at a time, so the streams start (and end) a few steps apart.
+        start = max(s[0] for s in stamps)
+        end = min(s[-1] for s in stamps)
+        return sum(start < t <= end for s in stamps for t in s) / (end - start)
     finally:
         worker.close()
 
