@@ -4,7 +4,6 @@ server and the official SDKs (issue: the request features agents depend on)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
