@@ -246,13 +246,12 @@ def probe_geometry(loaded: LoadedModel) -> Geometry:
         else:  # unknown cache type: assume a full KV cache of its current size per token
             layers.append(LayerKV(max(1, c.nbytes // max(1, c.size()))))
     params = tree_flatten(model.parameters())
-    weight_bytes = sum(v.nbytes for _, v in params)
     cfg = loaded.config
     text_cfg = cfg.get("text_config", cfg)
     float_dtypes = [v.dtype for _, v in params if v.dtype in (mx.float16, mx.bfloat16, mx.float32)]
     dtype_bytes = max(set(float_dtypes), key=float_dtypes.count).size if float_dtypes else 2
     return Geometry(
-        weight_bytes=weight_bytes,
+        weight_bytes=weight_bytes(model),
         layers=tuple(layers),
         hidden_size=int(text_cfg.get("hidden_size", 0)),
         intermediate_size=int(text_cfg.get("intermediate_size", 0) or 4 * text_cfg.get("hidden_size", 0)),
@@ -262,6 +261,13 @@ def probe_geometry(loaded: LoadedModel) -> Geometry:
         context_length=loaded.context_length,
         fused_attention=backend() != "cpu",
     )
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a model's parameters as loaded (quantized weights, scales and biases)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def backend() -> str:

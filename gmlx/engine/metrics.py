@@ -104,20 +104,10 @@ def model_row(worker: ModelWorker, extra: dict[str, Any] | None = None) -> dict[
         "decode_batch": worker.decode_batch,
         "pinned": False,
         "kept": False,
-        "weight_bytes": weight_bytes(worker),
+        "weight_bytes": worker.weight_bytes,
         "prompt_cache_bytes": cache["bytes"],
         **(extra or {}),
     }
-
-
-def weight_bytes(worker: ModelWorker) -> int:
-    cached = getattr(worker, "_weight_bytes", None)
-    if cached is None:
-        from mlx.utils import tree_flatten
-
-        cached = sum(v.nbytes for _, v in tree_flatten(worker.loaded.model.parameters()))
-        worker._weight_bytes = cached  # type: ignore[attr-defined]
-    return cached
 
 
 def snapshot(

@@ -9,6 +9,7 @@ handle only moves :class:`Event` objects across.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import threading
@@ -234,6 +235,13 @@ class ModelWorker:
         if not self._done.is_set():
             self._inbox.put(("close", None))
             self._done.wait(timeout)
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (measured once)."""
+        from gmlx.engine.capacity import weight_bytes
+
+        return weight_bytes(self.loaded.model)
 
     @property
     def in_flight(self) -> int:

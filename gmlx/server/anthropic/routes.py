@@ -118,6 +118,6 @@ async def _stream(job: Job) -> AsyncIterator[str]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensBody, request: Request) -> Response:
     rendered = await generation.render(
-        request, body, messages=translate.chat_messages(body), tools=translate.template_tools(body)
+        request, body, messages=translate.chat_messages(body), tools=translate.tools_and_choice(body)[0]
     )
     return JSONResponse({"input_tokens": len(rendered.ids)})

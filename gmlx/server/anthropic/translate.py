@@ -116,10 +116,6 @@ def tools_and_choice(body: MessagesRequest) -> tuple[list[dict[str, Any]] | None
     return apply_tool_choice(tools or None, body.tool_choice)
 
 
-def template_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
-    return tools_and_choice(body)[0]
-
-
 def stop_reason(finish: FinishReason, stop_sequence: str | None) -> str:
     if finish is FinishReason.LENGTH:
         return "max_tokens"

@@ -84,15 +84,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def template_tools(
-    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
-) -> list[dict[str, Any]] | None:
-    """The tools the chat template sees (none for ``tool_choice: none``)."""
-    from gmlx.engine.tools import apply_tool_choice
-
-    return apply_tool_choice(tools, tool_choice)[0]
-
-
 def usage(u: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
