@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -39,11 +40,13 @@ class RequestHandle:
         self.id = request.id
         self._worker = worker
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._async: asyncio.Queue[Event] | None = None
+        # The event-loop side: a deque and one waiter future (lighter per token than an
+        # asyncio.Queue, which matters where a decode step takes a few milliseconds).
+        self._ready: deque[Event | None] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             self._loop = asyncio.get_running_loop()
-            self._async = asyncio.Queue()
         except RuntimeError:
             pass
 
@@ -53,9 +56,15 @@ class RequestHandle:
             self._sync.put(event)
             return
         try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, event)  # type: ignore[union-attr]
+            self._loop.call_soon_threadsafe(self._push, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def _push(self, item: Event | None) -> None:
+        """On the event loop: queue an event (``None``: a silence tick) and wake the reader."""
+        self._ready.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def cancel(self) -> None:
         self._worker.cancel(self.id)
@@ -78,14 +87,50 @@ class RequestHandle:
             if event.final:
                 return
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        if self._async is None:
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self.stream()  # type: ignore[return-value]  # without ticks, never None
+
+    async def stream(self, idle_s: float = 0.0) -> AsyncIterator[Event | None]:
+        """The events as they come; with ``idle_s`` > 0 also a ``None`` after every
+        ``idle_s`` seconds in which none came (a queued request, a long prefill), so a
+        streaming front end can send a keep-alive. One timer serves the whole request:
+        an event costs no timer of its own."""
+        loop = self._loop
+        if loop is None:
             raise RuntimeError("this request was not submitted from an event loop")
-        while True:
-            event = await self._async.get()
-            yield self._check(event)
-            if event.final:
-                return
+        last = loop.time()
+        timer: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal timer
+            now = loop.time()
+            if now - last >= idle_s:
+                self._push(None)
+                timer = loop.call_at(now + idle_s, tick)
+            else:
+                timer = loop.call_at(last + idle_s, tick)
+
+        if idle_s > 0:
+            timer = loop.call_at(last + idle_s, tick)
+        try:
+            while True:
+                while not self._ready:
+                    self._waiter = loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                event = self._ready.popleft()
+                if event is None:
+                    yield None
+                    continue
+                last = loop.time()
+                yield self._check(event)
+                if event.final:
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 @dataclass

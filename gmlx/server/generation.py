@@ -43,6 +43,7 @@ class Job:
     prompt_tokens: int
     created: int
     tokenizer: Tokenizer | None = None  # names the alternatives of top_logprobs
+    keepalive_s: float = 0.0  # a streamed answer's silences longer than this get a tick
 
     @property
     def id(self) -> str:
@@ -156,7 +157,8 @@ async def start(
         thinking_budget=body.thinking_budget,
     )
     handle = r.worker.submit(engine_request)
-    return Job(handle, r.model, len(r.ids), int(time.time()), r.worker.loaded.tokenizer)
+    keepalive_s = request.app.state.settings.server.sse_keepalive_s
+    return Job(handle, r.model, len(r.ids), int(time.time()), r.worker.loaded.tokenizer, keepalive_s)
 
 
 def _encode_chat(
@@ -209,12 +211,14 @@ async def collect(job: Job, request: Request) -> Result:
     raise AssertionError("a request stream ended without a final event")
 
 
-async def events(job: Job) -> AsyncIterator[Event]:
-    """The request's events; closing the iterator early (a disconnect) cancels it."""
+async def events(job: Job) -> AsyncIterator[Event | None]:
+    """The request's events for a stream, with ``None`` for every ``job.keepalive_s``
+    of silence (the stream sends a keep-alive comment); closing the iterator early (a
+    disconnect) cancels the request."""
     finished = False
     try:
-        async for ev in job.handle:
-            finished = ev.final
+        async for ev in job.handle.stream(job.keepalive_s):
+            finished = ev is not None and ev.final
             yield ev
     finally:
         if not finished:

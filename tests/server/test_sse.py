@@ -1,13 +1,15 @@
-"""SSE keep-alive comments and errors that happen after a stream has started."""
+"""SSE keep-alive ticks, event templates, and errors that happen after a stream has started."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 from gmlx.engine.errors import EngineError
-from gmlx.engine.types import Event
+from gmlx.engine.requests import RequestHandle
+from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 from gmlx.server import sse
 from gmlx.server.anthropic.routes import _stream as anthropic_stream
 from gmlx.server.generation import Job
@@ -18,16 +20,30 @@ async def _collect(source: AsyncIterator[str]) -> list[str]:
     return [chunk async for chunk in source]
 
 
-def test_keepalive_fills_silences():
-    async def slow() -> AsyncIterator[str]:
-        yield "a"
-        await asyncio.sleep(0.25)
-        yield "b"
+def test_a_silent_request_ticks_and_a_busy_one_does_not():
+    """The handle yields None for each silence of ``idle_s`` (the stream's keep-alive),
+    events in order, and nothing extra when ticks are off."""
 
-    out = asyncio.run(_collect(sse.with_keepalive(slow(), 0.05)))
-    assert out[0] == "a" and out[-1] == "b"
-    assert sse.KEEPALIVE in out[1:-1]
-    assert asyncio.run(_collect(sse.with_keepalive(slow(), 0))) == ["a", "b"]
+    async def run(idle_s: float) -> list[Event | None]:
+        handle = RequestHandle(GenerateRequest((1, 2)), worker=None)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+
+        def produce() -> None:  # the worker's side, from another thread
+            time.sleep(0.3)
+            handle._emit(Event(handle.id, text="a", token_ids=(5,)))
+            handle._emit(Event(handle.id, finish_reason=FinishReason.STOP, usage=Usage(2, 1)))
+
+        producer = loop.run_in_executor(None, produce)
+        out = [ev async for ev in handle.stream(idle_s)]
+        await producer
+        return out
+
+    ticked = asyncio.run(run(0.05))
+    assert [ev.text for ev in ticked if ev is not None] == ["a", ""]
+    assert ticked[-1] is not None and ticked[-1].final
+    assert 2 <= ticked.index(next(ev for ev in ticked if ev is not None)) <= 7  # ~0.3 s / 0.05 s
+    plain = asyncio.run(run(0))
+    assert None not in plain and len(plain) == 2
 
 
 class FailingHandle:
@@ -38,7 +54,7 @@ class FailingHandle:
     def __init__(self) -> None:
         self.cancelled = False
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    async def stream(self, idle_s: float = 0.0) -> AsyncIterator[Event | None]:
         yield Event(self.id, text="partial", token_ids=(1,))
         raise EngineError("Generation failed: boom.")
 
@@ -64,3 +80,11 @@ def test_anthropic_stream_error_is_an_error_event():
         "type": "error",
         "error": {"type": "api_error", "message": "Generation failed: boom."},
     }
+
+
+def test_templates_give_the_bytes_a_full_serialization_gives():
+    frame = {"id": "x", "choices": [{"delta": {"content": sse.FILL}, "finish_reason": None}]}
+    template = sse.Template(frame, "delta")
+    for text in ["hi", 'quote " and \\ slash', "line\nbreak\ttab\x00", "é 中文 😀 \u2028", ""]:
+        expected = sse.event({"id": "x", "choices": [{"delta": {"content": text}, "finish_reason": None}]}, "delta")
+        assert template(text) == expected

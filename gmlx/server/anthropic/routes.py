@@ -41,9 +41,7 @@ async def messages(body: MessagesBody, request: Request) -> Response:
     )
     headers = {"x-request-id": job.handle.id}
     if body.stream:
-        return sse.stream_response(
-            _stream(job), request.app.state.settings.server.sse_keepalive_s, headers
-        )
+        return sse.stream_response(_stream(job), headers)
     result = await generation.collect(job, request)
     return JSONResponse(
         translate.message(
@@ -65,6 +63,16 @@ async def _stream(job: Job) -> AsyncIterator[str]:
         return sse.event({"type": kind, **fields}, kind)
 
     index, open_kind = -1, None
+    delta_templates: dict[tuple[str, int], sse.Template] = {}
+
+    def delta(kind: str, field: str, value: str) -> str:
+        """A text or thinking delta of the open block (its frame serialized once)."""
+        if (frame := delta_templates.get((kind, index))) is None:
+            frame = delta_templates[kind, index] = sse.Template(
+                {"type": "content_block_delta", "index": index, "delta": {"type": kind, field: sse.FILL}},
+                "content_block_delta",
+            )
+        return frame(value)
 
     def switch(kind: str, block: dict[str, Any]) -> list[str]:
         nonlocal index, open_kind
@@ -76,17 +84,19 @@ async def _stream(job: Job) -> AsyncIterator[str]:
     yield emit("message_start", message=translate.message(job, None))
     try:
         async for ev in generation.events(job):
+            if ev is None:
+                yield sse.KEEPALIVE
+                continue
             if ev.reasoning:
                 if open_kind != "thinking":
                     for line in switch("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield line
-                yield emit("content_block_delta", index=index,
-                           delta={"type": "thinking_delta", "thinking": ev.reasoning})
+                yield delta("thinking_delta", "thinking", ev.reasoning)
             if ev.text:
                 if open_kind != "text":
                     for line in switch("text", {"type": "text", "text": ""}):
                         yield line
-                yield emit("content_block_delta", index=index, delta={"type": "text_delta", "text": ev.text})
+                yield delta("text_delta", "text", ev.text)
             for call in ev.tool_calls:
                 block = translate.tool_use(call)
                 for line in switch("tool_use", {**block, "input": {}}):

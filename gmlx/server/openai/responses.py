@@ -201,9 +201,7 @@ async def responses(body: ResponsesBody, request: Request) -> Response:
     )
     headers = {"x-request-id": job.handle.id}
     if body.stream:
-        return sse.stream_response(
-            _stream(job, body), request.app.state.settings.server.sse_keepalive_s, headers
-        )
+        return sse.stream_response(_stream(job, body), headers)
     result = await generation.collect(job, request)
     status = _status(result.finish_reason)
     return JSONResponse(
@@ -262,6 +260,9 @@ async def _stream(job: Job, body: ResponsesRequest) -> AsyncIterator[str]:
     yield emit("response.in_progress", response=response_object(job, body, status="in_progress"))
     try:
         async for ev in generation.events(job):
+            if ev is None:
+                yield sse.KEEPALIVE
+                continue
             for kind, delta in (("reasoning", ev.reasoning), ("message", ev.text)):
                 if not delta:
                     continue

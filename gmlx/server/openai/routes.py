@@ -52,11 +52,7 @@ async def chat_completions(body: ChatBody, request: Request) -> Response:
             logprobs=logprobs,
             timings=bool(body.timings_per_token),
         )
-        return sse.stream_response(
-            _chat_stream(job, options),
-            request.app.state.settings.server.sse_keepalive_s,
-            _headers(job),
-        )
+        return sse.stream_response(_chat_stream(job, options), _headers(job))
     result = await generation.collect(job, request)
     return JSONResponse(translate.chat_completion(job, result, logprobs), headers=_headers(job))
 
@@ -85,19 +81,32 @@ async def _chat_stream(job: Job, opts: ChatStreamOptions) -> AsyncIterator[str]:
             }
         return sse.event(body)
 
+    def template(field: str) -> sse.Template | None:
+        """The plain delta chunk of ``field``, serialized once (None where chunks vary)."""
+        if opts.logprobs or opts.timings:
+            return None
+        return sse.Template(translate.chat_chunk(job, {field: sse.FILL}, include_usage=opts.include_usage))
+
+    content, reasoning = template("content"), template("reasoning_content")
     pending: list[Event] = []  # token events whose text has not been sent yet (logprobs)
     yield chunk({"role": "assistant", "content": ""})
     try:
         async for ev in generation.events(job):
+            if ev is None:
+                yield sse.KEEPALIVE
+                continue
             generated += len(ev.token_ids)
             if ev.token_ids:
                 pending.append(ev)
             if ev.reasoning:
-                yield chunk({"reasoning_content": ev.reasoning})
+                yield reasoning(ev.reasoning) if reasoning else chunk({"reasoning_content": ev.reasoning})
             if ev.text:
-                lp = translate.logprob_content(job, pending) if opts.logprobs else None
-                pending = []
-                yield chunk({"content": ev.text}, logprobs=lp)
+                if content:
+                    yield content(ev.text)
+                else:
+                    lp = translate.logprob_content(job, pending) if opts.logprobs else None
+                    pending = []
+                    yield chunk({"content": ev.text}, logprobs=lp)
             if ev.tool_calls:
                 calls = [translate.tool_call(c, n_calls + i) for i, c in enumerate(ev.tool_calls)]
                 n_calls += len(calls)
@@ -125,11 +134,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse.stream_response(
-            _completion_stream(job, include_usage),
-            request.app.state.settings.server.sse_keepalive_s,
-            _headers(job),
-        )
+        return sse.stream_response(_completion_stream(job, include_usage), _headers(job))
     result = await generation.collect(job, request)
     return JSONResponse(
         translate.completion(job, result.text, result.finish_reason, result.usage),
@@ -138,9 +143,18 @@ async def completions(body: CompletionBody, request: Request) -> Response:
 
 
 async def _completion_stream(job: Job, include_usage: bool) -> AsyncIterator[str]:
+    plain = translate.completion(job, sse.FILL, None)
+    if include_usage:
+        plain["usage"] = None
+    text = sse.Template(plain)
     try:
         async for ev in generation.events(job):
-            if ev.text or ev.final:
+            if ev is None:
+                yield sse.KEEPALIVE
+                continue
+            if ev.text and not ev.final:
+                yield text(ev.text)
+            elif ev.text or ev.final:
                 chunk: dict[str, Any] = translate.completion(job, ev.text, ev.finish_reason)
                 if include_usage:
                     chunk["usage"] = None
