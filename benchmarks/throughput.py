@@ -1,7 +1,14 @@
 """Served throughput: ``gmlx serve`` against ``mlx_lm.server`` (the peer), in one run.
 
-    python benchmarks/throughput.py                   # a small random model (hidden 512, 4 layers)
-    python benchmarks/throughput.py --model demo      # the built-in demo model (mostly Python overhead)
+    python benchmarks/throughput.py                   # the tiny built-in demo model (hidden 128, 2 layers)
+    python benchmarks/throughput.py --model small --tokens 96 --rounds 2
+                                                      # a small random model (hidden 512, 4 layers)
+    python benchmarks/throughput.py --model qwen1.5b --dtype bfloat16   # on an accelerator
+
+The tiny model is where a server's own work shows: its decode step takes about a
+millisecond, so scheduling, detokenizing and streaming are a large part of each token.
+On a 2-core CPU the small model is bound by MLX's matrix kernels, the same for both
+servers, and its ratios sit near 1.
 
 Both servers run as subprocesses on free 127.0.0.1 ports, serving the same model folder
 (so the same weights, tokenizer and chat template), and are driven by the same client
@@ -26,6 +33,11 @@ Prefix reuse: a ~2k-token system prompt shared by two requests. The first (a mis
 the prefix is new to the server) and the second (a hit: same system prompt, another
 user message) are sent one after the other; TTFT miss / TTFT hit is each server's
 speed-up. Repeated ``--prefix-reps`` times with a fresh prefix; medians are printed.
+
+Rounds alternate between the two servers (round r: gmlx then the peer, round r+1 the
+peer then gmlx), so slow drift of the machine's speed falls on both alike. The table
+gives the median of each server's rounds, their ratio, and the range of the ratios of
+neighbouring rounds (how far one pair of runs can stray on this machine).
 
 Each server gets one short warm-up request before anything is timed. Both servers
 are killed at the end, also on error. Requests and server start-up are bounded by
@@ -272,12 +284,23 @@ async def stream_chat(client: openai.AsyncOpenAI, model: str, messages: list[dic
 @dataclass
 class WidthResult:
     width: int
-    decode_tok_s: float
-    ttft_p50: float
-    ttft_p95: float
-    tokens: int
-    chunks: int
-    prompt_tokens: int
+    rates: list[float] = field(default_factory=list)  # aggregate decode tok/s, one per round
+    streams: list[Stream] = field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return statistics.median(self.rates)
+
+    def ttft(self, p: float) -> float:
+        return percentile([s.ttft for s in self.streams], p)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.streams)
+
+    @property
+    def chunks(self) -> int:
+        return sum(len(s.chunk_times) for s in self.streams)
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -295,50 +318,48 @@ def aggregate(streams: list[Stream]) -> float:
     return (sum(s.tokens for s in streams) - before) / (t_end - t0)
 
 
-async def run_width(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, width: int,
-                    prompt_len: int, tokens: int, rounds: int, bias: dict[str, int]) -> WidthResult:
-    rates: list[float] = []
-    ttfts: list[float] = []
-    all_streams: list[Stream] = []
-    for r in range(rounds):
-        batch = [[{"role": "user", "content": prompts.text(f"w{width}r{r}s{i}{server.name[:4]}", prompt_len)}]
-                 for i in range(width)]
-        streams = await asyncio.gather(*(stream_chat(client, server.model, m, tokens, bias) for m in batch))
-        rates.append(aggregate(streams))
-        ttfts += [s.ttft for s in streams]
-        all_streams += streams
-    return WidthResult(
-        width, statistics.median(rates), percentile(ttfts, 0.5), percentile(ttfts, 0.95),
-        sum(s.tokens for s in all_streams), sum(len(s.chunk_times) for s in all_streams),
-        round(statistics.mean(s.prompt_tokens for s in all_streams)),
-    )
+async def run_round(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, width: int,
+                    prompt_len: int, tokens: int, tag: str, bias: dict[str, int], into: WidthResult) -> None:
+    """One round: ``width`` streams sent at once, each with a prompt of its own."""
+    batch = [[{"role": "user", "content": prompts.text(f"{tag}s{i}{server.name[:4]}", prompt_len)}]
+             for i in range(width)]
+    streams = await asyncio.gather(*(stream_chat(client, server.model, m, tokens, bias) for m in batch))
+    into.rates.append(aggregate(streams))
+    into.streams += streams
 
 
 @dataclass
 class PrefixResult:
-    miss: float
-    hit: float
-    prompt_tokens: int
-    cached_tokens: int | None  # reused on the hit, as the server reports it
+    misses: list[float] = field(default_factory=list)  # TTFT of each miss, seconds
+    hits: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # reused on the hit, as the server reports it
+
+    @property
+    def miss(self) -> float:
+        return statistics.median(self.misses)
+
+    @property
+    def hit(self) -> float:
+        return statistics.median(self.hits)
 
     @property
     def speedup(self) -> float:
         return self.miss / self.hit
 
 
-async def run_prefix(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, prefix_len: int,
-                     reps: int, bias: dict[str, int]) -> PrefixResult:
-    misses: list[float] = []
-    hits: list[float] = []
-    for r in range(reps):
-        system = {"role": "system", "content": prompts.text(f"prefix{r}{server.name[:4]}", prefix_len, "system")}
-        first = [system, {"role": "user", "content": "What is the weather like in Paris today?"}]
-        second = [system, {"role": "user", "content": "Write a function that adds two numbers."}]
-        miss = await stream_chat(client, server.model, first, 4, bias)
-        hit = await stream_chat(client, server.model, second, 4, bias)
-        misses.append(miss.ttft)
-        hits.append(hit.ttft)
-    return PrefixResult(statistics.median(misses), statistics.median(hits), hit.prompt_tokens, hit.cached_tokens)
+async def prefix_pair(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, prefix_len: int,
+                      tag: str, bias: dict[str, int], into: PrefixResult) -> None:
+    """A miss (a system prompt new to the server), then a hit (the same system prompt,
+    another question)."""
+    system = {"role": "system", "content": prompts.text(f"prefix{tag}{server.name[:4]}", prefix_len, "system")}
+    first = [system, {"role": "user", "content": "What is the weather like in Paris today?"}]
+    second = [system, {"role": "user", "content": "Write a function that adds two numbers."}]
+    miss = await stream_chat(client, server.model, first, 4, bias)
+    hit = await stream_chat(client, server.model, second, 4, bias)
+    into.misses.append(miss.ttft)
+    into.hits.append(hit.ttft)
+    into.prompt_tokens, into.cached_tokens = hit.prompt_tokens, hit.cached_tokens
 
 
 async def warm_up(server: Server, client: openai.AsyncOpenAI, bias: dict[str, int]) -> None:
@@ -360,18 +381,26 @@ async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts:
             gmlx.model = models[0].id
         for s in servers:
             await warm_up(s, clients[s.name], bias)
+        # Rounds alternate between the servers (and which goes first), so that slow drift
+        # of the machine falls on both alike; each round's ratio pairs neighbouring runs.
         widths: dict[str, list[WidthResult]] = {s.name: [] for s in servers}
-        for k, width in enumerate(args.widths):
-            # Alternate which server goes first, so slow drift of the machine evens out.
-            for s in servers if k % 2 == 0 else servers[::-1]:
-                res = await run_width(s, clients[s.name], prompts, width, args.prompt, args.tokens,
-                                      args.rounds, bias)
-                widths[s.name].append(res)
-                print(f"  {s.name:>14} width {width}: {res.decode_tok_s:.1f} tok/s, "
-                      f"TTFT p50 {res.ttft_p50 * 1000:.0f} ms", flush=True)
-        prefix: dict[str, PrefixResult] = {}
+        for width in args.widths:
+            results = {s.name: WidthResult(width) for s in servers}
+            for r in range(args.rounds):
+                for s in servers if r % 2 == 0 else servers[::-1]:
+                    await run_round(s, clients[s.name], prompts, width, args.prompt, args.tokens,
+                                    f"w{width}r{r}", bias, results[s.name])
+            for s in servers:
+                widths[s.name].append(results[s.name])
+                res = results[s.name]
+                print(f"  {s.name:>14} width {width}: {res.decode_tok_s:.1f} tok/s "
+                      f"(rounds {', '.join(f'{x:.0f}' for x in res.rates)}), "
+                      f"TTFT p50 {res.ttft(0.5) * 1000:.0f} ms", flush=True)
+        prefix = {s.name: PrefixResult() for s in servers}
+        for r in range(args.prefix_reps):
+            for s in servers if r % 2 == 0 else servers[::-1]:
+                await prefix_pair(s, clients[s.name], prompts, args.prefix, str(r), bias, prefix[s.name])
         for s in servers:
-            prefix[s.name] = await run_prefix(s, clients[s.name], prompts, args.prefix, args.prefix_reps, bias)
             print(f"  {s.name:>14} prefix: miss {prefix[s.name].miss * 1000:.0f} ms, "
                   f"hit {prefix[s.name].hit * 1000:.0f} ms", flush=True)
         return widths, prefix
@@ -390,14 +419,15 @@ def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server
     print("aggregate decode tok/s = tokens received after the last stream's first token / "
           "(last finish - last first token)")
     print()
-    print("| width | peer tok/s | gmlx tok/s | ratio | peer TTFT p50/p95 ms | gmlx TTFT p50/p95 ms "
-          "| tokens peer/gmlx | chunks peer/gmlx |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| width | peer tok/s | gmlx tok/s | ratio | round ratios | peer TTFT p50/p95 ms "
+          "| gmlx TTFT p50/p95 ms | tokens peer/gmlx | chunks peer/gmlx |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for ours, theirs in zip(widths[gmlx.name], widths[peer.name]):
+        paired = sorted(a / b for a, b in zip(ours.rates, theirs.rates))
         print(f"| {ours.width} | {theirs.decode_tok_s:.1f} | {ours.decode_tok_s:.1f} | "
-              f"{ours.decode_tok_s / theirs.decode_tok_s:.2f} | "
-              f"{theirs.ttft_p50 * 1000:.0f} / {theirs.ttft_p95 * 1000:.0f} | "
-              f"{ours.ttft_p50 * 1000:.0f} / {ours.ttft_p95 * 1000:.0f} | "
+              f"{ours.decode_tok_s / theirs.decode_tok_s:.2f} | {paired[0]:.2f}–{paired[-1]:.2f} | "
+              f"{theirs.ttft(0.5) * 1000:.0f} / {theirs.ttft(0.95) * 1000:.0f} | "
+              f"{ours.ttft(0.5) * 1000:.0f} / {ours.ttft(0.95) * 1000:.0f} | "
               f"{theirs.tokens} / {ours.tokens} | {theirs.chunks} / {ours.chunks} |")
     print()
     print(f"prefix reuse ({prefix[gmlx.name].prompt_tokens} prompt tokens, ~{args.prefix}-token shared "
@@ -412,14 +442,14 @@ def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("small", "demo", "qwen1.5b"), default="small",
+    parser.add_argument("--model", choices=("small", "demo", "qwen1.5b"), default="demo",
                         help="small: random qwen2, hidden 512, 4 layers, demo tokenizer; demo: the built-in "
                              "model; qwen1.5b: random weights of Qwen2.5-1.5B's shape (for an accelerator)")
     parser.add_argument("--dtype", default="float32", help="weights dtype of the random models")
     parser.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 4, 8])
     parser.add_argument("--prompt", type=int, default=96, help="prompt tokens per request (width runs)")
-    parser.add_argument("--tokens", type=int, default=96, help="output tokens per request")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per width; the median rate is kept")
+    parser.add_argument("--tokens", type=int, default=256, help="output tokens per request")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per width; the median rate is kept")
     parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (prefix-reuse case)")
     parser.add_argument("--prefix-reps", type=int, default=3)
     parser.add_argument("--peer-args", type=shlex.split, default=[],

@@ -153,11 +153,16 @@ def preflight(request: Request, rendered: Rendered, max_tokens: int | None) -> N
     if geom is None or free is None:
         return
     n = len(rendered.ids)
-    _, warm = worker.prompt_cache.peek(list(rendered.ids))
-    need = capacity.request_need(
-        geom, n, max_tokens=max_tokens, chunk=worker.prefill_step_size, warm_tokens=warm
-    ).need_bytes
     budget = free + registry.running_kv_bytes()
+
+    def need_bytes(warm: int) -> int:
+        return capacity.request_need(
+            geom, n, max_tokens=max_tokens, chunk=worker.prefill_step_size, warm_tokens=warm
+        ).need_bytes
+
+    need = need_bytes(0)
+    if need > budget:  # too big as a miss: a cached prefix may still make it fit
+        need = need_bytes(worker.prompt_cache.peek(list(rendered.ids))[1])
     if need > budget:
         output = f" + {max_tokens} max_tokens" if max_tokens else ""
         raise PromptTooLongError(
