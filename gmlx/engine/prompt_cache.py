@@ -15,6 +15,7 @@ Tiers:
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -61,38 +62,63 @@ class PromptCache:
         if not self.enabled or len(tokens) < 2:
             return "miss", 0
         with self._lock:
-            result = self._lru._trie.search(_KEY, tokens)  # read-only walk of the trie
-            if result.exact is not None:
-                entry = self._lru._trie.get(_KEY, result.exact)
-                trimmable = can_trim_prompt_cache(entry.prompt_cache)
-                return ("exact", len(tokens) - 1) if trimmable else ("miss", 0)
-            short = len(result.shorter) if result.shorter is not None else 0
-            if result.longer is not None and result.common_prefix > short:
-                entry = self._lru._trie.get(_KEY, result.longer)
-                if can_trim_prompt_cache(entry.prompt_cache):
-                    return _tier(tokens, min(len(tokens) - 1, result.common_prefix))
-            return _tier(tokens, short) if short else ("miss", 0)
+            _, warm, _ = self._locate(tokens)
+        return _tier(tokens, warm) if warm else ("miss", 0)
 
     def fetch(self, tokens: list[int]) -> CacheLookup:
-        """Copy out the KV for the longest cached prefix of ``tokens``."""
+        """The KV for the longest cached prefix of ``tokens``.
+
+        The KV arrays are shared with the cached entry, not copied: only each layer's
+        cache object is (so trimming it leaves the entry whole). MLX arrays are values
+        (writing into a slice makes a new array wherever another reference holds the
+        old one), and the batch generator merges a new request's caches into fresh batch
+        arrays anyway; sharing saves a copy of the whole prefix, tens of megabytes for a
+        long prompt, which on an accelerator cost more than the prefill it spares.
+        """
         if not self.enabled or len(tokens) < 2:
             return self._count(CacheLookup("miss", 0, None, list(tokens)))
         with self._lock:
-            cache, rest = self._lru.fetch_nearest_cache(_KEY, list(tokens))
-        if cache is None:
+            entry, warm, trim = self._locate(tokens)
+        if entry is None:
             return self._count(CacheLookup("miss", 0, None, list(tokens)))
-        if not rest:  # the whole prompt is cached: recompute its last token for logits
-            if not can_trim_prompt_cache(cache):
-                return self._count(CacheLookup("miss", 0, None, list(tokens)))
-            trim_prompt_cache(cache, 1)
-            return self._count(CacheLookup("exact", len(tokens) - 1, cache, list(tokens[-1:])))
-        warm = len(tokens) - len(rest)
-        return self._count(CacheLookup(_tier(tokens, warm)[0], warm, cache, list(rest)))
+        cache = [copy.copy(layer) for layer in entry]
+        if trim:
+            trim_prompt_cache(cache, trim)
+        return self._count(CacheLookup(_tier(tokens, warm)[0], warm, cache, list(tokens[warm:])))
+
+    def _locate(self, tokens: list[int]) -> tuple[list[Any] | None, int, int]:
+        """The cached entry to start ``tokens`` from, its warm tokens, and how many of
+        its tokens to trim off (caller holds the lock). Follows mlx-lm's
+        ``fetch_nearest_cache``: a longer cached sequence sharing a longer prefix wins
+        over a shorter cached prefix, where its cache can be trimmed; at least one
+        prompt token is always left to compute, for the logits."""
+        trie = self._lru._trie
+        result = trie.search(_KEY, tokens)
+        if result.exact is not None:
+            entry = trie.get(_KEY, result.exact).prompt_cache
+            return (entry, len(tokens) - 1, 1) if can_trim_prompt_cache(entry) else (None, 0, 0)
+        short = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short:
+            entry = trie.get(_KEY, result.longer).prompt_cache
+            if can_trim_prompt_cache(entry):
+                prefix = min(len(tokens) - 1, result.common_prefix)
+                return entry, prefix, len(result.longer) - prefix
+        if short:
+            return trie.get(_KEY, result.shorter).prompt_cache, short, 0
+        return None, 0, 0
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
-        """Remember the KV of ``tokens`` (evicting least recently used entries)."""
+        """Remember the KV of ``tokens`` (evicting least recently used entries).
+
+        The arrays are evaluated now, in the background: a finished request's KV
+        comes as slices of its batch's arrays, and an entry left as a slice would
+        keep the whole batch's memory alive for as long as it is cached."""
         if not self.enabled or not tokens:
             return
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        mx.async_eval([a for _, a in tree_flatten([layer.state for layer in cache]) if isinstance(a, mx.array)])
         with self._lock:
             self._lru.insert_cache(_KEY, list(tokens), cache)
 

@@ -64,6 +64,20 @@ def test_shared_system_prompt_is_reused(worker, demo_model):
     assert generate(worker, tokens)[0] == text
 
 
+def test_hits_share_an_entry_without_changing_it(worker, demo_model):
+    """Hits start from the cached arrays themselves (no copy): trimming a shared entry
+    for one request and decoding after it must leave the entry as it was."""
+    system = "You answer questions about cities, briefly and with care. " * 3
+    first = chat(demo_model, "Paris?", system=system)
+    original, _ = generate(worker, first, n=16)
+    for city in ("Tokyo?", "Lima?", "Oslo?"):  # block hits trimmed off the longer entry
+        _, final = generate(worker, chat(demo_model, city, system=system), n=16)
+        assert final.cache_tier == "block"
+    again, final = generate(worker, first, n=16)
+    assert final.cache_tier in ("exact", "block") and final.usage.cached_tokens >= len(first) - 16
+    assert again == original
+
+
 def test_peek_reports_what_a_fetch_would_give(worker, demo_model):
     tokens = chat(demo_model, "peek at me")
     assert worker.prompt_cache.peek(list(tokens)) == ("miss", 0)
