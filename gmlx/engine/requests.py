@@ -151,6 +151,7 @@ class ActiveRequest:
     processors: list[Any] = field(default_factory=list)  # request-owned logits processors
     splitter: ReasoningSplitter | None = None
     tool_stream: ToolCallStream | None = None
+    failure: Exception | None = None  # raised by this request's own sampler or processors
 
     def row(self, model: str, position: int | None, now: float) -> dict[str, Any]:
         """This request as a ``requests[]`` row of the metrics snapshot."""

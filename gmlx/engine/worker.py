@@ -312,6 +312,7 @@ class ModelWorker:
                 self.stats.note_step(len(responses))
                 for r in responses:
                     self._on_token(gen, r)
+                self._drop_failed(gen)
         finally:
             self._closed.set()
             while True:  # requests submitted while closing end too, never hang
@@ -375,8 +376,8 @@ class ModelWorker:
                     max_tokens=[req.max_tokens],
                     caches=[lookup.cache],
                     all_tokens=[prompt[: lookup.warm_tokens]],
-                    samplers=[sampling.make_sampler(req.sampling, self._protected_ids)],
-                    logits_processors=[active.processors],
+                    samplers=[self._guard_sampler(active, sampling.make_sampler(req.sampling, self._protected_ids))],
+                    logits_processors=[[self._guard_processor(active, p) for p in active.processors]],
                 )
             except Exception as e:
                 log.exception("cannot start request %s", req.id)
@@ -387,6 +388,44 @@ class ModelWorker:
             active.admitted_at = time.monotonic()
             active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
             self._by_uid[uid] = active
+
+    # A request's own sampler and logits processors (a grammar, a penalty) run while
+    # the batch's next step is built. One that raises must fail that request alone: the
+    # guard records the error and stands in a harmless result, so the step goes on for
+    # the others, and the request leaves the batch after it (`_drop_failed`).
+
+    @staticmethod
+    def _guard_processor(active: ActiveRequest, processor: Any) -> Any:
+        def guarded(tokens: Any, logits: Any) -> Any:
+            if active.failure is None:
+                try:
+                    return processor(tokens, logits)
+                except Exception as e:  # noqa: BLE001 - the request ends with it
+                    active.failure = e
+            return logits
+
+        return guarded
+
+    @staticmethod
+    def _guard_sampler(active: ActiveRequest, sampler: Any) -> Any:
+        if sampler is sampling.greedy_sampler:  # shared by greedy requests (one batched call); cannot fail
+            return sampler
+
+        def guarded(logprobs: Any) -> Any:
+            if active.failure is None:
+                try:
+                    return sampler(logprobs)
+                except Exception as e:  # noqa: BLE001 - the request ends with it
+                    active.failure = e
+            return sampling.greedy_sampler(logprobs)
+
+        return guarded
+
+    def _drop_failed(self, gen: Any) -> None:
+        for active in [a for a in self._by_uid.values() if a.failure is not None]:
+            log.error("request %s failed: %r", active.request.id, active.failure)
+            self._remove(gen, active.uid, keep_kv=False)  # type: ignore[arg-type]
+            self._finish(active, FinishReason.ERROR, EngineError(f"Generation failed: {active.failure}."))
 
     def _remove(self, gen: Any, uid: int, keep_kv: bool = True) -> None:
         """Take a running request out of the batch, keeping its KV in the prompt cache."""

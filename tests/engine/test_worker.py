@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -232,6 +233,42 @@ def test_step_failure_is_reported_not_hung(demo_model):
             list(handle)
         _, final, _ = run(worker, GenerateRequest(prompt(demo_model), max_tokens=3, sampling=GREEDY))
         assert final.finish_reason is FinishReason.LENGTH
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("where", ["processor", "sampler"])
+def test_a_request_that_fails_alone_ends_alone(demo_model, monkeypatch, where):
+    """A request whose own processor or sampler raises ends with the error; the request
+    decoding beside it in the same batch runs to its end, token for token as alone."""
+    from gmlx.engine import sampling
+    from gmlx.engine.errors import EngineError
+    from gmlx.engine.worker import ModelWorker
+
+    def broken(*args):
+        raise ValueError("schema engine crashed")
+
+    bad_seed = 4242
+    if where == "processor":
+        real = sampling.make_processors
+        monkeypatch.setattr(sampling, "make_processors",
+                            lambda params: real(params) + ([broken] if params.seed == bad_seed else []))
+    else:
+        real = sampling.make_sampler
+        monkeypatch.setattr(sampling, "make_sampler",
+                            lambda params, protected=None: broken if params.seed == bad_seed else real(params, protected))
+    worker = ModelWorker(demo_model, decode_batch=4)
+    try:
+        good_req = GenerateRequest(prompt(demo_model), max_tokens=24, sampling=GREEDY)
+        alone, _, _ = run(worker, good_req)
+        good = worker.submit(dataclasses.replace(good_req, id="req-good"))
+        bad = worker.submit(GenerateRequest(prompt(demo_model, "Another question"), max_tokens=24,
+                                            sampling=SamplingParams(temperature=0.7, seed=bad_seed)))
+        with pytest.raises(EngineError, match="schema engine crashed"):
+            list(bad)
+        events = list(good)
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert "".join(e.text for e in events) == alone
     finally:
         worker.close()
 
