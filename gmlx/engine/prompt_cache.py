@@ -88,23 +88,43 @@ class PromptCache:
 
     def _locate(self, tokens: list[int]) -> tuple[list[Any] | None, int, int]:
         """The cached entry to start ``tokens`` from, its warm tokens, and how many of
-        its tokens to trim off (caller holds the lock). Follows mlx-lm's
-        ``fetch_nearest_cache``: a longer cached sequence sharing a longer prefix wins
-        over a shorter cached prefix, where its cache can be trimmed; at least one
-        prompt token is always left to compute, for the logits."""
-        trie = self._lru._trie
-        result = trie.search(_KEY, tokens)
-        if result.exact is not None:
-            entry = trie.get(_KEY, result.exact).prompt_cache
+        its tokens to trim off (caller holds the lock).
+
+        Chooses as mlx-lm's ``fetch_nearest_cache`` does: an entry that extends the
+        longest common prefix (trimmed back to it) wins over a shorter cached prefix,
+        where its cache can be trimmed; at least one prompt token is always left to
+        compute, for the logits. The walk is our own: mlx-lm's search looks for the
+        extending entry by copying a path list at every trie node, quadratic in the
+        entries' length. Every chat shares its template's first tokens, so each miss
+        paid that over all cached conversations (about 50 ms on the worker thread, with
+        every stream waiting, for ten 2k-token entries). Any extending entry gives the
+        same warm tokens, so following one branch down is enough.
+        """
+        node = self._lru._trie._trie.get(_KEY)
+        if node is None:
+            return None, 0, 0
+        short = index = 0
+        while index < len(tokens) and (child := node.get(tokens[index])) is not None:
+            node = child
+            index += 1
+            if "__value__" in node:
+                short = index
+        if short == len(tokens):
+            entry = node["__value__"].prompt_cache
             return (entry, len(tokens) - 1, 1) if can_trim_prompt_cache(entry) else (None, 0, 0)
-        short = len(result.shorter) if result.shorter is not None else 0
-        if result.longer is not None and result.common_prefix > short:
-            entry = trie.get(_KEY, result.longer).prompt_cache
-            if can_trim_prompt_cache(entry):
-                prefix = min(len(tokens) - 1, result.common_prefix)
-                return entry, prefix, len(result.longer) - prefix
+        short = short if short > 1 else 0  # as mlx-lm: a one-token prefix is not worth it
+        if index > short:
+            end, depth = node, index
+            while "__value__" not in end:
+                step = next((k for k in end if k != "__value__"), None)
+                if step is None:
+                    break
+                end, depth = end[step], depth + 1
+            if "__value__" in end and can_trim_prompt_cache(entry := end["__value__"].prompt_cache):
+                prefix = min(len(tokens) - 1, index)
+                return entry, prefix, depth - prefix
         if short:
-            return trie.get(_KEY, result.shorter).prompt_cache, short, 0
+            return self._lru._trie.get(_KEY, tokens[:short]).prompt_cache, short, 0
         return None, 0, 0
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:

@@ -161,3 +161,63 @@ def test_rows_and_rates(worker, demo_model):
     assert rates["decode_tok_s_recent"] and rates["decode_tok_s_recent"] > 0
     assert rates["decode_tok_s_lifetime"] > 0
     assert worker.rows() == []
+
+
+class FakeLayer:
+    """A trimmable KV layer with no arrays: enough for the trie and its byte count."""
+
+    nbytes = 1
+
+    def __init__(self, n: int) -> None:
+        self.offset = n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list:
+        return []
+
+
+def test_lookup_reuses_what_mlx_lm_would():
+    """Our trie walk picks as many warm tokens as mlx-lm's own ``search`` for every kind
+    of prompt: exact, a cut from a longer entry, a shorter prefix, a miss."""
+    import random
+
+    from gmlx.engine.prompt_cache import _KEY, PromptCache
+
+    rng = random.Random(7)
+    cache = PromptCache(1 << 30)
+    stored = []
+    for _ in range(12):  # conversations sharing a template-like head, some branching off others
+        base = rng.choice(stored) if stored and rng.random() < 0.5 else [1, 2, 3]
+        seq = base[: rng.randint(1, len(base))] + [rng.randint(4, 30) for _ in range(rng.randint(1, 40))]
+        stored.append(seq)
+        cache.insert(seq, [FakeLayer(len(seq))])
+    kinds = set()
+    for _ in range(400):
+        probe = rng.choice(stored)
+        probe = probe[: rng.randint(2, len(probe))] + [rng.randint(4, 30) for _ in range(rng.randint(0, 5))]
+        if rng.random() < 0.1:  # a conversation the cache has never seen
+            probe = [rng.randint(31, 40) for _ in range(rng.randint(2, 10))]
+        result = cache._lru._trie.search(_KEY, probe)
+        if result.exact is not None:
+            expected = len(probe) - 1
+            kinds.add("exact")
+        else:
+            short = len(result.shorter) if result.shorter is not None else 0
+            longer = result.longer is not None and result.common_prefix > short
+            expected = min(len(probe) - 1, result.common_prefix) if longer else short
+            kinds.add("longer" if longer else "shorter" if short else "miss")
+        assert cache.peek(probe)[1] == expected, probe
+        lookup = cache.fetch(probe)
+        assert lookup.warm_tokens == expected and lookup.rest == probe[expected:]
+        if lookup.cache is not None:
+            assert lookup.cache[0].offset == expected  # trimmed to the warm tokens, entry untouched
+    assert kinds == {"exact", "longer", "shorter", "miss"}
+    assert all(len(s) == cache._lru._trie.get(_KEY, s).prompt_cache[0].offset for s in stored)
