@@ -224,7 +224,13 @@ def probe_geometry(loaded: LoadedModel) -> Geometry:
     """Measure a model's cache layout by running one token through fresh caches."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+        make_prompt_cache,
+    )
 
     model = loaded.model
     caches = make_prompt_cache(model)
@@ -331,7 +337,7 @@ def gib(n: float) -> int:
     return int(n * 1024**3)
 
 
-def human(n: int | float) -> str:
+def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

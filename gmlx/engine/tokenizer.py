@@ -16,7 +16,7 @@ from typing import Any
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast
 
 _REPLACEMENT = "\ufffd"
 

@@ -23,11 +23,11 @@ from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 
 if TYPE_CHECKING:
     from gmlx.engine.profiles import Profile
-    from gmlx.engine.structured import Grammar
-    from gmlx.engine.tools import ToolCall
-    from gmlx.engine.residency import Registry
-    from gmlx.engine.tokenizer import Tokenizer
     from gmlx.engine.requests import RequestHandle
+    from gmlx.engine.residency import Registry
+    from gmlx.engine.structured import Grammar
+    from gmlx.engine.tokenizer import Tokenizer
+    from gmlx.engine.tools import ToolCall
     from gmlx.engine.worker import ModelWorker
     from gmlx.server.schemas import GenerationBody
 

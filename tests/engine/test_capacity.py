@@ -71,7 +71,7 @@ def test_max_width_and_max_context_by_hand():
     assert cap.max_width(G, 9000, budget, 512) == 0  # beyond the context window
     small = Geometry(**{**G.__dict__, "context_length": 3000})
     for width, budget in [(1, 4_000_000), (4, 6_000_000), (8, 2_500_000)]:
-        brute = max((d for d in range(0, 3001) if cap.fits(small, width, d, budget, 512)), default=0)
+        brute = max((d for d in range(3001) if cap.fits(small, width, d, budget, 512)), default=0)
         assert cap.max_context(small, width, budget, 512) == brute
     assert cap.max_context(G, 1, 10**15, 512) == G.context_length  # capped by the window
 

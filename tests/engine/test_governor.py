@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from gmlx.engine.governor import Band, Governor, ShedError, default_floor
 from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
 from gmlx.engine.worker import ModelWorker

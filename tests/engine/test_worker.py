@@ -34,7 +34,7 @@ def test_max_tokens_ends_with_length(demo_worker, demo_model):
 
 
 def test_greedy_is_deterministic(demo_worker, demo_model):
-    req = lambda: GenerateRequest(prompt(demo_model), max_tokens=20, sampling=GREEDY)  # noqa: E731
+    req = lambda: GenerateRequest(prompt(demo_model), max_tokens=20, sampling=GREEDY)
     assert run(demo_worker, req())[0] == run(demo_worker, req())[0]
 
 

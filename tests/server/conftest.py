@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from live_server import LiveServer
 
 from gmlx.config import load_settings
 from gmlx.server.app import create_app
-from live_server import LiveServer
 
 API_KEY = "sk-test-gmlx"
 

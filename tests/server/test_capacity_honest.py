@@ -10,12 +10,11 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
+from live_server import LiveServer
 
 from gmlx.config import load_settings
 from gmlx.engine import capacity
 from gmlx.server.app import create_app
-
-from live_server import LiveServer  # noqa: I001  (tests/server on the path)
 
 MiB = 1024**2
 DEPTH = 1024  # tokens each stream reaches: prompt + output

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+
 import httpx
 import openai
 import pytest
-
-from live_server import serve_config  # noqa: I001  (tests/server on the path)
+from live_server import serve_config
 
 WIDTH = 8
 TOKENS = 200

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import time
+
 import httpx
 import pytest
-
-from live_server import LiveServer, serve_config  # noqa: I001  (tests/server on the path)
+from live_server import LiveServer, serve_config
 
 FLOOR = 1000
 GREEN, RED = 10**12, 10

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gmlx.engine.errors import ModelSourceError
 
 if TYPE_CHECKING:
-    import mlx.nn as nn
+    from mlx import nn
 
     from gmlx.engine.tokenizer import Tokenizer
 
