@@ -3,7 +3,8 @@
 The file has four sections, all optional::
 
     server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
-               prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit}
+               prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit,
+               warmup}
     models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source;
               a source is ``demo``, a GGUF file, an MLX folder or ``hf:org/repo[/file]``)
     aliases:  {alias: id or id@profile}
@@ -12,7 +13,7 @@ The file has four sections, all optional::
 ``server`` values can be overridden by ``GMLX_<KEY>`` environment variables
 (``GMLX_PORT``, ``GMLX_API_KEY``, ``GMLX_QUEUE_DEPTH_CAP``, ``GMLX_SSE_KEEPALIVE_S``,
 ``GMLX_DECODE_BATCH``, ``GMLX_PROMPT_CACHE_BYTES``, ``GMLX_GOVERNOR``, ``GMLX_PREFLIGHT_MEM``,
-``GMLX_OVERCOMMIT`` ...). Every problem is raised as one :class:`ConfigError` naming
+``GMLX_OVERCOMMIT``, ``GMLX_WARMUP`` ...). Every problem is raised as one :class:`ConfigError` naming
 the file, the key and the reason.
 """
 
@@ -63,6 +64,7 @@ class ServerSettings(BaseSettings):
     governor_floor_bytes: int | None = Field(None, ge=1)  # None: 5% of memory, 512 MiB..4 GiB
     preflight_mem: bool = True  # GMLX_PREFLIGHT_MEM=0: no memory check before a request
     overcommit: bool = False  # GMLX_OVERCOMMIT=1: no capacity table judges requests
+    warmup: bool = True  # GMLX_WARMUP=0: serve a loaded model without first running its batch shapes
 
     @field_validator("cors", mode="before")
     @classmethod
@@ -174,10 +176,15 @@ class Settings(BaseModel):
         return ProfileBook({name: p.to_profile(name) for name, p in self.profiles.items()})
 
     def registry(
-        self, decode_batch: int | None = None, *, probe: Callable[[], int] | None = None
+        self,
+        decode_batch: int | None = None,
+        *,
+        probe: Callable[[], int] | None = None,
+        warmup: bool | None = None,
     ) -> Registry:
         """A registry of the configured models (nothing loads until asked), with one
-        memory governor shared by all of its workers.
+        memory governor shared by all of its workers. ``warmup`` (default: the server
+        setting) runs each model's batch shapes once as it loads.
 
         ``probe`` replaces the free-memory probe (``capacity.free_bytes``) for the
         governor, the capacity table and the preflight; tests script headroom with it.
@@ -206,6 +213,7 @@ class Settings(BaseModel):
             governor_floor_bytes=server.governor_floor_bytes,
             overcommit=server.overcommit,
             probe=probe,
+            warmup=server.warmup if warmup is None else warmup,
         )
 
     def with_models(self, refs: Iterable[str]) -> tuple[Settings, list[str]]:

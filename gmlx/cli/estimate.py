@@ -80,7 +80,7 @@ def load_here(ref: str) -> tuple[Registry, ModelWorker, str, str | None]:
     from gmlx.config import load_settings
 
     settings, (name,) = load_settings().with_models([ref])
-    registry = settings.registry(decode_batch=1)
+    registry = settings.registry(decode_batch=1, warmup=False)
     target = registry.address(name)
     with err_console.status(f"Loading {ref} …", spinner="dots"):
         worker = registry.worker(target.spec.id)

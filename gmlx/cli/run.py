@@ -31,7 +31,7 @@ def load_addressed(ref: str, profile: str | None) -> tuple[ModelWorker, Profile]
     from gmlx.config import load_settings
 
     settings, (name,) = load_settings().with_models([ref])
-    registry = settings.registry(decode_batch=1)
+    registry = settings.registry(decode_batch=1, warmup=False)
     target = registry.address(name, profile)
     with err_console.status(f"Loading {ref} …", spinner="dots"):
         worker = registry.worker(target.spec.id)

@@ -142,9 +142,13 @@ class PromptCache:
         with self._lock:
             self._lru.insert_cache(_KEY, list(tokens), cache)
 
-    def reset(self) -> None:
+    def reset(self, stats: bool = False) -> None:
+        """Drop every entry (and, with ``stats``, the counters too)."""
         with self._lock:
             self._lru.trim_to(n_sequences=0)
+            if stats:
+                self.hits = self.misses = self.tokens_reused = 0
+                self.by_tier = dict.fromkeys(TIERS, 0)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -116,8 +116,10 @@ class Registry:
         governor_floor_bytes: int | None = None,
         overcommit: bool = False,
         probe: Callable[[], int] | None = None,
+        warmup: bool = False,
     ) -> None:
         self.specs: dict[str, ModelSpec] = {s.id: s for s in specs}
+        self.warmup = warmup
         self.profiles = profiles or ProfileBook()
         self.decode_batch = decode_batch
         self.queue_cap = queue_cap
@@ -236,7 +238,6 @@ class Registry:
                 prompt_cache_bytes=cache_bytes,
                 governor=self.governor,
             )
-            self._workers[model_id] = worker
             log.info(
                 "loaded %s from %s (context %d, decode batch %d)",
                 spec.id,
@@ -244,6 +245,14 @@ class Registry:
                 loaded.context_length,
                 decode_batch,
             )
+            if self.warmup:
+                try:
+                    seconds = worker.warm_up()
+                except Exception:  # a model that fails here fails its first request the same way
+                    log.warning("warm-up of %s failed", spec.id, exc_info=True)
+                else:
+                    log.info("warmed up %s: batch widths 1..%d in %.1f s", spec.id, decode_batch, seconds)
+            self._workers[model_id] = worker
             return worker
 
     def _measure(self, loaded: LoadedModel) -> CapacityTable | None:

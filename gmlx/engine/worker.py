@@ -41,7 +41,7 @@ from gmlx.engine.stats import WorkerStats, token_logprobs
 from gmlx.engine.structured import make_grammar_processor
 from gmlx.engine.tokenizer import StopMatcher
 from gmlx.engine.tools import ToolCall, ToolCallStream, tool_parser_for
-from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
+from gmlx.engine.types import Event, FinishReason, GenerateRequest, SamplingParams, Usage
 
 __all__ = ["ModelWorker", "RequestHandle", "RequestState"]
 
@@ -59,6 +59,7 @@ def default_prefill_step() -> int:
     return DEFAULT_PREFILL_STEP if backend() == "cpu" else 2048
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
 RETRY_AFTER_RANGE = (2, 60)
+WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
 
 
 # Workers still running at interpreter exit are closed first: MLX aborts the process
@@ -217,6 +218,35 @@ class ModelWorker:
                 param="messages",
             )
         sampling.validate(request.sampling, self.vocab_size)
+
+    def warm_up(self) -> float:
+        """Run every decode-batch width once, before the first client does: on an
+        accelerator each new shape of a step compiles its kernels on first use (up to
+        seconds), which would otherwise land in some client's time to first token.
+
+        ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together; they
+        are admitted one at a time (a prefill step and a step to join the batch each)
+        and each decodes past the admission of the last, so
+        the batch passes through every width from 1 up and back. The prompt cache and the statistics are cleared
+        afterwards. Returns the seconds it took.
+        """
+        started = time.monotonic()
+        n, vocab = min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size
+        # Greedy, and never ending early: each must stay in the batch for the whole ramp.
+        greedy = SamplingParams(temperature=0.0, logit_bias={t: -100.0 for t in self.loaded.tokenizer.eos_token_ids})
+        handles = [
+            self.submit(GenerateRequest(
+                tuple((97 * i + 31 * j + 1) % vocab for j in range(8)), max_tokens=2 * n + 2, sampling=greedy,
+                id=f"req-warmup-{i}",
+            ))
+            for i in range(n)
+        ]
+        for handle in handles:
+            for _ in handle:
+                pass
+        self.prompt_cache.reset(stats=True)
+        self.stats = WorkerStats()
+        return time.monotonic() - started
 
     def generate(self, request: GenerateRequest) -> Iterator[Event]:
         """Submit and iterate; cancels the request if the consumer stops early."""

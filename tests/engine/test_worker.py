@@ -289,3 +289,24 @@ def test_logprobs_of_greedy_tokens_are_the_top_alternative(demo_worker, demo_mod
 def test_no_logprobs_unless_asked(demo_worker, demo_model):
     _, _, events = run(demo_worker, GenerateRequest(prompt(demo_model), max_tokens=3, sampling=GREEDY))
     assert all(e.logprob is None and e.top_logprobs == () for e in events)
+
+
+def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypatch):
+    from gmlx.engine import stats as stats_module
+    from gmlx.engine.worker import ModelWorker
+
+    widths: list[int] = []
+    real = stats_module.WorkerStats.note_step
+    monkeypatch.setattr(stats_module.WorkerStats, "note_step",
+                        lambda self, tokens: (widths.append(tokens), real(self, tokens)))
+    worker = ModelWorker(demo_model, decode_batch=5)
+    try:
+        assert worker.warm_up() > 0
+        assert set(range(1, 6)) <= set(widths)  # 1 up to decode_batch, every one of them
+        cache = worker.prompt_cache.stats()
+        assert cache["entries"] == 0 and cache["hits"] == cache["misses"] == 0
+        assert worker.stats.requests_finished == 0 and worker.in_flight == 0 and worker.waiting == 0
+        _, final, _ = run(worker, GenerateRequest(prompt(demo_model), max_tokens=3, sampling=GREEDY))
+        assert final.finish_reason is FinishReason.LENGTH and final.cache_tier == "miss"
+    finally:
+        worker.close()
