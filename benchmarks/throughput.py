@@ -39,7 +39,8 @@ peer then gmlx), so slow drift of the machine's speed falls on both alike. The t
 gives the median of each server's rounds, their ratio, and the range of the ratios of
 neighbouring rounds (how far one pair of runs can stray on this machine).
 
-Each server gets one short warm-up request before anything is timed. Both servers
+Each server gets one short warm-up request before anything is timed, and one untimed
+round (8 output tokens) at each width before that width's timed rounds. Both servers
 are killed at the end, also on error. Requests and server start-up are bounded by
 timeouts; nothing leaves 127.0.0.1.
 """
@@ -386,6 +387,9 @@ async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts:
         widths: dict[str, list[WidthResult]] = {s.name: [] for s in servers}
         for width in args.widths:
             results = {s.name: WidthResult(width) for s in servers}
+            for s in servers:  # an untimed round first: each width's kernels compile on first use
+                await run_round(s, clients[s.name], prompts, width, args.prompt, 8, f"w{width}warm", bias,
+                                WidthResult(width))
             for r in range(args.rounds):
                 for s in servers if r % 2 == 0 else servers[::-1]:
                     await run_round(s, clients[s.name], prompts, width, args.prompt, args.tokens,
