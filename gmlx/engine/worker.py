@@ -224,19 +224,22 @@ class ModelWorker:
         accelerator each new shape of a step compiles its kernels on first use (up to
         seconds), which would otherwise land in some client's time to first token.
 
-        ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together; they
-        are admitted one at a time (a prefill step and a step to join the batch each)
-        and each decodes past the admission of the last, so
-        the batch passes through every width from 1 up and back. The prompt cache and the statistics are cleared
-        afterwards. Returns the seconds it took.
+        ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together.
+        They are admitted one at a time (a prefill step and a step to join the batch
+        each) and each decodes past the admission of the last, so the batch passes
+        through every width from 1 up and back down. The prompt cache and the statistics
+        are cleared afterwards. Returns the seconds it took.
         """
         started = time.monotonic()
         n, vocab = min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size
         # Greedy, and never ending early: each must stay in the batch for the whole ramp.
-        greedy = SamplingParams(temperature=0.0, logit_bias={t: -100.0 for t in self.loaded.tokenizer.eos_token_ids})
+        no_eos = {t: -100.0 for t in self.loaded.tokenizer.eos_token_ids}
+        greedy = SamplingParams(temperature=0.0, logit_bias=no_eos)
         handles = [
             self.submit(GenerateRequest(
-                tuple((97 * i + 31 * j + 1) % vocab for j in range(8)), max_tokens=2 * n + 2, sampling=greedy,
+                tuple((97 * i + 31 * j + 1) % vocab for j in range(8)),
+                max_tokens=2 * n + 2,
+                sampling=greedy,
                 id=f"req-warmup-{i}",
             ))
             for i in range(n)
@@ -400,13 +403,14 @@ class ModelWorker:
             req = active.request
             prompt = list(req.prompt_tokens)
             try:
+                sampler = sampling.make_sampler(req.sampling, self._protected_ids)
                 lookup = self.prompt_cache.fetch(prompt)
                 (uid,) = gen.insert(
                     [lookup.rest],
                     max_tokens=[req.max_tokens],
                     caches=[lookup.cache],
                     all_tokens=[prompt[: lookup.warm_tokens]],
-                    samplers=[self._guard_sampler(active, sampling.make_sampler(req.sampling, self._protected_ids))],
+                    samplers=[self._guard_sampler(active, sampler)],
                     logits_processors=[[self._guard_processor(active, p) for p in active.processors]],
                 )
             except Exception as e:
@@ -438,7 +442,7 @@ class ModelWorker:
 
     @staticmethod
     def _guard_sampler(active: ActiveRequest, sampler: Any) -> Any:
-        if sampler is sampling.greedy_sampler:  # shared by greedy requests (one batched call); cannot fail
+        if sampler is sampling.greedy_sampler:  # shared (one batched call) and cannot fail
             return sampler
 
         def guarded(logprobs: Any) -> Any:
