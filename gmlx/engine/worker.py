@@ -225,10 +225,10 @@ class ModelWorker:
         seconds), which would otherwise land in some client's time to first token.
 
         ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together.
-        They are admitted one at a time (a prefill step and a step to join the batch
-        each) and each decodes past the admission of the last, so the batch passes
-        through every width from 1 up and back down. The prompt cache and the statistics
-        are cleared afterwards. Returns the seconds it took.
+        Each decodes past the admission of the last (however many prompts prefill
+        together) and each asks for one token more than the one before, so they leave
+        one by one and the batch passes through every width down to 1. The prompt cache
+        and the statistics are cleared afterwards. Returns the seconds it took.
         """
         started = time.monotonic()
         n, vocab = min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size
@@ -238,7 +238,7 @@ class ModelWorker:
         handles = [
             self.submit(GenerateRequest(
                 tuple((97 * i + 31 * j + 1) % vocab for j in range(8)),
-                max_tokens=2 * n + 2,
+                max_tokens=2 * n + 2 + i,
                 sampling=greedy,
                 id=f"req-warmup-{i}",
             ))
@@ -311,9 +311,9 @@ class ModelWorker:
                 self.loaded.model,
                 stop_tokens=[[t] for t in eos],
                 completion_batch_size=self.decode_batch,
-                # One prompt prefills at a time (in chunks, between decode steps): the
-                # capacity model prices one prefill transient, and a burst of long
-                # prompts must not multiply it.
+                # Prompts prefill in chunks between decode steps; how many share a step
+                # is set before each step (`_prefill_width`): the capacity model prices
+                # one chunk's transient, and a burst of long prompts must not multiply it.
                 prefill_batch_size=1,
                 prefill_step_size=self.prefill_step_size,
             )
@@ -331,6 +331,7 @@ class ModelWorker:
                     if self._pending:  # held back by the governor: wait, do not spin
                         self._drain_inbox(gen, block=True, timeout=0.05)
                     continue
+                gen.prefill_batch_size = self._prefill_width(gen)
                 try:
                     prompt_responses, responses = gen.next()
                 except Exception as e:  # a failed step must not kill the worker
@@ -460,6 +461,23 @@ class ModelWorker:
             log.error("request %s failed: %r", active.request.id, active.failure)
             self._remove(gen, active.uid, keep_kv=False)  # type: ignore[arg-type]
             self._finish(active, FinishReason.ERROR, EngineError(f"Generation failed: {active.failure}."))
+
+    def _prefill_width(self, gen: Any) -> int:
+        """How many prompts prefill together in the next step: in arrival order, as many
+        as keep that step within ``prefill_step_size`` tokens counting each at the
+        longest one's chunk (the batch is padded to it). A burst of short prompts then
+        prefills in one step instead of one step each, while the memory a prefill step
+        takes stays what the capacity model prices for one chunk. At least one."""
+        step = self.prefill_step_size
+        chunks = [min(len(seq[0][0]), step) for seq in gen._currently_processing if seq[0]]
+        chunks += [min(len(seq[1][0]), step) for seq in gen._unprocessed_sequences]
+        width = longest = 0
+        for chunk in chunks:
+            wider = max(longest, chunk)
+            if width and (width + 1) * wider > step:
+                break
+            width, longest = width + 1, wider
+        return max(1, width)
 
     def _remove(self, gen: Any, uid: int, keep_kv: bool = True) -> None:
         """Take a running request out of the batch, keeping its KV in the prompt cache."""

@@ -310,3 +310,33 @@ def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypa
         assert final.finish_reason is FinishReason.LENGTH and final.cache_tier == "miss"
     finally:
         worker.close()
+
+
+def test_a_burst_of_short_prompts_prefills_together_and_answers_as_alone(demo_model, monkeypatch):
+    """Short prompts that arrive together share prefill steps (as many as fit one
+    chunk's tokens); each answer is the one it gets alone."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from gmlx.engine.worker import ModelWorker
+
+    widths: list[int] = []
+    real_prompt = PromptProcessingBatch.prompt
+    monkeypatch.setattr(PromptProcessingBatch, "prompt",
+                        lambda self, tokens: (widths.append(len(tokens)), real_prompt(self, tokens))[1])
+    texts = ["Hi", "Tell me about Paris", "What is the weather like in Tokyo today?", "Count to three"]
+    requests = [GenerateRequest(prompt(demo_model, t), max_tokens=10, sampling=GREEDY) for t in texts]
+    worker = ModelWorker(demo_model, decode_batch=4, prefill_step_size=512)
+    try:
+        alone = [run(worker, r)[0] for r in requests]
+        for attempt in range(3):  # the worker may start the first before the rest arrive
+            worker.prompt_cache.reset()  # no hits: every prompt prefills
+            widths.clear()
+            handles = [worker.submit(dataclasses.replace(r, id=f"req-burst-{attempt}-{i}"))
+                       for i, r in enumerate(requests)]
+            together = ["".join(e.text for e in h) for h in handles]
+            assert together == alone
+            if max(widths) > 1:
+                break
+        assert max(widths) > 1  # some prefill step carried more than one prompt
+    finally:
+        worker.close()
