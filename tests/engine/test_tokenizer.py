@@ -99,3 +99,21 @@ class TestStopMatcher:
     def test_stop_at_start(self):
         m = StopMatcher(["\n"])
         assert m.feed("\nrest") == ("", True)
+
+
+def test_prefix_reuse_checks_itself_and_turns_off_on_a_mismatch(demo_model, monkeypatch):
+    """The first reuses are checked against a full tokenization: a tokenizer for which
+    cutting at special tokens changed the tokens gets the full tokens, and no reuse."""
+    from gmlx.engine.tokenizer import PrefixReusingEncoder
+
+    tok = demo_model.tokenizer
+    encoder = PrefixReusingEncoder(tok._backend)
+    assert encoder.enabled
+    system = {"role": "system", "content": "You answer briefly. " * 30}
+    first = tok.render_chat([system, {"role": "user", "content": "Paris?"}])
+    second = tok.render_chat([system, {"role": "user", "content": "Tokyo?"}])
+    encoder.encode(first)
+    real = encoder._encode
+    monkeypatch.setattr(encoder, "_encode", lambda text, at, k: (lambda r: ([*r[0], 0], r[1]))(real(text, at, k)))
+    assert encoder.encode(second) == tok.encode(second, add_special_tokens=False)
+    assert not encoder.enabled and encoder.reused_tokens == 0

@@ -190,3 +190,44 @@ def test_unsupported_pre_tokenizer_names_it(tmp_path: Path) -> None:
     }
     with pytest.raises(UnsupportedModelError, match="'mystery'.*qwen2"):
         build_tokenizer(tmp_path / "x.gguf", metadata)
+
+
+TRICKY = [
+    "Hi there",
+    "  two leading spaces\n\nand blank lines\t\ttabs",
+    "unicode: 東京 • Zürich — naïve 😀 ",
+    "looks special: <|im_ <|im_start <| |> <s> </s> <end>",
+    "code:\n```python\ndef f(x):\n    return x + 1\n```\n",
+    "",
+]
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_chat_tokens_reused_from_a_shared_head_are_the_full_tokens(
+    vocab_tokenizers: dict[str, Tokenizer], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversation that grows turn by turn, and one that branches off it, tokenize
+    to exactly what tokenizing the whole text gives (with the safety check off, so a
+    difference would show here instead of being caught)."""
+    from gmlx.engine.tokenizer import PrefixReusingEncoder
+
+    monkeypatch.setattr(PrefixReusingEncoder, "VERIFY", 0)
+    tok = vocab_tokenizers[name]
+    tok._chat_encoder = PrefixReusingEncoder(tok._backend)  # fresh: no texts of other tests
+
+    def full(messages: list[dict[str, str]]) -> list[int]:
+        ids = tok.encode(tok.render_chat(messages), add_special_tokens=False)
+        bos = tok.bos_token_id
+        if bos is not None and getattr(tok.hf, "add_bos_token", False) and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    conversation = [{"role": "system", "content": "You are terse. " * 20}]
+    for i, text in enumerate(TRICKY):
+        conversation.append({"role": "user", "content": text})
+        assert tok.encode_chat(conversation) == full(conversation), (name, i)
+        branch = [*conversation[:-1], {"role": "user", "content": text + " (edited)"}]
+        assert tok.encode_chat(branch) == full(branch), (name, i, "branch")
+        conversation.append({"role": "assistant", "content": TRICKY[-1 - i] or "ok"})
+    cut_points = [i for i in full(conversation)[1:] if i in tok._chat_encoder._cut_ids]
+    assert (tok._chat_encoder.reused_tokens > 0) == bool(cut_points)  # templates with special tokens reuse
