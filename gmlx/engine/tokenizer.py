@@ -185,7 +185,7 @@ class PrefixReusingEncoder:
     """
 
     KEEP = 8  # recent texts remembered
-    VERIFY = 16
+    VERIFY = 4  # the first reuses, also tokenized whole and compared
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
