@@ -39,6 +39,11 @@ peer then gmlx), so slow drift of the machine's speed falls on both alike. The t
 gives the median of each server's rounds, their ratio, and the range of the ratios of
 neighbouring rounds (how far one pair of runs can stray on this machine).
 
+Stall: a stream decodes; after its 16th token a prompt of ``--prefix`` tokens arrives.
+Recorded: the stream's median gap between tokens before, its longest gap until the long
+prompt's first token, how many tokens it got meanwhile, and the long prompt's TTFT. A
+server that prefills in chunks between decode steps keeps the stream moving.
+
 Each server gets one short warm-up request before anything is timed, and one untimed
 round (8 output tokens) at each width before that width's timed rounds. Both servers
 are killed at the end, also on error. Requests and server start-up are bounded by
@@ -363,6 +368,49 @@ async def prefix_pair(server: Server, client: openai.AsyncOpenAI, prompts: Promp
     into.prompt_tokens, into.cached_tokens = hit.prompt_tokens, hit.cached_tokens
 
 
+@dataclass
+class StallResult:
+    """A stream decoding while a long prompt arrives: how long it waits between tokens."""
+
+    before: list[float] = field(default_factory=list)  # its median gap before the long prompt
+    longest: list[float] = field(default_factory=list)  # its longest gap until the long prompt's first token
+    during: list[int] = field(default_factory=list)  # tokens it received meanwhile
+    long_ttft: list[float] = field(default_factory=list)
+
+
+async def stall_case(server: Server, client: openai.AsyncOpenAI, prompts: Prompts, prefix_len: int,
+                     tag: str, bias: dict[str, int], into: StallResult) -> None:
+    """A stream decodes; after its 16th token a ``prefix_len``-token prompt arrives. A
+    server that prefills in chunks between decode steps keeps the stream moving."""
+    times: list[float] = []
+    sixteen = asyncio.Event()
+
+    async def running() -> None:
+        messages = [{"role": "user", "content": prompts.text(f"stall{tag}{server.name[:4]}", 32)}]
+        response = await client.chat.completions.create(
+            model=server.model, messages=messages, max_tokens=256, temperature=0.0, stream=True,
+            logit_bias=bias)
+        async for chunk in response:
+            if chunk.choices and _delta_text(chunk.choices[0].delta):
+                times.append(time.perf_counter())
+                if len(times) == 16:
+                    sixteen.set()
+
+    task = asyncio.create_task(running())
+    await asyncio.wait_for(sixteen.wait(), REQUEST_TIMEOUT_S)
+    sent = time.perf_counter()
+    system = {"role": "system", "content": prompts.text(f"stallprefix{tag}{server.name[:4]}", prefix_len, "system")}
+    long = await stream_chat(client, server.model, [system, {"role": "user", "content": "Summarize."}], 4, bias)
+    await task
+    assert long.first is not None
+    gaps = list(zip(times, times[1:]))
+    into.before.append(statistics.median(b - a for a, b in gaps[:15]))
+    window = [(a, b) for a, b in gaps if b > sent and a < long.first]
+    into.longest.append(max((b - a for a, b in window), default=long.first - sent))
+    into.during.append(sum(1 for t in times if sent < t <= long.first))
+    into.long_ttft.append(long.ttft)
+
+
 async def warm_up(server: Server, client: openai.AsyncOpenAI, bias: dict[str, int]) -> None:
     await stream_chat(client, server.model, [{"role": "user", "content": "Hello, world!"}], 8, bias)
 
@@ -371,7 +419,7 @@ async def warm_up(server: Server, client: openai.AsyncOpenAI, bias: dict[str, in
 
 
 async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts: Prompts
-                  ) -> tuple[dict[str, list[WidthResult]], dict[str, PrefixResult]]:
+                  ) -> tuple[dict[str, list[WidthResult]], dict[str, PrefixResult], dict[str, StallResult]]:
     bias = {str(i): -100 for i in prompts.banned_ids}
     servers = (gmlx, peer)
     clients = {s.name: openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0,
@@ -407,14 +455,19 @@ async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts:
         for s in servers:
             print(f"  {s.name:>14} prefix: miss {prefix[s.name].miss * 1000:.0f} ms, "
                   f"hit {prefix[s.name].hit * 1000:.0f} ms", flush=True)
-        return widths, prefix
+        stall = {s.name: StallResult() for s in servers}
+        for r in range(args.prefix_reps):
+            for s in servers if r % 2 == 0 else servers[::-1]:
+                await stall_case(s, clients[s.name], prompts, args.prefix, str(r), bias, stall[s.name])
+        return widths, prefix, stall
     finally:
         for c in clients.values():
             await c.close()
 
 
 def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server,
-           widths: dict[str, list[WidthResult]], prefix: dict[str, PrefixResult]) -> None:
+           widths: dict[str, list[WidthResult]], prefix: dict[str, PrefixResult],
+           stall: dict[str, StallResult]) -> None:
     import mlx.core as mx
 
     print()
@@ -442,6 +495,16 @@ def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server
     for s in (peer, gmlx):
         p = prefix[s.name]
         print(f"| {s.name} | {p.miss * 1000:.0f} | {p.hit * 1000:.0f} | {p.speedup:.1f}x | {p.cached_tokens} |")
+    print()
+    print(f"a decoding stream while a {prefix[gmlx.name].prompt_tokens}-token prompt arrives after its 16th token "
+          f"(median of {args.prefix_reps}):")
+    print()
+    print("| server | its gap before ms | its longest gap ms | its tokens meanwhile | long prompt TTFT ms |")
+    print("|---|---:|---:|---:|---:|")
+    for s in (peer, gmlx):
+        st = stall[s.name]
+        print(f"| {s.name} | {statistics.median(st.before) * 1000:.1f} | {statistics.median(st.longest) * 1000:.0f} | "
+              f"{statistics.median(st.during):.0f} | {statistics.median(st.long_ttft) * 1000:.0f} |")
 
 
 def main() -> None:
@@ -481,8 +544,8 @@ def main() -> None:
         for s in (gmlx, peer):
             s.wait_ready()
         started = time.perf_counter()
-        widths, prefix = asyncio.run(measure(args, gmlx, peer, prompts))
-        report(args, model_desc, gmlx, peer, widths, prefix)
+        widths, prefix, stall = asyncio.run(measure(args, gmlx, peer, prompts))
+        report(args, model_desc, gmlx, peer, widths, prefix, stall)
         print(f"\nmeasured in {time.perf_counter() - started:.0f} s")
     finally:
         for s in (gmlx, peer):

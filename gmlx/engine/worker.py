@@ -60,6 +60,7 @@ def default_prefill_step() -> int:
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
 RETRY_AFTER_RANGE = (2, 60)
 WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
+MIN_SHARED_PREFILL_STEP = 64  # the smallest prefill chunk while streams decode
 
 
 # Workers still running at interpreter exit are closed first: MLX aborts the process
@@ -331,7 +332,8 @@ class ModelWorker:
                     if self._pending:  # held back by the governor: wait, do not spin
                         self._drain_inbox(gen, block=True, timeout=0.05)
                     continue
-                gen.prefill_batch_size = self._prefill_width(gen)
+                gen.prefill_step_size = step = self._prefill_step()
+                gen.prefill_batch_size = self._prefill_width(gen, step)
                 try:
                     prompt_responses, responses = gen.next()
                 except Exception as e:  # a failed step must not kill the worker
@@ -462,13 +464,22 @@ class ModelWorker:
             self._remove(gen, active.uid, keep_kv=False)  # type: ignore[arg-type]
             self._finish(active, FinishReason.ERROR, EngineError(f"Generation failed: {active.failure}."))
 
-    def _prefill_width(self, gen: Any) -> int:
+    def _prefill_step(self) -> int:
+        """Prompt tokens one step may prefill. While streams are decoding, a quarter of
+        ``prefill_step_size``: every step waits for its prefill chunk, so a long prompt
+        arriving in full chunks would hold each running stream's next token for a whole
+        chunk (a 512-token chunk at a 2k context takes ~250 ms on a 2-core CPU). With
+        nobody decoding the whole chunk goes, for the fastest prefill."""
+        if any(a.state is RequestState.DECODE for a in self._by_uid.values()):
+            return max(MIN_SHARED_PREFILL_STEP, self.prefill_step_size // 4)
+        return self.prefill_step_size
+
+    def _prefill_width(self, gen: Any, step: int) -> int:
         """How many prompts prefill together in the next step: in arrival order, as many
-        as keep that step within ``prefill_step_size`` tokens counting each at the
-        longest one's chunk (the batch is padded to it). A burst of short prompts then
-        prefills in one step instead of one step each, while the memory a prefill step
-        takes stays what the capacity model prices for one chunk. At least one."""
-        step = self.prefill_step_size
+        as keep that step within ``step`` tokens counting each at the longest one's
+        chunk (the batch is padded to it). A burst of short prompts then prefills in one
+        step instead of one step each, while the memory a prefill step takes stays
+        within what the capacity model prices for one chunk. At least one."""
         chunks = [min(len(seq[0][0]), step) for seq in gen._currently_processing if seq[0]]
         chunks += [min(len(seq[1][0]), step) for seq in gen._unprocessed_sequences]
         width = longest = 0

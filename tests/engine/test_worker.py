@@ -340,3 +340,31 @@ def test_a_burst_of_short_prompts_prefills_together_and_answers_as_alone(demo_mo
         assert max(widths) > 1  # some prefill step carried more than one prompt
     finally:
         worker.close()
+
+
+def test_a_long_prompt_prefills_in_smaller_chunks_while_others_decode(demo_model, monkeypatch):
+    """Alone, a prompt prefills in chunks of prefill_step_size; while another stream
+    decodes, in chunks of a quarter of it, so that stream waits less for each token."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from gmlx.engine.worker import ModelWorker
+
+    chunks: list[int] = []
+    real_prompt = PromptProcessingBatch.prompt
+    monkeypatch.setattr(PromptProcessingBatch, "prompt",
+                        lambda self, tokens: (chunks.extend(len(t) for t in tokens), real_prompt(self, tokens))[1])
+    long_prompt = tuple((7 * i + 3) % 400 + 10 for i in range(700))
+    worker = ModelWorker(demo_model, decode_batch=4, prefill_step_size=256, prompt_cache_bytes=0)
+    try:
+        run(worker, GenerateRequest(long_prompt, max_tokens=2, sampling=GREEDY))
+        assert max(chunks) == 256  # alone: whole chunks
+        chunks.clear()
+        running = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=400, sampling=GREEDY))
+        first = next(iter(running))  # it is decoding now
+        assert first.token_ids
+        run(worker, GenerateRequest(long_prompt[::-1], max_tokens=2, sampling=GREEDY))
+        assert chunks and max(chunks) == 64  # beside a decoding stream: a quarter
+        worker.cancel(running.id)
+        list(running)
+    finally:
+        worker.close()
