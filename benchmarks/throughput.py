@@ -486,25 +486,33 @@ def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server
               f"{theirs.ttft(0.5) * 1000:.0f} / {theirs.ttft(0.95) * 1000:.0f} | "
               f"{ours.ttft(0.5) * 1000:.0f} / {ours.ttft(0.95) * 1000:.0f} | "
               f"{theirs.tokens} / {ours.tokens} | {theirs.chunks} / {ours.chunks} |")
+    p = prefix
+    print_table(
+        f"prefix reuse ({p[gmlx.name].prompt_tokens} prompt tokens, ~{args.prefix}-token shared system "
+        f"prompt, median of {args.prefix_reps}):",
+        ["server", "TTFT miss ms", "TTFT hit ms", "speed-up (miss / hit)", "cached tokens on the hit"],
+        [[s.name, f"{p[s.name].miss * 1000:.0f}", f"{p[s.name].hit * 1000:.0f}", f"{p[s.name].speedup:.1f}x",
+          str(p[s.name].cached_tokens)] for s in (peer, gmlx)],
+    )
+    med = statistics.median
+    print_table(
+        f"a decoding stream while a {p[gmlx.name].prompt_tokens}-token prompt arrives after its 16th token "
+        f"(median of {args.prefix_reps}):",
+        ["server", "its gap before ms", "its longest gap ms", "its tokens meanwhile", "long prompt TTFT ms"],
+        [[s.name, f"{med(st.before) * 1000:.1f}", f"{med(st.longest) * 1000:.0f}", f"{med(st.during):.0f}",
+          f"{med(st.long_ttft) * 1000:.0f}"] for s, st in ((peer, stall[peer.name]), (gmlx, stall[gmlx.name]))],
+    )
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table under a title line: the first column left-aligned, the rest right."""
     print()
-    print(f"prefix reuse ({prefix[gmlx.name].prompt_tokens} prompt tokens, ~{args.prefix}-token shared "
-          f"system prompt, median of {args.prefix_reps}):")
+    print(title)
     print()
-    print("| server | TTFT miss ms | TTFT hit ms | speed-up (miss / hit) | cached tokens on the hit |")
-    print("|---|---:|---:|---:|---:|")
-    for s in (peer, gmlx):
-        p = prefix[s.name]
-        print(f"| {s.name} | {p.miss * 1000:.0f} | {p.hit * 1000:.0f} | {p.speedup:.1f}x | {p.cached_tokens} |")
-    print()
-    print(f"a decoding stream while a {prefix[gmlx.name].prompt_tokens}-token prompt arrives after its 16th token "
-          f"(median of {args.prefix_reps}):")
-    print()
-    print("| server | its gap before ms | its longest gap ms | its tokens meanwhile | long prompt TTFT ms |")
-    print("|---|---:|---:|---:|---:|")
-    for s in (peer, gmlx):
-        st = stall[s.name]
-        print(f"| {s.name} | {statistics.median(st.before) * 1000:.1f} | {statistics.median(st.longest) * 1000:.0f} | "
-              f"{statistics.median(st.during):.0f} | {statistics.median(st.long_ttft) * 1000:.0f} |")
+    print("| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def main() -> None:
