@@ -104,11 +104,12 @@ class PromptCache:
         if node is None:
             return None, 0, 0
         short = index = 0
+        short_node = node
         while index < len(tokens) and (child := node.get(tokens[index])) is not None:
             node = child
             index += 1
             if "__value__" in node:
-                short = index
+                short, short_node = index, node
         if short == len(tokens):
             entry = node["__value__"].prompt_cache
             return (entry, len(tokens) - 1, 1) if can_trim_prompt_cache(entry) else (None, 0, 0)
@@ -124,21 +125,22 @@ class PromptCache:
                 prefix = min(len(tokens) - 1, index)
                 return entry, prefix, depth - prefix
         if short:
-            return self._lru._trie.get(_KEY, tokens[:short]).prompt_cache, short, 0
+            return short_node["__value__"].prompt_cache, short, 0
         return None, 0, 0
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
         """Remember the KV of ``tokens`` (evicting least recently used entries).
 
         The arrays are evaluated now, in the background: a finished request's KV
-        comes as slices of its batch's arrays, and an entry left as a slice would
-        keep the whole batch's memory alive for as long as it is cached."""
+        comes as lazy copies out of its batch's arrays, and an entry left unevaluated
+        would keep the whole batch's arrays alive for as long as it is cached."""
         if not self.enabled or not tokens:
             return
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        mx.async_eval([a for _, a in tree_flatten([layer.state for layer in cache]) if isinstance(a, mx.array)])
+        arrays = tree_flatten([layer.state for layer in cache])
+        mx.async_eval([a for _, a in arrays if isinstance(a, mx.array)])
         with self._lock:
             self._lru.insert_cache(_KEY, list(tokens), cache)
 

@@ -88,6 +88,10 @@ def _close_live_workers() -> None:
         worker.close()
 
 
+def _unchanged_logits(tokens: Any, logits: Any) -> Any:
+    return logits
+
+
 class ModelWorker:
     """Runs one loaded model on its own thread with continuous batching.
 
@@ -413,8 +417,12 @@ class ModelWorker:
                     max_tokens=[req.max_tokens],
                     caches=[lookup.cache],
                     all_tokens=[prompt[: lookup.warm_tokens]],
-                    samplers=[self._guard_sampler(active, sampler)],
-                    logits_processors=[[self._guard_processor(active, p) for p in active.processors]],
+                    # Greedy requests share one sampler (one batched call); it cannot fail.
+                    samplers=[sampler if sampler is sampling.greedy_sampler
+                              else self._guard(active, sampler, sampling.greedy_sampler)],
+                    logits_processors=[
+                        [self._guard(active, p, _unchanged_logits) for p in active.processors]
+                    ],
                 )
             except Exception as e:
                 log.exception("cannot start request %s", req.id)
@@ -432,29 +440,14 @@ class ModelWorker:
     # the others, and the request leaves the batch after it (`_drop_failed`).
 
     @staticmethod
-    def _guard_processor(active: ActiveRequest, processor: Any) -> Any:
-        def guarded(tokens: Any, logits: Any) -> Any:
+    def _guard(active: ActiveRequest, fn: Any, stand_in: Any) -> Any:
+        def guarded(*args: Any) -> Any:
             if active.failure is None:
                 try:
-                    return processor(tokens, logits)
+                    return fn(*args)
                 except Exception as e:  # noqa: BLE001 - the request ends with it
                     active.failure = e
-            return logits
-
-        return guarded
-
-    @staticmethod
-    def _guard_sampler(active: ActiveRequest, sampler: Any) -> Any:
-        if sampler is sampling.greedy_sampler:  # shared (one batched call) and cannot fail
-            return sampler
-
-        def guarded(logprobs: Any) -> Any:
-            if active.failure is None:
-                try:
-                    return sampler(logprobs)
-                except Exception as e:  # noqa: BLE001 - the request ends with it
-                    active.failure = e
-            return sampling.greedy_sampler(logprobs)
+            return stand_in(*args)
 
         return guarded
 

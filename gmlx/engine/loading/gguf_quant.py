@@ -210,12 +210,25 @@ def convert_exact(
         per_block = block // GROUP
         scales[sl] = np.broadcast_to(scale, (len(blocks), per_block)).reshape(n, -1)
         biases[sl] = np.broadcast_to(bias, (len(blocks), per_block)).reshape(n, -1)
+    return _quantized(weight, scales, biases, bits, dtype)
+
+
+def _quantized(
+    weight: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    bits: int,
+    dtype: mx.Dtype,
+    max_error: float | None = None,
+) -> QuantizedTensor:
+    """Packed codes and float32 group scales/biases as MLX arrays (scales in ``dtype``)."""
     return QuantizedTensor(
         mx.array(weight),
         mx.array(scales).astype(dtype),
         mx.array(biases).astype(dtype),
         bits,
         GROUP,
+        max_error=max_error,
     )
 
 
@@ -266,14 +279,7 @@ def requantize(
         w = dequantize(np.ascontiguousarray(raw[sl]), qtype).reshape(-1, cols)
         weight[sl], scales[sl], biases[sl], err = affine_quantize(w, bits, dtype)
         max_error = max(max_error, err)
-    return QuantizedTensor(
-        mx.array(weight),
-        mx.array(scales).astype(dtype),
-        mx.array(biases).astype(dtype),
-        bits,
-        GROUP,
-        max_error=max_error,
-    )
+    return _quantized(weight, scales, biases, bits, dtype, max_error)
 
 
 def to_float(raw: np.ndarray, qtype: GGMLQuantizationType, dtype: mx.Dtype) -> mx.array:

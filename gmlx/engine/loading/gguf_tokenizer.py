@@ -251,15 +251,20 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: np.ndarra
             byte_fallback=True,
         )
     )
-    steps = [normalizers.Replace(" ", SPACE)]
-    if metadata.get("tokenizer.ggml.add_space_prefix", True):
-        steps.insert(0, normalizers.Prepend(SPACE))
-    hf.normalizer = normalizers.Sequence(steps)
+    hf.normalizer = _space_normalizer(metadata.get("tokenizer.ggml.add_space_prefix", True))
     decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if metadata.get("tokenizer.ggml.add_space_prefix", True):
         decode.append(decoders.Strip(" ", 1, 0))
     hf.decoder = decoders.Sequence(decode)
     return hf
+
+
+def _space_normalizer(prepend: bool) -> normalizers.Normalizer:
+    """Spaces as SentencePiece's ``▁``, with one prepended to the text when ``prepend``."""
+    steps = [normalizers.Replace(" ", SPACE)]
+    if prepend:
+        steps.insert(0, normalizers.Prepend(SPACE))
+    return normalizers.Sequence(steps)
 
 
 def _gemma4(metadata: dict[str, Any], tokens: list[str]) -> HFTokenizer:
@@ -274,10 +279,7 @@ def _gemma4(metadata: dict[str, Any], tokens: list[str]) -> HFTokenizer:
             fuse_unk=True,
         )
     )
-    steps = [normalizers.Replace(" ", SPACE)]
-    if metadata.get("tokenizer.ggml.add_space_prefix", False):
-        steps.insert(0, normalizers.Prepend(SPACE))
-    hf.normalizer = normalizers.Sequence(steps)
+    hf.normalizer = _space_normalizer(metadata.get("tokenizer.ggml.add_space_prefix", False))
     # Merges never cross a newline boundary: newline runs and other runs are split first.
     hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
     hf.decoder = decoders.Sequence(
