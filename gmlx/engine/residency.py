@@ -237,6 +237,7 @@ class Registry:
                 queue_cap=self.queue_cap,
                 prompt_cache_bytes=cache_bytes,
                 governor=self.governor,
+                buffer_cache_bytes=self._chunk_transient(loaded),
             )
             log.info(
                 "loaded %s from %s (context %d, decode batch %d)",
@@ -278,6 +279,17 @@ class Registry:
                 ", ".join(f"{w}: {c}" for w, c in table.max_ctx.items()),
             )
         return table
+
+    def _chunk_transient(self, loaded: LoadedModel) -> int | None:
+        """The transient of one full prefill chunk at the model's context: what the
+        capacity model sets aside for prefill, and so what its worker may keep of
+        MLX's buffer cache between chunks (None when the model was not measured)."""
+        from gmlx.engine.worker import default_prefill_step
+
+        geom = self._geometry.get(loaded.id)
+        if geom is None:
+            return None
+        return capacity.prefill_transient(geom, default_prefill_step(), loaded.context_length)
 
     def geometry(self, model_id: str) -> Geometry | None:
         """A resident model's measured geometry (None: not loaded, or not measurable)."""

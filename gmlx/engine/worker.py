@@ -103,6 +103,9 @@ class ModelWorker:
         queue_cap: most requests waiting for a slot; one more is refused with
             ServerOverloadedError (default: 4 x decode_batch).
         prompt_cache_bytes: bound of the prefix cache (0 turns it off).
+        buffer_cache_bytes: how much of MLX's buffer cache the worker keeps across
+            prefill chunks (``gmlx.engine.buffers``); None empties it after every
+            chunk, as mlx-lm does.
         governor: the memory governor shared by the server's workers; in orange
             no new prefill starts, in red the largest running request is shed.
     """
@@ -116,6 +119,7 @@ class ModelWorker:
         queue_cap: int | None = None,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         governor: Governor | None = None,
+        buffer_cache_bytes: int | None = None,
     ) -> None:
         if decode_batch < 1:
             raise ValueError("decode_batch must be >= 1")
@@ -125,6 +129,7 @@ class ModelWorker:
         self.queue_cap = 4 * decode_batch if queue_cap is None else max(0, queue_cap)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.governor = governor
+        self.buffer_cache_bytes = buffer_cache_bytes
         self.stats = WorkerStats()
         self._admission = threading.Lock()
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
@@ -310,6 +315,10 @@ class ModelWorker:
         from mlx_lm.generate import BatchGenerator
 
         eos = sorted(self.loaded.tokenizer.eos_token_ids)
+        if self.buffer_cache_bytes is not None:
+            from gmlx.engine.buffers import keep_buffers
+
+            keep_buffers(self.buffer_cache_bytes)
 
         def new_generator() -> BatchGenerator:
             return BatchGenerator(
