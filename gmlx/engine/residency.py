@@ -346,6 +346,10 @@ class Registry:
     def resident(self, model_id: str) -> bool:
         return model_id in self._workers
 
+    def running(self, model_id: str) -> ModelWorker | None:
+        """The worker of a resident model, without waiting (None: not loaded)."""
+        return self._workers.get(model_id)
+
     def listing(self) -> list[ModelInfo]:
         """Every model id, then every alias, with their markers."""
         rows = [self._info(spec.id, Target(spec)) for spec in self.specs.values()]
