@@ -19,12 +19,12 @@ from dataclasses import replace
 import mlx.core as mx
 
 SHAPES = {
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=704, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=8192),
-    "llama3-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
+    "tiny": {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 704,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 8192},
+    "llama3-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
 }
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shlex
@@ -403,7 +404,7 @@ async def stall_case(server: Server, client: openai.AsyncOpenAI, prompts: Prompt
     long = await stream_chat(client, server.model, [system, {"role": "user", "content": "Summarize."}], 4, bias)
     await task
     assert long.first is not None
-    gaps = list(zip(times, times[1:]))
+    gaps = list(itertools.pairwise(times))
     into.before.append(statistics.median(b - a for a, b in gaps[:15]))
     window = [(a, b) for a, b in gaps if b > sent and a < long.first]
     into.longest.append(max((b - a for a, b in window), default=long.first - sent))

@@ -51,7 +51,7 @@ def run_guarded(fn: Callable[[], T]) -> T:
         raise SystemExit(130) from None
     except SystemExit:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure becomes one sentence
         if debug_enabled():
             err_console.print_exception()
         fail(_sentence(exc).replace("[", "\\["))

@@ -21,7 +21,7 @@ def test_bash_completion_offers_commands_and_options():
     def complete(words: str, cword: int) -> list[str]:
         env = {**os.environ, "COMP_WORDS": words, "COMP_CWORD": str(cword), "_GMLX_COMPLETE": "complete_bash"}
         out = subprocess.run([sys.executable, "-m", "gmlx.cli.main"], env=env, capture_output=True,
-                             text=True, timeout=60)
+                             text=True, timeout=60, check=False)
         return out.stdout.split()
 
     assert "run" in complete("gmlx r", 1)

@@ -135,7 +135,7 @@ def test_queue_cap_refuses_with_retry_after(demo_model):
         assert 2 <= int(err.headers["Retry-After"]) <= 60
         assert w.stats.rejections == 1
         rows = w.rows()
-        assert [r["state"] for r in rows][0] == "queued" and rows[0]["position"] == 1
+        assert rows[0]["state"] == "queued" and rows[0]["position"] == 1
         running.cancel()
         assert list(queued)[-1].finish_reason is FinishReason.LENGTH
         list(running)

@@ -114,6 +114,11 @@ def test_prefix_reuse_checks_itself_and_turns_off_on_a_mismatch(demo_model, monk
     second = tok.render_chat([system, {"role": "user", "content": "Tokyo?"}])
     encoder.encode(first)
     real = encoder._encode
-    monkeypatch.setattr(encoder, "_encode", lambda text, at, k: (lambda r: ([*r[0], 0], r[1]))(real(text, at, k)))
+
+    def one_token_off(text, at, k):
+        ids, cuts = real(text, at, k)
+        return [*ids, 0], cuts
+
+    monkeypatch.setattr(encoder, "_encode", one_token_off)
     assert encoder.encode(second) == tok.encode(second, add_special_tokens=False)
     assert not encoder.enabled and encoder.reused_tokens == 0

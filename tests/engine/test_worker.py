@@ -68,10 +68,10 @@ def test_logit_bias_bans_and_forces_tokens(demo_worker, demo_model):
     banned = {t: -100.0 for t in set(greedy_ids)}
     _, _, events = run(demo_worker, GenerateRequest(
         prompt(demo_model), max_tokens=12, sampling=SamplingParams(temperature=0.0, logit_bias=banned)))
-    assert not set(t for e in events for t in e.token_ids) & set(banned)
+    assert not {t for e in events for t in e.token_ids} & set(banned)
 
     forced = demo_model.tokenizer.encode(" weather", add_special_tokens=False)[0]
-    text, _, events = run(demo_worker, GenerateRequest(
+    _text, _, events = run(demo_worker, GenerateRequest(
         prompt(demo_model), max_tokens=5,
         sampling=SamplingParams(temperature=1.0, seed=0, logit_bias={forced: 100.0})))
     assert [t for e in events for t in e.token_ids] == [forced] * 5
@@ -128,11 +128,9 @@ def test_concurrent_requests_match_sequential(demo_worker, demo_model):
 
 def test_cancel_ends_stream_and_frees_slot(demo_worker, demo_model):
     handle = demo_worker.submit(GenerateRequest(prompt(demo_model), max_tokens=4000, sampling=GREEDY))
-    seen = 0
-    for event in handle:
+    for seen, event in enumerate(handle, 1):
         if event.final:
             break
-        seen += 1
         if seen == 3:
             handle.cancel()
     assert event.finish_reason is FinishReason.CANCELLED

@@ -75,18 +75,21 @@ def test_a_queued_stream_gets_keepalive_comments(narrow_server):
     no_eos = {str(t): -100 for t in worker.loaded.tokenizer.eos_token_ids}
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "logit_bias": no_eos}
-    with httpx.Client(base_url=narrow_server.url, timeout=60) as http:
-        with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1500}) as first:
-            lines = first.iter_lines()  # kept referenced: closing it would end the response
-            for line in lines:
-                if '"content":"' in line and '"content":""' not in line:
-                    break  # the first stream holds the only slot now
-            with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 3}) as second:
-                seen: list[str] = []
-                for line in second.iter_lines():
-                    seen.append(line)
-                    if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                        break
-                    if len(seen) > 20 and any(s.startswith(": keep-alive") for s in seen):
-                        break
-            assert any(s.startswith(": keep-alive") for s in seen), seen[:10]
+    with (
+        httpx.Client(base_url=narrow_server.url, timeout=60) as http,
+        http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1500}) as first,
+    ):
+        lines = first.iter_lines()  # kept referenced: closing it would end the response
+        for line in lines:
+            if '"content":"' in line and '"content":""' not in line:
+                break  # the first stream holds the only slot now
+        with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 3}) as second:
+            seen: list[str] = []
+            for line in second.iter_lines():
+                seen.append(line)
+                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                    break
+                if len(seen) > 20 and any(s.startswith(": keep-alive") for s in seen):
+                    break
+        assert any(s.startswith(": keep-alive") for s in seen), seen[:10]
+

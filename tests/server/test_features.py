@@ -311,9 +311,9 @@ def test_without_thinking_there_is_no_reasoning(openai_client):
 
 
 def test_anthropic_thinking_blocks(anthropic_client, demo_tokenizer):
-    kwargs = dict(model="demo", max_tokens=12, messages=USER,
-                  thinking={"type": "enabled", "budget_tokens": 4},
-                  extra_body={"temperature": 0, "logit_bias": think_bias(demo_tokenizer)})
+    kwargs = {"model": "demo", "max_tokens": 12, "messages": USER,
+              "thinking": {"type": "enabled", "budget_tokens": 4},
+              "extra_body": {"temperature": 0, "logit_bias": think_bias(demo_tokenizer)}}
     msg = anthropic_client.messages.create(**kwargs)
     assert msg.content[0].type == "thinking" and msg.content[0].thinking
     with anthropic_client.messages.stream(**kwargs) as stream:
@@ -322,8 +322,9 @@ def test_anthropic_thinking_blocks(anthropic_client, demo_tokenizer):
 
 
 def test_responses_reasoning_item(openai_client, demo_tokenizer):
-    kwargs = dict(model="demo", input="hi", max_output_tokens=12, reasoning={"effort": "low"},
-                  extra_body={"temperature": 0, "thinking_budget": 4, "logit_bias": think_bias(demo_tokenizer)})
+    kwargs = {"model": "demo", "input": "hi", "max_output_tokens": 12, "reasoning": {"effort": "low"},
+              "extra_body": {"temperature": 0, "thinking_budget": 4,
+                             "logit_bias": think_bias(demo_tokenizer)}}
     r = openai_client.responses.create(**kwargs)
     assert r.output[0].type == "reasoning" and r.output[0].content[0].text
     with openai_client.responses.stream(**kwargs) as stream:

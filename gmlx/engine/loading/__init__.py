@@ -84,7 +84,7 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _gguf_file(path: Path) -> Path:
-    return path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+    return path if path.is_file() else min(path.glob("*.gguf"))
 
 
 def load_model(ref: str | Path, *, model_id: str | None = None) -> LoadedModel:

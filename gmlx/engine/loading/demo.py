@@ -83,12 +83,18 @@ CHAT_TEMPLATE = """\
 # several scripts, so common words are single tokens and everything else falls back
 # to bytes (which exercises multi-byte detokenization).
 _CORPUS = [
-    "The quick brown fox jumps over the lazy dog. A local model answers questions, "
-    "writes code and calls tools for agents that run on your own machine.",
-    "Hello, world! How are you today? I am fine, thank you. What is the weather like "
-    "in Paris, London, Tokyo and New York? It is sunny and warm.",
-    "def main(argv: list[str]) -> int:\n    for i in range(10):\n        print(i * 2)\n"
-    "    return 0\n\nif __name__ == '__main__':\n    main([])\n",
+    (
+        "The quick brown fox jumps over the lazy dog. A local model answers questions, "
+        "writes code and calls tools for agents that run on your own machine."
+    ),
+    (
+        "Hello, world! How are you today? I am fine, thank you. What is the weather like "
+        "in Paris, London, Tokyo and New York? It is sunny and warm."
+    ),
+    (
+        "def main(argv: list[str]) -> int:\n    for i in range(10):\n        print(i * 2)\n"
+        "    return 0\n\nif __name__ == '__main__':\n    main([])\n"
+    ),
     "function add(a, b) { return a + b; }\nconst x = [1, 2, 3].map((v) => v * 2);\n",
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
     "0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 256 1024 2026 3.14159 -7 1e9",
