@@ -240,6 +240,19 @@ def test_timings_per_token(http):
     assert len([c for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content")]) >= 1
 
 
+def test_timings_count_an_end_of_sequence_token_as_usage_does(http, demo_tokenizer):
+    # Forced to end at once: the end-of-sequence token is decoded (usage counts it) but
+    # never sent; the final chunk's predicted_n must still agree with the usage.
+    eos = {str(t): 100 for t in demo_tokenizer.eos_token_ids}
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": "demo", "messages": USER, "max_tokens": 6, "stream": True, "timings_per_token": True,
+            "logit_bias": eos, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    final = next(c for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"])
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert final["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"] == 1
+
+
 # -- samplers and reasoning over HTTP ---------------------------------------------------
 
 

@@ -112,6 +112,8 @@ async def _chat_stream(job: Job, opts: ChatStreamOptions) -> AsyncIterator[str]:
                 n_calls += len(calls)
                 yield chunk({"tool_calls": calls})
             if ev.final:
+                if ev.usage is not None:  # an end-of-sequence token is decoded but never sent
+                    generated = ev.usage.completion_tokens
                 yield chunk({}, ev.finish_reason)
                 if ev.error is not None:  # shed: the stream says why
                     yield sse.event(error_body(ev.error, "openai"))
