@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from live_server import serve_config
 from typer.testing import CliRunner
 
 from gmlx.cli.main import app
-from gmlx.config import load_settings
-from gmlx.server.app import create_app
 
 runner = CliRunner()
 PROMPT = "Say hello, briefly."
@@ -32,23 +27,12 @@ def prompt_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def url(tmp_path_factory) -> Iterator[str]:
     """A live server with `demo` loaded and `cold` configured but never loaded."""
-    config = tmp_path_factory.mktemp("cli-server") / "gmlx.yaml"
-    config.write_text(
-        "server: {decode_batch: 2}\nmodels:\n  demo: {source: demo, default: true}\n  cold: demo\n"
+    live = serve_config(
+        tmp_path_factory.mktemp("cli-server"),
+        "server: {decode_batch: 2}\nmodels:\n  demo: {source: demo, default: true}\n  cold: demo\n",
     )
-    settings, _ = load_settings(config).with_models(["demo"])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=15)
+    yield live.url
+    live.stop()
 
 
 def gmlx(*args: str):

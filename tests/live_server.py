@@ -1,6 +1,7 @@
 """A uvicorn server on 127.0.0.1 in a thread, for tests that need a real one.
 
-Its own module (not conftest) so test files can import it by a unique name.
+Its own module (not conftest) so test files in any folder can import it by a unique name
+(pytest puts this folder, the top conftest's, on the import path).
 """
 
 from __future__ import annotations
