@@ -412,6 +412,11 @@ async def stall_case(server: Server, client: openai.AsyncOpenAI, prompts: Prompt
     into.long_ttft.append(long.ttft)
 
 
+def in_turn(servers: tuple[Server, Server], r: int) -> tuple[Server, Server]:
+    """Round ``r``'s order: gmlx first in even rounds, the peer first in odd ones."""
+    return servers if r % 2 == 0 else servers[::-1]
+
+
 async def warm_up(server: Server, client: openai.AsyncOpenAI, bias: dict[str, int]) -> None:
     await stream_chat(client, server.model, [{"role": "user", "content": "Hello, world!"}], 8, bias)
 
@@ -440,7 +445,7 @@ async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts:
                 await run_round(s, clients[s.name], prompts, width, args.prompt, 8, f"w{width}warm", bias,
                                 WidthResult(width))
             for r in range(args.rounds):
-                for s in servers if r % 2 == 0 else servers[::-1]:
+                for s in in_turn(servers, r):
                     await run_round(s, clients[s.name], prompts, width, args.prompt, args.tokens,
                                     f"w{width}r{r}", bias, results[s.name])
             for s in servers:
@@ -451,14 +456,14 @@ async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts:
                       f"TTFT p50 {res.ttft(0.5) * 1000:.0f} ms", flush=True)
         prefix = {s.name: PrefixResult() for s in servers}
         for r in range(args.prefix_reps):
-            for s in servers if r % 2 == 0 else servers[::-1]:
+            for s in in_turn(servers, r):
                 await prefix_pair(s, clients[s.name], prompts, args.prefix, str(r), bias, prefix[s.name])
         for s in servers:
             print(f"  {s.name:>14} prefix: miss {prefix[s.name].miss * 1000:.0f} ms, "
                   f"hit {prefix[s.name].hit * 1000:.0f} ms", flush=True)
         stall = {s.name: StallResult() for s in servers}
         for r in range(args.prefix_reps):
-            for s in servers if r % 2 == 0 else servers[::-1]:
+            for s in in_turn(servers, r):
                 await stall_case(s, clients[s.name], prompts, args.prefix, str(r), bias, stall[s.name])
         return widths, prefix, stall
     finally:
