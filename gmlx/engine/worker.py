@@ -49,6 +49,10 @@ log = logging.getLogger("gmlx.engine")
 
 DEFAULT_DECODE_BATCH = 8
 DEFAULT_PREFILL_STEP = 512  # CPU: unfused attention makes the chunk's transient large
+DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
+RETRY_AFTER_RANGE = (2, 60)
+WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
+MIN_SHARED_PREFILL_STEP = 64  # the smallest prefill chunk while streams decode
 
 
 def default_prefill_step() -> int:
@@ -57,10 +61,6 @@ def default_prefill_step() -> int:
     from gmlx.engine.capacity import backend
 
     return DEFAULT_PREFILL_STEP if backend() == "cpu" else 2048
-DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
-RETRY_AFTER_RANGE = (2, 60)
-WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
-MIN_SHARED_PREFILL_STEP = 64  # the smallest prefill chunk while streams decode
 
 
 # Workers still running at interpreter exit are closed first: MLX aborts the process
