@@ -154,9 +154,12 @@ def test_completions_rejects(openai_client, extra):
         openai_client.completions.create(**args)
 
 
-def test_responses(openai_client):
+def test_responses(openai_client, demo_tokenizer):
+    # Every request runs to its cap: a random model's greedy choice may otherwise end early
+    # when other tests' requests share its batch.
+    no_eos = {"logit_bias": {str(t): -100 for t in demo_tokenizer.eos_token_ids}}
     r = openai_client.responses.create(
-        model="demo", input="Hello", instructions="Be brief.", max_output_tokens=4
+        model="demo", input="Hello", instructions="Be brief.", max_output_tokens=4, extra_body=no_eos
     )
     assert r.object == "response" and r.status == "incomplete"
     assert isinstance(r.output_text, str) and r.usage.output_tokens == 4
@@ -166,6 +169,7 @@ def test_responses(openai_client):
             input=[{"role": "user", "content": "Hello"}],
             max_output_tokens=3,
             stream=True,
+            extra_body=no_eos,
         )
     )
     kinds = [e.type for e in events]
@@ -187,7 +191,7 @@ def test_responses(openai_client):
     assert events[-1].response.output_text == text
     assert events[-1].response.status == "incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
-    with openai_client.responses.stream(model="demo", input="Hi", max_output_tokens=2) as s:
+    with openai_client.responses.stream(model="demo", input="Hi", max_output_tokens=2, extra_body=no_eos) as s:
         assert s.get_final_response().usage.output_tokens == 2
 
 
