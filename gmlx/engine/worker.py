@@ -162,7 +162,9 @@ class ModelWorker:
             if self.waiting_for_slot >= self.queue_cap + self.free_slots:
                 eta = self.queue_eta_s()
                 retry = min(max(round(eta), RETRY_AFTER_RANGE[0]), RETRY_AFTER_RANGE[1])
-                reason = f"{self._waiting} requests are waiting (cap {self.queue_cap})"
+                # The queue is what waits beyond the free slots (those are about to start).
+                queued = self._waiting - self.free_slots
+                reason = f"the queue is full ({queued} waiting, cap {self.queue_cap})"
                 self.stats.rejections += 1
                 self.stats.last_reject_reason = reason
                 raise ServerOverloadedError(

@@ -107,7 +107,9 @@ def install(app: FastAPI) -> None:
 
     async def on_gmlx(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, GmlxError)
-        if exc.status >= 500:
+        if exc.status == 503:  # back-pressure the client is told to retry: expected under load
+            log.warning("%s %s refused: %s", request.method, request.url.path, exc)
+        elif exc.status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, exc)
         return error_response(exc, protocol_for(request.url.path))
 

@@ -134,6 +134,9 @@ def test_queue_cap_refuses_with_retry_after(demo_model):
         assert err.status == 503 and err.openai_type == "server_overloaded"
         assert 2 <= int(err.headers["Retry-After"]) <= 60
         assert w.stats.rejections == 1
+        # The message counts the queue, not the request about to take the free slot.
+        assert "the queue is full (1 waiting, cap 1)" in str(err)
+        assert w.stats.last_reject_reason == "the queue is full (1 waiting, cap 1)"
         rows = w.rows()
         assert rows[0]["state"] == "queued" and rows[0]["position"] == 1
         running.cancel()
