@@ -230,18 +230,28 @@ class PrefixReusingEncoder:
         return list(ids)
 
     def _full(self, text: str) -> list[int]:
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self._tokenize(text).ids)
+
+    def _tokenize(self, text: str) -> Any:
+        """The Rust tokenizer's encoding of ``text``, taken through ``encode_batch``:
+        the same tokens as ``encode``, but it releases the GIL while it works, where
+        ``encode`` holds it throughout. A long prompt (a 30k-token agent history takes
+        tens of milliseconds) then tokenizes on its thread while the model workers keep
+        decoding and the event loop keeps streaming."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0]
 
     def _encode(self, text: str, at: int, first: int) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Tokens of ``text`` (found at char ``at`` of the whole, its first token being
         token ``first``) and its cut points in the whole's coordinates."""
-        enc = self._backend.encode(text, add_special_tokens=False)
+        enc = self._tokenize(text)
         ids = list(enc.ids)
-        cuts = [
-            (at + start, at + end, first + k)
-            for k, (i, (start, end)) in enumerate(zip(ids, enc.offsets))
-            if i in self._cut_ids and first + k > 0
-        ]
+        # Offsets of the cut tokens alone: ``enc.offsets`` would build a tuple for every
+        # token while holding the GIL (30 ms for an 80k-token history).
+        cuts = []
+        for k in [k for k, i in enumerate(ids) if i in self._cut_ids]:
+            span = enc.token_to_chars(k)
+            if span is not None and first + k > 0:
+                cuts.append((at + span[0], at + span[1], first + k))
         return ids, cuts
 
     def _best_head(self, text: str) -> tuple[list[int], list[tuple[int, int, int]], int] | None:
