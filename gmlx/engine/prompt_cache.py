@@ -1,8 +1,10 @@
 """The prompt cache: reuse the KV of the longest cached prefix of a new prompt.
 
-Built on mlx-lm's ``LRUPromptCache`` (a token trie of KV caches with byte-bounded
-LRU eviction). This module adds what a server reports: the tier each lookup hit,
-the warm tokens it reused, and running statistics.
+It chooses as mlx-lm's ``LRUPromptCache`` does, but finds entries through an index
+of whole token blocks instead of a token-by-token trie (whose walks held the model's
+worker, and every stream decoding on it, for tens of milliseconds per request on a
+long agent history), counts a fetch as a use for the LRU order, and reports what a
+server shows: the tier each lookup hit, the warm tokens it reused, and statistics.
 
 Tiers:
     exact   the whole prompt was cached, on its own or as the start of a longer
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-_KEY = "model"  # one PromptCache per model worker, so one trie key
 TIERS = ("exact", "block", "miss")
+BLOCK = 64  # tokens per step of the prefix index
 
 
 @dataclass
@@ -37,8 +40,51 @@ class CacheLookup:
     rest: list[int]
 
 
+@dataclass(eq=False)
+class _Entry:
+    tokens: list[int]
+    cache: list[Any]
+    nbytes: int
+    keys: list[int] = field(default_factory=list)  # its chained block keys
+
+
+def _block_keys(tokens: list[int]) -> list[int]:
+    """Key ``b`` stands for the first ``(b + 1) * BLOCK`` tokens: a hash chained over
+    whole blocks, each hashed at C speed. A 30k-token history is 469 Python steps, not
+    30,000: a token-by-token trie walk costs the model's worker milliseconds per
+    request (tens for a long agent history), with every decoding stream waiting."""
+    keys, key = [], 0
+    for at in range(BLOCK, len(tokens) + 1, BLOCK):
+        key = hash((key, tuple(tokens[at - BLOCK : at])))
+        keys.append(key)
+    return keys
+
+
+def _shared(a: list[int], b: list[int], start: int, limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, known to be at least ``start``
+    and at most ``limit``."""
+    lo, hi = start, min(len(a), len(b), limit)
+    if a[lo:hi] == b[lo:hi]:
+        return hi
+    while lo < hi:  # bisection on C-speed slice compares
+        mid = (lo + hi + 1) // 2
+        if a[start:mid] == b[start:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PromptCache:
     """A byte-bounded prefix cache for one model. ``max_bytes <= 0`` disables it.
+
+    Entries are KV caches keyed by their token sequences, found through an index of
+    whole ``BLOCK``-token steps and evicted least recently used first (a fetch counts
+    as a use). It picks as mlx-lm's ``LRUPromptCache`` does: the cached sequence that
+    shares the longest prefix with a new prompt, trimmed back to it where its cache
+    can be trimmed, wins over a shorter cached prefix; at least one prompt token is
+    always left to compute, for the logits; a one-token prefix is not worth reusing.
+    Inserting a trimmable entry drops the cached prefixes of it (it serves them).
 
     ``fetch`` and ``insert`` run on the model's worker thread; ``peek``, ``stats``
     and ``reset`` may run on any thread.
@@ -46,8 +92,11 @@ class PromptCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max(0, int(max_bytes))
-        self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=self.max_bytes or 1)
         self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # LRU first
+        self._by_key: dict[int, dict[_Entry, None]] = {}  # block key -> entries holding it
+        self._by_end: dict[int, dict[_Entry, None]] = {}  # last whole block's key -> entries
+        self._bytes = 0
         self.hits = 0
         self.misses = 0
         self.tokens_reused = 0
@@ -62,7 +111,7 @@ class PromptCache:
         if not self.enabled or len(tokens) < 2:
             return "miss", 0
         with self._lock:
-            _, warm, _ = self._locate(tokens)
+            _, warm, _ = self._locate(list(tokens))
         return _tier(tokens, warm) if warm else ("miss", 0)
 
     def fetch(self, tokens: list[int]) -> CacheLookup:
@@ -75,58 +124,61 @@ class PromptCache:
         arrays anyway; sharing saves a copy of the whole prefix, tens of megabytes for a
         long prompt, which on an accelerator cost more than the prefill it spares.
         """
+        tokens = list(tokens)
         if not self.enabled or len(tokens) < 2:
-            return self._count(CacheLookup("miss", 0, None, list(tokens)))
+            return self._count(CacheLookup("miss", 0, None, tokens))
         with self._lock:
             entry, warm, trim = self._locate(tokens)
+            if entry is not None:
+                self._entries.move_to_end(tuple(entry.tokens))
         if entry is None:
-            return self._count(CacheLookup("miss", 0, None, list(tokens)))
-        cache = [copy.copy(layer) for layer in entry]
+            return self._count(CacheLookup("miss", 0, None, tokens))
+        cache = [copy.copy(layer) for layer in entry.cache]
         if trim:
             trim_prompt_cache(cache, trim)
-        return self._count(CacheLookup(_tier(tokens, warm)[0], warm, cache, list(tokens[warm:])))
+        return self._count(CacheLookup(_tier(tokens, warm)[0], warm, cache, tokens[warm:]))
 
-    def _locate(self, tokens: list[int]) -> tuple[list[Any] | None, int, int]:
-        """The cached entry to start ``tokens`` from, its warm tokens, and how many of
-        its tokens to trim off (caller holds the lock).
-
-        Chooses as mlx-lm's ``fetch_nearest_cache`` does: an entry that extends the
-        longest common prefix (trimmed back to it) wins over a shorter cached prefix,
-        where its cache can be trimmed; at least one prompt token is always left to
-        compute, for the logits. The walk is our own: mlx-lm's search looks for the
-        extending entry by copying a path list at every trie node, quadratic in the
-        entries' length. Every chat shares its template's first tokens, so each miss
-        paid that over all cached conversations (about 50 ms on the worker thread, with
-        every stream waiting, for ten 2k-token entries). Any extending entry gives the
-        same warm tokens, so following one branch down is enough.
-        """
-        node = self._lru._trie._trie.get(_KEY)
-        if node is None:
-            return None, 0, 0
-        short = index = 0
-        short_node = node
-        while index < len(tokens) and (child := node.get(tokens[index])) is not None:
-            node = child
-            index += 1
-            if "__value__" in node:
-                short, short_node = index, node
-        if short == len(tokens):
-            entry = node["__value__"].prompt_cache
-            return (entry, len(tokens) - 1, 1) if can_trim_prompt_cache(entry) else (None, 0, 0)
-        short = short if short > 1 else 0  # as mlx-lm: a one-token prefix is not worth it
-        if index > short:
-            end, depth = node, index
-            while "__value__" not in end:
-                step = next((k for k in end if k != "__value__"), None)
-                if step is None:
-                    break
-                end, depth = end[step], depth + 1
-            if "__value__" in end and can_trim_prompt_cache(entry := end["__value__"].prompt_cache):
-                prefix = min(len(tokens) - 1, index)
-                return entry, prefix, depth - prefix
-        if short:
-            return short_node["__value__"].prompt_cache, short, 0
+    def _locate(self, tokens: list[int]) -> tuple[_Entry | None, int, int]:
+        """The entry to start ``tokens`` from, its warm tokens, and how many of its
+        tokens to trim off (caller holds the lock)."""
+        keys = _block_keys(tokens)
+        # Keys chain, so the entries sharing b + 1 whole blocks share the first b too:
+        # bisect for the deepest key any entry holds.
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in self._by_key:
+                lo = mid
+            else:
+                hi = mid - 1
+        depth = lo * BLOCK
+        near = self._by_key[keys[lo - 1]] if lo else self._entries.values()
+        best: _Entry | None = None
+        common = 0
+        for entry in near:  # they part within the next block: a deeper key would match
+            n = _shared(entry.tokens, tokens, depth, depth + BLOCK)
+            if n > common or (n == common and best is not None and len(entry.tokens) < len(best.tokens)):
+                best, common = entry, n
+        if best is not None and depth and best.tokens[:depth] != tokens[:depth]:
+            best, common = None, 0  # the keys collided: another conversation, never reused
+        if best is not None and common == len(tokens) and can_trim_prompt_cache(best.cache):
+            return best, len(tokens) - 1, len(best.tokens) - (len(tokens) - 1)  # exact
+        short = self._longest_prefix(tokens, keys)
+        short_len = len(short.tokens) if short is not None and len(short.tokens) > 1 else 0
+        if best is not None and common > short_len and common < len(tokens) and can_trim_prompt_cache(best.cache):
+            return best, common, len(best.tokens) - common
+        if short_len:
+            return short, short_len, 0  # type: ignore[return-value]
         return None, 0, 0
+
+    def _longest_prefix(self, tokens: list[int], keys: list[int]) -> _Entry | None:
+        """The longest cached sequence that is a proper prefix of ``tokens``."""
+        for b in range(len(keys), -1, -1):
+            ends = self._by_end.get(keys[b - 1] if b else 0)
+            found = [e for e in ends or () if len(e.tokens) < len(tokens) and tokens[: len(e.tokens)] == e.tokens]
+            if found:
+                return max(found, key=lambda e: len(e.tokens))
+        return None
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
         """Remember the KV of ``tokens`` (evicting least recently used entries).
@@ -141,13 +193,43 @@ class PromptCache:
 
         arrays = tree_flatten([layer.state for layer in cache])
         mx.async_eval([a for _, a in arrays if isinstance(a, mx.array)])
+        tokens = list(tokens)
+        entry = _Entry(tokens, cache, sum(layer.nbytes for layer in cache), _block_keys(tokens))
         with self._lock:
-            self._lru.insert_cache(_KEY, list(tokens), cache)
+            self._drop(self._entries.get(tuple(tokens)))
+            if can_trim_prompt_cache(cache):  # it serves its prefixes: they only take room
+                while (prefix := self._longest_prefix(tokens, entry.keys)) is not None:
+                    self._drop(prefix)
+            self._entries[tuple(tokens)] = entry
+            for key in entry.keys:
+                self._by_key.setdefault(key, {})[entry] = None
+            self._by_end.setdefault(entry.keys[-1] if entry.keys else 0, {})[entry] = None
+            self._bytes += entry.nbytes
+            while self._bytes > self.max_bytes and self._entries:
+                self._drop(next(iter(self._entries.values())))
+
+    def _drop(self, entry: _Entry | None) -> None:
+        if entry is None:
+            return
+        del self._entries[tuple(entry.tokens)]
+        for key in entry.keys:
+            holders = self._by_key[key]
+            del holders[entry]
+            if not holders:
+                del self._by_key[key]
+        end = entry.keys[-1] if entry.keys else 0
+        del self._by_end[end][entry]
+        if not self._by_end[end]:
+            del self._by_end[end]
+        self._bytes -= entry.nbytes
 
     def reset(self, stats: bool = False) -> None:
         """Drop every entry (and, with ``stats``, the counters too)."""
         with self._lock:
-            self._lru.trim_to(n_sequences=0)
+            self._entries.clear()
+            self._by_key.clear()
+            self._by_end.clear()
+            self._bytes = 0
             if stats:
                 self.hits = self.misses = self.tokens_reused = 0
                 self.by_tier = dict.fromkeys(TIERS, 0)
@@ -159,9 +241,9 @@ class PromptCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "tokens_reused": self.tokens_reused,
-                "bytes": self._lru.nbytes,
+                "bytes": self._bytes,
                 "max_bytes": self.max_bytes,
-                "entries": len(self._lru),
+                "entries": len(self._entries),
                 "tiers": dict(self.by_tier),
             }
 

@@ -187,33 +187,42 @@ class FakeLayer:
         return []
 
 
-def test_lookup_reuses_what_mlx_lm_would():
-    """Our trie walk picks as many warm tokens as mlx-lm's own ``search`` for every kind
-    of prompt: exact, a cut from a longer entry, a shorter prefix, a miss."""
+@pytest.mark.parametrize("block", [64, 4])
+def test_lookup_reuses_what_mlx_lm_would(block, monkeypatch):
+    """The block index picks as many warm tokens as mlx-lm's own ``LRUPromptCache``
+    (a token trie, the reference) for every kind of prompt: exact, a cut from a longer
+    entry, a shorter prefix, a miss; with the real block size and a tiny one (so the
+    sequences span many blocks and prompts end mid-block)."""
     import random
 
-    from gmlx.engine.prompt_cache import _KEY, PromptCache
+    from mlx_lm.models.cache import LRUPromptCache
 
+    from gmlx.engine import prompt_cache
+
+    monkeypatch.setattr(prompt_cache, "BLOCK", block)
     rng = random.Random(7)
-    cache = PromptCache(1 << 30)
+    cache = prompt_cache.PromptCache(1 << 30)
+    reference = LRUPromptCache(max_size=1 << 30, max_bytes=1 << 40)
     stored = []
-    for _ in range(12):  # conversations sharing a template-like head, some branching off others
-        base = rng.choice(stored) if stored and rng.random() < 0.5 else [1, 2, 3]
-        seq = base[: rng.randint(1, len(base))] + [rng.randint(4, 30) for _ in range(rng.randint(1, 40))]
+    for _ in range(40):  # conversations sharing a template-like head, some branching off others
+        base = rng.choice(stored) if stored and rng.random() < 0.6 else [1, 2, 3]
+        seq = base[: rng.randint(1, len(base))] + [rng.randint(4, 30) for _ in range(rng.randint(1, 90))]
         stored.append(seq)
         cache.insert(seq, [FakeLayer(len(seq))])
+        reference.insert_cache("m", seq, [FakeLayer(len(seq))])
+    assert cache.stats()["entries"] == len(reference)  # the same prefixes dropped
     kinds = set()
-    for _ in range(400):
+    for _ in range(600):
         probe = rng.choice(stored)
         probe = probe[: rng.randint(2, len(probe))] + [rng.randint(4, 30) for _ in range(rng.randint(0, 5))]
         if rng.random() < 0.1:  # a conversation the cache has never seen
             probe = [rng.randint(31, 40) for _ in range(rng.randint(2, 10))]
-        result = cache._lru._trie.search(_KEY, probe)
+        result = reference._trie.search("m", probe)
         if result.exact is not None:
             expected = len(probe) - 1
             kinds.add("exact")
         else:
-            short = len(result.shorter) if result.shorter is not None else 0
+            short = len(result.shorter) if result.shorter is not None and len(result.shorter) > 1 else 0
             longer = result.longer is not None and result.common_prefix > short
             expected = min(len(probe) - 1, result.common_prefix) if longer else short
             kinds.add("longer" if longer else "shorter" if short else "miss")
@@ -223,4 +232,62 @@ def test_lookup_reuses_what_mlx_lm_would():
         if lookup.cache is not None:
             assert lookup.cache[0].offset == expected  # trimmed to the warm tokens, entry untouched
     assert kinds == {"exact", "longer", "shorter", "miss"}
-    assert all(len(s) == cache._lru._trie.get(_KEY, s).prompt_cache[0].offset for s in stored)
+    assert all(e.cache[0].offset == len(e.tokens) for e in cache._entries.values())
+
+
+def test_eviction_follows_use_and_frees_the_index(monkeypatch):
+    """Least recently used goes first, a fetch counting as a use; an evicted entry
+    leaves nothing behind in the index."""
+    from gmlx.engine import prompt_cache
+
+    monkeypatch.setattr(prompt_cache, "BLOCK", 4)
+    cache = prompt_cache.PromptCache(3)  # FakeLayer weighs 1 byte: three entries fit
+    a, b, c, d = ([k] * 10 for k in (5, 6, 7, 8))
+    for seq in (a, b, c):
+        cache.insert(seq, [FakeLayer(len(seq))])
+    assert cache.fetch(a + [1]).warm_tokens == 10  # a is used: b is now the oldest
+    cache.insert(d, [FakeLayer(len(d))])
+    assert [e.tokens[0] for e in cache._entries.values()] == [7, 5, 8]
+    assert cache.peek(b + [1]) == ("miss", 0)
+    assert cache.stats()["bytes"] == 3
+    cache.reset()
+    assert not cache._by_key and not cache._by_end and cache.stats()["entries"] == 0
+
+
+class FixedLayer(FakeLayer):
+    """A KV layer that cannot be trimmed (a rotating window, say)."""
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("block", [64, 4])
+def test_untrimmable_entries_are_reused_only_as_prefixes(block, monkeypatch):
+    from gmlx.engine import prompt_cache
+
+    monkeypatch.setattr(prompt_cache, "BLOCK", block)
+    cache = prompt_cache.PromptCache(1 << 30)
+    head = [1, 2, 3]  # shorter than a block
+    turn = head + list(range(10, 40))
+    longer = turn + list(range(50, 90))
+    for seq in (head, turn, longer):  # untrimmable: the prefixes stay, each is needed
+        cache.insert(seq, [FixedLayer(len(seq))])
+    assert cache.stats()["entries"] == 3
+    assert cache.peek(longer + [7, 8]) == ("block", len(longer))  # extends the longest
+    assert cache.peek(turn + [60, 61]) == ("block", len(turn))  # cutting `longer` is impossible
+    assert cache.peek(longer) == ("block", len(turn))  # its own entry would need one token off
+    assert cache.peek(head + [99, 98]) == ("block", len(head))
+    assert cache.peek([1, 2, 99]) == ("miss", 0)  # a two-token prefix is not worth it
+
+
+def test_colliding_block_keys_never_reuse_another_conversation(monkeypatch):
+    """Keys are hashes; should two different sequences ever get the same keys, the
+    tokens decide: a prompt never starts from another conversation's KV."""
+    from gmlx.engine import prompt_cache
+
+    monkeypatch.setattr(prompt_cache, "BLOCK", 4)
+    monkeypatch.setattr(prompt_cache, "_block_keys", lambda tokens: [7] * (len(tokens) // 4))
+    cache = prompt_cache.PromptCache(1 << 30)
+    cache.insert(list(range(100, 140)), [FakeLayer(40)])
+    assert cache.peek(list(range(200, 250))) == ("miss", 0)
+    assert cache.fetch(list(range(100, 140)) + [1, 2]).warm_tokens == 40  # the real one still hits
