@@ -210,6 +210,17 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not become ready in {START_TIMEOUT_S:.0f} s; see {self.log}")
 
+    def status(self) -> str:
+        if self.proc is None or self.proc.poll() is None:
+            return "the server is still running"
+        return f"the server exited with {self.proc.returncode}"
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -330,7 +341,10 @@ async def run_round(server: Server, client: openai.AsyncOpenAI, prompts: Prompts
     """One round: ``width`` streams sent at once, each with a prompt of its own."""
     batch = [[{"role": "user", "content": prompts.text(f"{tag}s{i}{server.name[:4]}", prompt_len)}]
              for i in range(width)]
-    streams = await asyncio.gather(*(stream_chat(client, server.model, m, tokens, bias) for m in batch))
+    try:
+        streams = await asyncio.gather(*(stream_chat(client, server.model, m, tokens, bias) for m in batch))
+    except Exception as e:
+        raise RuntimeError(f"{server.name}, width {width}, round {tag}: {e!r} ({server.status()})") from e
     into.rates.append(aggregate(streams))
     into.streams += streams
 
@@ -558,7 +572,12 @@ def main() -> None:
         for s in (gmlx, peer):
             s.wait_ready()
         started = time.perf_counter()
-        widths, prefix, stall = asyncio.run(measure(args, gmlx, peer, prompts))
+        try:
+            widths, prefix, stall = asyncio.run(measure(args, gmlx, peer, prompts))
+        except Exception:
+            for s in (gmlx, peer):  # what each server said, before its log is removed
+                print(f"--- {s.name} ({s.status()}), last lines of its log:\n{s.tail()}", file=sys.stderr)
+            raise
         report(args, model_desc, gmlx, peer, widths, prefix, stall)
         print(f"\nmeasured in {time.perf_counter() - started:.0f} s")
     finally:
