@@ -180,8 +180,11 @@ class PrefixReusingEncoder:
     before anything else and tokenizes the pieces between them on their own, so the
     rest tokenized alone gives the tokens the whole would. Only special tokens that
     match exactly (not normalized, not stripping the whitespace before them) are cut
-    points. The first ``VERIFY`` reuses are checked against a full tokenization; a
-    mismatch turns reuse off for this tokenizer.
+    points. The first ``VERIFY`` reuses are checked: the text from the cut point before
+    the one used (or from the start) is tokenized whole and must give the tokens the
+    reuse gave from there, so the cut is tested with the text that precedes it up to the
+    last point no tokenizer looks past. A mismatch turns reuse off for this tokenizer.
+    The check costs the last shared message and the new text, not the whole history.
     """
 
     KEEP = 8  # recent texts remembered
@@ -215,11 +218,11 @@ class PrefixReusingEncoder:
             tail_ids, tail_cuts = self._encode(text[cut:], cut, len(head_ids))
             ids, cuts = head_ids + tail_ids, head_cuts + tail_cuts
             if self._verified < self.VERIFY:
-                full = self._full(text)
-                if full != ids:
+                start, _, index = head_cuts[-1] if head_cuts else (0, 0, 0)
+                if self._full(text[start:]) != ids[index:]:
                     log.warning("tokenizing after a shared head changed the tokens; reuse is off")
                     self.enabled = False
-                    return full
+                    return self._full(text)
                 self._verified += 1
             self.reused_tokens += len(head_ids)
         with self._lock:

@@ -151,3 +151,23 @@ def test_chat_tokenization_lets_other_threads_run(demo_model):
     ours = max(progress(encoder.encode) for _ in range(3))
     holding = max(progress(lambda t: tok._backend.encode(t, add_special_tokens=False)) for _ in range(3))
     assert ours > 2 * holding, (ours, holding)
+
+
+def test_prefix_reuse_check_tokenizes_from_the_cut_before(demo_model, monkeypatch):
+    """The check of a reuse tokenizes from the special token before the cut, not the
+    whole history: its cost is the last shared message and the new text."""
+    from gmlx.engine.tokenizer import PrefixReusingEncoder
+
+    tok = demo_model.tokenizer
+    encoder = PrefixReusingEncoder(tok._backend)
+    system = {"role": "system", "content": "A long shared history. " * 200}
+    first = tok.render_chat([system, {"role": "user", "content": "Paris?"}])
+    second = tok.render_chat([system, {"role": "user", "content": "Paris?"},
+                              {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Lima?"}])
+    encoder.encode(first)
+    seen: list[int] = []
+    tokenize = encoder._tokenize
+    monkeypatch.setattr(encoder, "_tokenize", lambda text: seen.append(len(text)) or tokenize(text))
+    assert encoder.encode(second) == tok.encode(second, add_special_tokens=False)
+    assert encoder.reused_tokens > 0 and encoder.enabled
+    assert max(seen) < len(system["content"])  # neither the tail nor the check spans the history

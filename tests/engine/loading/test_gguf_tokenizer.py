@@ -202,16 +202,18 @@ TRICKY = [
 ]
 
 
+@pytest.mark.parametrize("verify", [0, 1000])
 @pytest.mark.parametrize("name", VOCABS)
 def test_chat_tokens_reused_from_a_shared_head_are_the_full_tokens(
-    vocab_tokenizers: dict[str, Tokenizer], name: str, monkeypatch: pytest.MonkeyPatch
+    vocab_tokenizers: dict[str, Tokenizer], name: str, verify: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A conversation that grows turn by turn, and one that branches off it, tokenize
-    to exactly what tokenizing the whole text gives (with the safety check off, so a
-    difference would show here instead of being caught)."""
+    to exactly what tokenizing the whole text gives: with the safety check off (a
+    difference would show here instead of being caught), and with every reuse checked
+    (the check never raises a false alarm that would turn reuse off)."""
     from gmlx.engine.tokenizer import PrefixReusingEncoder
 
-    monkeypatch.setattr(PrefixReusingEncoder, "VERIFY", 0)
+    monkeypatch.setattr(PrefixReusingEncoder, "VERIFY", verify)
     tok = vocab_tokenizers[name]
     tok._chat_encoder = PrefixReusingEncoder(tok._backend)  # fresh: no texts of other tests
 
@@ -231,3 +233,4 @@ def test_chat_tokens_reused_from_a_shared_head_are_the_full_tokens(
         conversation.append({"role": "assistant", "content": TRICKY[-1 - i] or "ok"})
     cut_points = [i for i in full(conversation)[1:] if i in tok._chat_encoder._cut_ids]
     assert (tok._chat_encoder.reused_tokens > 0) == bool(cut_points)  # templates with special tokens reuse
+    assert tok._chat_encoder.enabled == bool(tok._chat_encoder._cut_ids)
