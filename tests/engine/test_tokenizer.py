@@ -128,7 +128,7 @@ def test_chat_tokenization_lets_other_threads_run(demo_model):
     """A long prompt tokenizes without holding the GIL, so a model worker keeps stepping
     and the event loop keeps streaming while it does. Measured as how far another thread
     gets while one thread tokenizes, against the Rust tokenizer's ``encode`` (which holds
-    the GIL throughout) on the same text; the best of three tries of each."""
+    the GIL throughout) on the same text; the best of five interleaved tries of each."""
     import threading
     import time
 
@@ -148,8 +148,11 @@ def test_chat_tokenization_lets_other_threads_run(demo_model):
 
     encoder = PrefixReusingEncoder(tok._backend)
     assert encoder.encode(text) == tok._backend.encode(text, add_special_tokens=False).ids
-    ours = max(progress(encoder.encode) for _ in range(3))
-    holding = max(progress(lambda t: tok._backend.encode(t, add_special_tokens=False)) for _ in range(3))
+    ours, holding = [], []
+    for _ in range(5):  # interleaved, so a change in the machine's load falls on both
+        ours.append(progress(encoder.encode))
+        holding.append(progress(lambda t: tok._backend.encode(t, add_special_tokens=False)))
+    ours, holding = max(ours), max(holding)
     assert ours > 2 * holding, (ours, holding)
 
 
