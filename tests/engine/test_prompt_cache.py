@@ -167,7 +167,7 @@ def test_rows_and_rates(worker, demo_model):
 
 
 class FakeLayer:
-    """A trimmable KV layer with no arrays: enough for the trie and its byte count."""
+    """A trimmable KV layer with no arrays: enough for the index and its byte count."""
 
     nbytes = 1
 
