@@ -45,7 +45,11 @@ class _Entry:
     tokens: list[int]
     cache: list[Any]
     nbytes: int
-    keys: list[int] = field(default_factory=list)  # its chained block keys
+    keys: list[int]  # its chained block keys
+    key: tuple[int, ...] = field(init=False)  # its tokens, as the LRU order's key
+
+    def __post_init__(self) -> None:
+        self.key = tuple(self.tokens)  # once, not at every lookup, insert and eviction
 
 
 def _block_keys(tokens: list[int]) -> list[int]:
@@ -130,7 +134,7 @@ class PromptCache:
         with self._lock:
             entry, warm, trim = self._locate(tokens)
             if entry is not None:
-                self._entries.move_to_end(tuple(entry.tokens))
+                self._entries.move_to_end(entry.key)
         if entry is None:
             return self._count(CacheLookup("miss", 0, None, tokens))
         cache = [copy.copy(layer) for layer in entry.cache]
@@ -196,11 +200,11 @@ class PromptCache:
         tokens = list(tokens)
         entry = _Entry(tokens, cache, sum(layer.nbytes for layer in cache), _block_keys(tokens))
         with self._lock:
-            self._drop(self._entries.get(tuple(tokens)))
+            self._drop(self._entries.get(entry.key))
             if can_trim_prompt_cache(cache):  # it serves its prefixes: they only take room
                 while (prefix := self._longest_prefix(tokens, entry.keys)) is not None:
                     self._drop(prefix)
-            self._entries[tuple(tokens)] = entry
+            self._entries[entry.key] = entry
             for key in entry.keys:
                 self._by_key.setdefault(key, {})[entry] = None
             self._by_end.setdefault(entry.keys[-1] if entry.keys else 0, {})[entry] = None
@@ -211,7 +215,7 @@ class PromptCache:
     def _drop(self, entry: _Entry | None) -> None:
         if entry is None:
             return
-        del self._entries[tuple(entry.tokens)]
+        del self._entries[entry.key]
         for key in entry.keys:
             holders = self._by_key[key]
             del holders[entry]

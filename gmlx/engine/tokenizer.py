@@ -188,7 +188,7 @@ class PrefixReusingEncoder:
     """
 
     KEEP = 8  # recent texts remembered
-    VERIFY = 4  # the first reuses, also tokenized whole and compared
+    VERIFY = 4  # the first reuses, checked from the cut point before theirs
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend

@@ -162,9 +162,7 @@ class ModelWorker:
             if self.waiting_for_slot >= self.queue_cap + self.free_slots:
                 eta = self.queue_eta_s()
                 retry = min(max(round(eta), RETRY_AFTER_RANGE[0]), RETRY_AFTER_RANGE[1])
-                # The queue is what waits beyond the free slots (those are about to start).
-                queued = self._waiting - self.free_slots
-                reason = f"the queue is full ({queued} waiting, cap {self.queue_cap})"
+                reason = f"the queue is full ({self.queued} waiting, cap {self.queue_cap})"
                 self.stats.rejections += 1
                 self.stats.last_reject_reason = reason
                 raise ServerOverloadedError(
@@ -206,13 +204,18 @@ class ModelWorker:
     def free_slots(self) -> int:
         return max(0, self.decode_batch - len(self._by_uid))
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting beyond the free slots (those are about to start)."""
+        return max(0, self._waiting - self.free_slots)
+
     def queue_eta_s(self) -> float:
         """Seconds until the queue drains at the recent pace (0 when nothing waits)."""
-        waiting = max(0, self._waiting - self.free_slots)
-        if waiting == 0:
+        queued = self.queued
+        if queued == 0:
             return 0.0
         per_request = self.stats.mean_request_s() or 5.0
-        return per_request * -(-waiting // self.decode_batch)
+        return per_request * -(-queued // self.decode_batch)
 
     def validate(self, request: GenerateRequest) -> None:
         n = len(request.prompt_tokens)

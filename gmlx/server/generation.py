@@ -82,8 +82,8 @@ class Rendered:
 
 # A prompt this short (characters of message content) renders and tokenizes on the
 # event loop: about 0.3-0.7 ms on a slow CPU, which a hop to a worker thread would only
-# lengthen (the tokenizer holds the GIL either way). Longer ones go off the loop, so that
-# a long prompt never holds up the streams it serves for more than a GIL switch.
+# lengthen. Longer ones go off the loop, where the tokenizer lets go of the GIL while it
+# works, so the streams the loop serves keep going meanwhile.
 INLINE_CHARS = 1024
 
 

@@ -251,9 +251,10 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: np.ndarra
             byte_fallback=True,
         )
     )
-    hf.normalizer = _space_normalizer(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    prepend = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    hf.normalizer = _space_normalizer(prepend)
     decode = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+    if prepend:
         decode.append(decoders.Strip(" ", 1, 0))
     hf.decoder = decoders.Sequence(decode)
     return hf
