@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from gmlx.engine import sampling
 from gmlx.engine.errors import (
     EngineError,
@@ -29,7 +31,7 @@ from gmlx.engine.errors import (
 )
 from gmlx.engine.governor import Governor, ShedError
 from gmlx.engine.loading import LoadedModel
-from gmlx.engine.prompt_cache import PromptCache
+from gmlx.engine.prompt_cache import PromptCache, with_room
 from gmlx.engine.reasoning import (
     ReasoningSplitter,
     detect_open_think,
@@ -426,10 +428,13 @@ class ModelWorker:
             try:
                 sampler = sampling.make_sampler(req.sampling, self._protected_ids)
                 lookup = self.prompt_cache.fetch(prompt)
+                cache = lookup.cache
+                if cache is None:  # a miss merges like a hit (whole-step arrays, `with_room`)
+                    cache = with_room(make_prompt_cache(self.loaded.model), len(lookup.rest))
                 (uid,) = gen.insert(
                     [lookup.rest],
                     max_tokens=[req.max_tokens],
-                    caches=[lookup.cache],
+                    caches=[cache],
                     all_tokens=[prompt[: lookup.warm_tokens]],
                     # Greedy requests share one sampler (one batched call); it cannot fail.
                     samplers=[sampler if sampler is sampling.greedy_sampler

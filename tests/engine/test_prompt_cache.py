@@ -291,3 +291,82 @@ def test_colliding_block_keys_never_reuse_another_conversation(monkeypatch):
     cache.insert(list(range(100, 140)), [FakeLayer(40)])
     assert cache.peek(list(range(200, 250))) == ("miss", 0)
     assert cache.fetch(list(range(100, 140)) + [1, 2]).warm_tokens == 40  # the real one still hits
+
+
+def test_a_merged_batch_has_whole_steps_and_room_for_the_prompt():
+    """A batch merged from cached histories (and misses) holds what mlx-lm's merge holds,
+    in arrays of whole steps with room for the prompt still to come; growing past them
+    stays on whole steps, whatever length the arrays had."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from gmlx.engine.prompt_cache import with_room
+
+    def layer(n):
+        c = KVCache()
+        if n:
+            c.update_and_fetch(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+        return c
+
+    histories = [layer(37), layer(0), layer(300)]
+    rooms = [5, 20, 260]
+    ours = type(with_room([histories[0]], 0)[0]).merge(
+        [with_room([h], r)[0] for h, r in zip(histories, rooms)])
+    theirs = BatchKVCache.merge(histories)
+    assert ours.keys.shape[2] % ours.step == 0 and ours.keys.shape[2] >= 300 + 260
+    assert ours._idx == theirs._idx == 300
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values()):
+        assert mx.array_equal(a, b)
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    assert ours.offset.tolist() == theirs.offset.tolist() == [37, 0, 300]
+
+    ours.filter([0, 2])  # drops no padding here; cut one position off to make it ragged
+    ours.keys, ours.values = ours.keys[..., 1:, :], ours.values[..., 1:, :]
+    ours._idx -= 1
+    ours.left_padding -= 1
+    before = [a[..., : ours._idx, :] for a in ours.keys_and_values()]
+    capacity = ours.keys.shape[2]
+    k = v = mx.ones((2, 2, capacity - ours._idx + 3, 8))
+    ours.update_and_fetch(k, v)
+    assert ours.keys.shape[2] % ours.step == 0 and ours.keys.shape[2] >= ours._idx
+    for a, b in zip(before, ours.keys_and_values()):
+        assert mx.array_equal(a, b[..., : a.shape[2], :])
+    assert with_room([histories[2]], 1)[0].keys is histories[2].keys  # shared, never copied
+
+
+def test_hits_and_misses_prefilled_together_match_the_uncached_output(demo_model):
+    """Hits with short and long new text and a miss, prefilled as one batch (merged
+    through ``with_room``), each generate what they generate alone without a cache."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.engine.prompt_cache import with_room
+
+    model = demo_model.model
+    system = "You answer questions about cities, briefly and with care. " * 3
+    head = list(demo_model.tokenizer.encode_chat([{"role": "system", "content": system}],
+                                                 add_generation_prompt=False))
+    long_tail = "Then say more about its rivers, bridges, parks and markets. " * 30
+    prompts = [list(chat(demo_model, q, system=system)) for q in ("Tokyo?", "Lima?" + long_tail, "Oslo?")]
+    prompts.append(list(reversed(chat(demo_model, "Nothing shared with the others."))))  # a miss
+    assert all(p[: len(head)] == head for p in prompts[:3])
+    history = make_prompt_cache(model)
+    model(mx.array([head]), cache=history)
+    mx.eval([c.state for c in history])
+
+    def run(inserts, width):
+        gen = BatchGenerator(model, completion_batch_size=width, prefill_batch_size=width, stop_tokens=[])
+        uids = [gen.insert([rest], max_tokens=[10], caches=[cache])[0] for rest, cache in inserts]
+        out = {uid: [] for uid in uids}
+        while any(len(v) < 10 for v in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        return [out[uid] for uid in uids]
+
+    alone = [run([(p, None)], 1)[0] for p in prompts]
+    together = run([(p[len(head):], with_room(history, len(p) - len(head))) for p in prompts[:3]]
+                   + [(prompts[3], with_room(make_prompt_cache(model), len(prompts[3])))], 4)
+    assert together == alone
+    assert all(layer.offset == len(head) for layer in history)  # the shared history is as it was
