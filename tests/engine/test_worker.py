@@ -297,10 +297,15 @@ def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypa
     real = stats_module.WorkerStats.note_step
     monkeypatch.setattr(stats_module.WorkerStats, "note_step",
                         lambda self, tokens: (widths.append(tokens), real(self, tokens)))
+    rendered: list[list[dict]] = []
+    encode_chat = demo_model.tokenizer.encode_chat
+    monkeypatch.setattr(demo_model.tokenizer, "encode_chat",
+                        lambda messages, **kw: (rendered.append(messages), encode_chat(messages, **kw))[1])
     worker = ModelWorker(demo_model, decode_batch=5)
     try:
         assert worker.warm_up() > 0
         assert set(range(1, 6)) <= set(widths)  # 1 up to decode_batch, every one of them
+        assert rendered  # the chat template is compiled before the first conversation
         cache = worker.prompt_cache.stats()
         assert cache["entries"] == 0 and cache["hits"] == cache["misses"] == 0
         assert worker.stats.requests_finished == 0 and worker.in_flight == 0 and worker.waiting == 0
