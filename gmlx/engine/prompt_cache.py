@@ -57,10 +57,10 @@ class _AlignedBatchKVCache(BatchKVCache):
     """mlx-lm's batch KV cache, whose arrays only ever grow to whole ``step``s.
 
     mlx-lm grows a batch's arrays by whole steps past their current length, and that
-    length is not always a whole number of steps (a merged history, or a batch whose
-    longest-padded stream left): its arrays then take lengths no other array has had.
-    MLX reuses a freed buffer only for a size it has seen, so on CUDA each such length
-    is a fresh device allocation, paid inside the decode steps that follow (an H200,
+    length is not always a whole number of steps (a merged history, say): its arrays
+    then take lengths no other array has had. MLX reuses a freed buffer only for the
+    size it held or one at most two pages smaller, so on CUDA each such length is a
+    fresh device allocation, paid inside the decode steps that follow (an H200,
     Qwen2.5-1.5B shape: the three steps after a 2k-token prefix hit took 24-26 ms against
     11 ms after a miss; with whole steps, 11 ms). Growing to the next whole step keeps
     every stream's arrays at the sizes the buffer cache already holds."""
