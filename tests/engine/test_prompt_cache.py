@@ -310,8 +310,8 @@ def test_a_merged_batch_has_whole_steps_and_room_for_the_prompt():
 
     histories = [layer(37), layer(0), layer(300)]
     rooms = [5, 20, 260]
-    ours = type(with_room([histories[0]], 0)[0]).merge(
-        [with_room([h], r)[0] for h, r in zip(histories, rooms)])
+    layers = [with_room([h], r)[0] for h, r in zip(histories, rooms)]
+    ours = layers[0].merge(layers)  # as mlx-lm merges a batch: through its first request's layer
     theirs = BatchKVCache.merge(histories)
     assert ours.keys.shape[2] % ours.step == 0 and ours.keys.shape[2] >= 300 + 260
     assert ours._idx == theirs._idx == 300
