@@ -156,3 +156,52 @@ def test_truncated_file_is_a_source_error(tiny_models, tmp_path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelSourceError, match="not a valid GGUF"):
         load(path)
+
+
+def test_prompt_cache_hits_on_a_sliding_window_model(tmp_path: Path) -> None:
+    """gemma3 mixes sliding-window layers (rotating caches, merged as mlx-lm does) with
+    global ones (merged by gmlx with room): hits, alone and batched with a miss, give
+    what the model gives without a cache. (F16: MLX's CPU prefill of the Q8_0 fixture
+    takes seconds per prompt.)"""
+    import threading
+
+    from gguf import GGMLQuantizationType
+
+    from gmlx.engine.types import GenerateRequest, SamplingParams
+    from gmlx.engine.worker import ModelWorker
+    from tests.engine.loading.conftest import write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "gemma3.gguf", "gemma3_text", GGMLQuantizationType.F16, seed=11)
+    loaded = load_model(tiny.path, model_id="tiny-gemma")
+    kinds = {type(c).__name__ for c in loaded.model.make_cache()}
+    assert kinds == {"RotatingKVCache", "KVCache"}
+    vocab = loaded.config["vocab_size"]
+    head = [(7 * i) % (vocab - 3) + 3 for i in range(90)]
+    prompts = [tuple(head + [5 + k, 6, 7 + k]) for k in range(3)] + [tuple(reversed(head))]
+    greedy = SamplingParams(temperature=0.0)
+
+    def run_all(w):
+        out = [None] * len(prompts)
+
+        def one(i):
+            events = list(w.generate(GenerateRequest(prompts[i], max_tokens=6, sampling=greedy)))
+            out[i] = ([t for e in events for t in e.token_ids], events[-1].cache_tier)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    cold = ModelWorker(loaded, decode_batch=4, prompt_cache_bytes=0)
+    warm = ModelWorker(loaded, decode_batch=4)
+    try:
+        expected = [tokens for tokens, _ in run_all(cold)]
+        list(warm.generate(GenerateRequest(tuple(head + [9]), max_tokens=2, sampling=greedy)))
+        got = run_all(warm)
+    finally:
+        cold.close()
+        warm.close()
+    assert [tokens for tokens, _ in got] == expected
+    assert [tier for _, tier in got][:3] == ["block"] * 3
