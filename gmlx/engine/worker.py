@@ -161,7 +161,7 @@ class ModelWorker:
         if self._closed.is_set():
             raise EngineError(f"The worker for {self.loaded.id} is shut down.")
         with self._admission:
-            if self._waiting >= self.queue_cap + self.free_slots:
+            if self.waiting_for_slot >= self.queue_cap + self.free_slots:
                 eta = self.queue_eta_s()
                 retry = min(max(round(eta), RETRY_AFTER_RANGE[0]), RETRY_AFTER_RANGE[1])
                 reason = f"the queue is full ({self.queued} waiting, cap {self.queue_cap})"
@@ -197,6 +197,10 @@ class ModelWorker:
         if req.tools and self.tool_parser is not None:
             active.tool_stream = ToolCallStream(self.tool_parser, req.tools)
         return active
+
+    @property
+    def waiting_for_slot(self) -> int:
+        return self._waiting
 
     @property
     def free_slots(self) -> int:
@@ -315,8 +319,7 @@ class ModelWorker:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted and not yet given a slot (in the inbox or the queue)."""
-        return self._waiting
+        return len(self._pending)
 
     # -- the worker thread --------------------------------------------------------
 

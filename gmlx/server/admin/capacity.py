@@ -88,7 +88,7 @@ def estimate(registry: Registry, rendered: Rendered, max_tokens: int | None) -> 
 def _ttft_s(worker: ModelWorker, cold_tokens: int) -> float:
     """The wait for a slot at the recent pace, plus the cold prompt at the recent
     prefill rate (or the conservative defaults before anything was measured)."""
-    ahead = worker.waiting
+    ahead = worker.waiting_for_slot
     wait = 0.0
     if ahead >= worker.free_slots:  # every slot will be taken before this request's turn
         per_request = worker.stats.mean_request_s() or DEFAULT_REQUEST_S
