@@ -200,6 +200,9 @@ class ModelWorker:
 
     @property
     def waiting_for_slot(self) -> int:
+        """Requests submitted and not yet given a slot, counted from the moment
+        ``submit`` returns (those still in the inbox too): what admission control and
+        the time-to-first-token estimate count ahead of a new request."""
         return self._waiting
 
     @property
@@ -319,6 +322,10 @@ class ModelWorker:
 
     @property
     def waiting(self) -> int:
+        """Requests the worker holds in its queue: no slot was free, or the governor
+        holds new prefills back. What metrics, health and status report; unlike
+        ``waiting_for_slot`` it never counts a request that is about to take a free
+        slot (still in the inbox), which would read as a queue for a moment."""
         return len(self._pending)
 
     # -- the worker thread --------------------------------------------------------

@@ -94,6 +94,7 @@ def test_orange_holds_new_prefills_and_red_sheds_the_largest(demo_model):
         waiting = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=3, sampling=greedy))
         time.sleep(0.3)
         assert [r["state"] for r in worker.rows() if r["id"] == waiting.id] == ["queued"]
+        assert worker.waiting == 1 and worker.in_flight == 2  # held back: reported as waiting
         next(small_events)
 
         probe.value = 10 * MiB  # red: the largest running request is shed
