@@ -152,6 +152,7 @@ class ActiveRequest:
     splitter: ReasoningSplitter | None = None
     tool_stream: ToolCallStream | None = None
     failure: Exception | None = None  # raised by this request's own sampler or processors
+    handed_out: int | None = None  # the first token, handed out before mlx-lm returns it
 
     def row(self, model: str, position: int | None, now: float) -> dict[str, Any]:
         """This request as a ``requests[]`` row of the metrics snapshot."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -371,3 +372,75 @@ def test_a_long_prompt_prefills_in_smaller_chunks_while_others_decode(demo_model
         list(running)
     finally:
         worker.close()
+
+
+def test_first_token_is_handed_out_before_the_next_step(demo_model, monkeypatch):
+    """A request's first token reaches its stream as soon as the step that ends its
+    prompt has computed it, not one generation step later (as mlx-lm returns it)."""
+    from mlx_lm.generate import GenerationBatch
+
+    from gmlx.engine.requests import RequestHandle
+    from gmlx.engine.worker import ModelWorker
+
+    steps = []
+    step = GenerationBatch.next
+    monkeypatch.setattr(GenerationBatch, "next", lambda self: (steps.append(len(self.uids)), step(self))[1])
+    at_first: list[int] = []
+    emit = RequestHandle._emit
+    monkeypatch.setattr(RequestHandle, "_emit", lambda self, event: (
+        at_first.append(sum(1 for n in steps if n)) if event.token_ids and not at_first else None,
+        emit(self, event))[1])
+    worker = ModelWorker(demo_model, decode_batch=2)
+    try:
+        _, final, _ = run(worker, GenerateRequest(prompt(demo_model), max_tokens=5, sampling=GREEDY))
+    finally:
+        worker.close()
+    assert at_first == [0] and final.usage.completion_tokens == 5
+
+
+def test_handing_out_first_tokens_changes_no_output(demo_model, monkeypatch):
+    """Streams with and without the early first token are the same, event by event:
+    log-probabilities, a stop string met at the first token, one- and two-token requests,
+    and requests joining a running batch."""
+    import threading
+
+    from gmlx.engine.worker import ModelWorker
+
+    base = prompt(demo_model, "Tell me a story about a ship.")
+    probe = ModelWorker(demo_model, decode_batch=1)
+    try:
+        first = run(probe, GenerateRequest(base, max_tokens=1, sampling=GREEDY))[0]  # its first text
+    finally:
+        probe.close()
+    requests = [
+        GenerateRequest(base, max_tokens=12, sampling=GREEDY, logprobs=True, top_logprobs=3),
+        GenerateRequest(base, max_tokens=12, sampling=GREEDY, stop=(first,)),
+        GenerateRequest(prompt(demo_model, "One"), max_tokens=1, sampling=GREEDY),
+        GenerateRequest(prompt(demo_model, "Two"), max_tokens=2, sampling=GREEDY),
+        GenerateRequest(prompt(demo_model, "Three, later"), max_tokens=9, sampling=GREEDY),
+    ]
+
+    def streams() -> list:
+        worker = ModelWorker(demo_model, decode_batch=4, prompt_cache_bytes=0)
+        out = [None] * len(requests)
+
+        def one(i):
+            if i == len(requests) - 1:
+                time.sleep(0.05)  # joins a batch that is decoding
+            events = list(worker.generate(requests[i]))
+            out[i] = [(e.text, e.token_ids, e.logprob, e.top_logprobs, e.finish_reason) for e in events]
+
+        try:
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        finally:
+            worker.close()
+        return out
+
+    early = streams()
+    monkeypatch.setattr(ModelWorker, "_hand_out_first_tokens", lambda self, gen, started: None)
+    assert streams() == early
+    assert early[1][-1][-1] is FinishReason.STOP and early[2][-1][-1] is FinishReason.LENGTH
