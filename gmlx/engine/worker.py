@@ -567,12 +567,15 @@ class ModelWorker:
         step). Reading it here costs the running streams that one overlap, once per
         admission. Left to mlx-lm: a token that ends the request (an end-of-sequence
         token, or the only one asked for), so mlx-lm's own ending stays in charge."""
+        import mlx.core as mx
+
         batch = gen._generation_batch
         for active in started:
             if active.request.max_tokens <= 1 or active.uid not in batch.uids:
                 continue
             row = batch.uids.index(active.uid)
-            token = batch._next_tokens[row].item()
+            with mx.stream(gen.stream):  # on the generator's stream: no cross-stream wait
+                token = batch._next_tokens[row].item()
             if token in self.loaded.tokenizer.eos_token_ids:
                 continue
             self._on_token(gen, _FirstToken(active.uid, token, batch._next_logprobs[row]))
