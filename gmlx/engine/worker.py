@@ -574,8 +574,12 @@ class ModelWorker:
             if active.request.max_tokens <= 1 or active.uid not in batch.uids:
                 continue
             row = batch.uids.index(active.uid)
-            with mx.stream(gen.stream):  # on the generator's stream: no cross-stream wait
-                token = batch._next_tokens[row].item()
+            try:
+                with mx.stream(gen.stream):  # on the generator's stream: no cross-stream wait
+                    token = batch._next_tokens[row].item()
+            except Exception:  # mlx-lm's own step will hand it out (or fail it)
+                log.exception("reading the first token of %s early failed", active.request.id)
+                continue
             if token in self.loaded.tokenizer.eos_token_ids:
                 continue
             self._on_token(gen, _FirstToken(active.uid, token, batch._next_logprobs[row]))
