@@ -4,23 +4,27 @@ The file has four sections, all optional::
 
     server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
                prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit,
-               warmup}
+               warmup, top_logprobs_k}
     models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source;
               a source is ``demo``, a GGUF file, an MLX folder or ``hf:org/repo[/file]``)
     aliases:  {alias: id or id@profile}
-    profiles: {name: {temperature, top_p, ..., max_tokens, system, stop, chat_template_kwargs}}
+    profiles: {name: {<every sampling field>, max_tokens, system, stop, chat_template_kwargs}}
 
 ``server`` values can be overridden by ``GMLX_<KEY>`` environment variables
 (``GMLX_PORT``, ``GMLX_API_KEY``, ``GMLX_QUEUE_DEPTH_CAP``, ``GMLX_SSE_KEEPALIVE_S``,
 ``GMLX_DECODE_BATCH``, ``GMLX_PROMPT_CACHE_BYTES``, ``GMLX_GOVERNOR``, ``GMLX_PREFLIGHT_MEM``,
-``GMLX_OVERCOMMIT``, ``GMLX_WARMUP`` ...). Every problem is raised as one :class:`ConfigError` naming
-the file, the key and the reason.
+``GMLX_OVERCOMMIT``, ``GMLX_WARMUP`` ...); ``top_logprobs_k`` by ``TOP_LOGPROBS_K``, the
+name the HTTP spec gives it. A profile's sampling fields are the request's
+(:mod:`gmlx.sampling_fields`), range-checked by the engine's own rules as the file loads.
+Every problem is raised as one :class:`ConfigError` naming the file, the key and the reason.
+
+Turning settings into a running registry or app is :mod:`gmlx.compose`'s job.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,18 +40,20 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gmlx.engine.errors import ConfigError
+from gmlx.engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from gmlx.engine.loading import DEMO_ID, source_kind
 from gmlx.engine.loading.hf_cache import PREFIX as HF_PREFIX
 from gmlx.engine.profiles import Profile, ProfileBook
-from gmlx.engine.residency import ModelSpec, Registry
+from gmlx.engine.types import SamplingParams
 from gmlx.paths import config_file
+from gmlx.sampling_fields import SamplingFields, sampling_values
 
 ENV_PREFIX = "GMLX_"
 
 
 class ServerSettings(BaseSettings):
-    """The ``server:`` section; ``GMLX_<KEY>`` environment variables win over the file."""
+    """The ``server:`` section; ``GMLX_<KEY>`` environment variables (``TOP_LOGPROBS_K``
+    for ``top_logprobs_k``) win over the file."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
@@ -65,6 +71,14 @@ class ServerSettings(BaseSettings):
     preflight_mem: bool = True  # GMLX_PREFLIGHT_MEM=0: no memory check before a request
     overcommit: bool = False  # GMLX_OVERCOMMIT=1: no capacity table judges requests
     warmup: bool = True  # GMLX_WARMUP=0: serve a loaded model without first running its batch shapes
+    # Most alternatives per token that `top_logprobs` may ask for (0: none). The spec
+    # names the variable TOP_LOGPROBS_K, without the prefix; GMLX_TOP_LOGPROBS_K works too.
+    top_logprobs_k: int = Field(
+        0,
+        ge=0,
+        le=20,
+        validation_alias=AliasChoices("top_logprobs_k", "gmlx_top_logprobs_k"),
+    )
 
     @field_validator("cors", mode="before")
     @classmethod
@@ -91,34 +105,26 @@ class ServerSettings(BaseSettings):
         return (env_settings, init_settings)
 
 
-class ProfileConfig(BaseModel):
-    """One ``profiles:`` entry: sampling values, an output cap and a system prompt."""
+class ProfileConfig(SamplingFields):
+    """One ``profiles:`` entry: any sampling field a request may set, an output cap,
+    a system prompt, stop strings and chat-template variables.
+
+    Types are checked here; value ranges by the engine's rules when the file loads
+    (:func:`load_settings`).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    repetition_context_size: int | None = Field(None, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_context_size: int | None = Field(None, ge=1)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_context_size: int | None = Field(None, ge=1)
-    seed: int | None = None
     max_tokens: int | None = Field(None, ge=1)
     system: str | None = None
     stop: list[str] = Field(default_factory=list)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     def to_profile(self, name: str) -> Profile:
-        sampling = self.model_dump(
-            exclude={"max_tokens", "system", "stop", "chat_template_kwargs"}, exclude_none=True
-        )
+        """This entry as the engine's profile called ``name``."""
         return Profile(
             name=name,
-            sampling=sampling,
+            sampling=sampling_values(self),
             max_tokens=self.max_tokens,
             system=self.system,
             stop=tuple(self.stop),
@@ -173,69 +179,43 @@ class Settings(BaseModel):
         return list(dict.fromkeys([*self.preload, *pinned]))
 
     def profile_book(self) -> ProfileBook:
+        """The profiles these settings know: the built-in intents and the file's."""
         return ProfileBook({name: p.to_profile(name) for name, p in self.profiles.items()})
-
-    def registry(
-        self,
-        decode_batch: int | None = None,
-        *,
-        probe: Callable[[], int] | None = None,
-        warmup: bool | None = None,
-    ) -> Registry:
-        """A registry of the configured models (nothing loads until asked), with one
-        memory governor shared by all of its workers. ``warmup`` (default: the server
-        setting) runs each model's batch shapes once as it loads.
-
-        ``probe`` replaces the free-memory probe (``capacity.free_bytes``) for the
-        governor, the capacity table and the preflight; tests script headroom with it.
-        """
-        specs = [
-            ModelSpec(
-                id=mid,
-                source=m.source,
-                max_kv_size=m.max_kv_size,
-                profile=m.profile,
-                default=m.default,
-                pinned=m.pinned,
-                mmproj=m.mmproj,
-            )
-            for mid, m in self.models.items()
-        ]
-        server = self.server
-        return Registry(
-            specs,
-            aliases=self.aliases,
-            profiles=self.profile_book(),
-            decode_batch=decode_batch or server.decode_batch,
-            queue_cap=server.queue_depth_cap,
-            prompt_cache_bytes=server.prompt_cache_bytes,
-            governor=server.governor,
-            governor_floor_bytes=server.governor_floor_bytes,
-            overcommit=server.overcommit,
-            probe=probe,
-            warmup=server.warmup if warmup is None else warmup,
-        )
 
     def with_models(self, refs: Iterable[str]) -> tuple[Settings, list[str]]:
         """Add command-line models: each ref that is not already addressable (an id,
         an alias, either with ``@profile``) is a source (``demo``, a GGUF file, an MLX
         folder) served under an id taken from its name.
 
+        As in a request, a ref is split on its last ``@`` only when the suffix names a
+        known profile; otherwise the whole ref is the id or the path.
+
         Returns the new settings and, per ref, the model string that addresses it.
-        Raises ModelSourceError for a ref that is neither configured nor a model.
+        Raises ModelNotFoundError for ``model@suffix`` where the model exists and the
+        suffix is no profile, ModelSourceError for a ref that is neither configured
+        nor a model.
         """
         models = dict(self.models)
         book = self.profile_book()
         names: list[str] = []
         for ref in refs:
-            head, sep, tail = ref.rpartition("@")
             known = {*models, *self.aliases}
-            if ref in known or (sep and head in known):
+            head, sep, tail = ref.rpartition("@")
+            profiled = bool(sep and head) and tail in book
+            if ref in known or (profiled and head in known):
                 names.append(ref)
                 continue
             source, suffix = ref, ""
-            if sep and head and not Path(ref).expanduser().exists() and _is_source(head):
-                book.check(tail)  # a model with an unknown profile: say so, not "no such path"
+            is_path = Path(ref).expanduser().exists()
+            if sep and head and not is_path and (head in known or _is_source(head)):
+                if not profiled:
+                    # Say what is wrong with the ref as typed, not "no such path".
+                    raise ModelNotFoundError(
+                        f"{ref!r} is not a configured model, an alias or a model path, and "
+                        f"{tail!r} after its last @ is not a profile (valid profiles: "
+                        f"{', '.join(book.names)}).",
+                        param="model",
+                    )
                 source, suffix = head, f"@{tail}"
             source_kind(source)  # raises ModelSourceError naming the path
             model_id = _id_for(source)
@@ -310,6 +290,7 @@ def load_settings(path: Path | str | None = None) -> Settings:
         origin=str(file),
     )
     _check_references(settings, file)
+    _check_sampling(settings, file)
     return settings
 
 
@@ -323,14 +304,47 @@ def _server_settings(values: dict[str, Any], file: Path) -> ServerSettings:
 def _config_error(file: Path, err: ValidationError, prefix: str = "") -> ConfigError:
     first = err.errors()[0]
     key = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
-    reason = first["msg"]
+    # A validator's ValueError arrives as "Value error, <reason>": the reason is enough.
+    reason = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         reason = "unknown key"
-    env = f"{ENV_PREFIX}{first['loc'][0]}".upper() if prefix == "server" and first["loc"] else ""
-    if env and env in {k.upper() for k in os.environ}:
-        key += f" (set by {env})"
+    if prefix == "server" and first["loc"]:
+        env = {k.upper() for k in os.environ}
+        named = [e for e in _env_names(str(first["loc"][0])) if e in env]
+        if named:
+            key += f" (set by {named[0]})"
     more = f" (and {len(err.errors()) - 1} more problems)" if len(err.errors()) > 1 else ""
     return ConfigError(f"Config file {file} is invalid at {key}: {reason}{more}.")
+
+
+def _env_names(key: str) -> list[str]:
+    """The environment variables that can set the ``server`` key ``key``."""
+    info = ServerSettings.model_fields.get(key)
+    if info is not None and isinstance(info.validation_alias, AliasChoices):
+        return [str(name).upper() for name in info.validation_alias.choices]
+    return [f"{ENV_PREFIX}{key}".upper()]
+
+
+# Token ids in a profile's logit_bias are checked against each model's vocabulary when a
+# request uses the profile; at load time only their sign and the bias values can be.
+ANY_VOCAB = 2**31
+
+
+def _check_sampling(settings: Settings, file: Path) -> None:
+    """Every profile's sampling values must pass the engine's own checks, the ones a
+    request's values pass: the same rules, the same reasons."""
+    if not settings.profiles:
+        return
+    from gmlx.engine.sampling import validate  # imports MLX: only for a file with profiles
+
+    for name, profile in settings.profiles.items():
+        try:
+            validate(SamplingParams(**sampling_values(profile)), ANY_VOCAB)
+        except InvalidRequestError as e:
+            raise ConfigError(
+                f"Config file {file} is invalid at profiles.{name}.{e.param}: "
+                f"{e.message.rstrip('.')}."
+            ) from e
 
 
 def _check_references(settings: Settings, file: Path) -> None:

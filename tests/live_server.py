@@ -48,11 +48,10 @@ class LiveServer:
 def serve_config(folder, yaml_text: str, *, models=("demo",), probe=None) -> LiveServer:
     """A live server for ``yaml_text`` (written to ``folder/gmlx.yaml``) serving ``models``;
     ``probe`` scripts the free memory the server sees."""
+    from gmlx.compose import build_app
     from gmlx.config import load_settings
-    from gmlx.server.app import create_app
 
     path = folder / "gmlx.yaml"
     path.write_text(yaml_text)
     settings, _ = load_settings(path).with_models(list(models))
-    registry = settings.registry(probe=probe) if probe is not None else None
-    return LiveServer.start(create_app(settings, registry=registry))
+    return LiveServer.start(build_app(settings, probe=probe))

@@ -21,7 +21,7 @@ from rich.table import Table
 from gmlx.cli.errors import err_console, fail
 
 if TYPE_CHECKING:
-    from gmlx.engine.residency import Registry
+    from gmlx.engine.chat import Engine
     from gmlx.engine.worker import ModelWorker
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -73,43 +73,33 @@ def call_server(method: str, url: str, path: str, **kwargs: Any) -> dict[str, An
 # -- loading a model here -------------------------------------------------------------
 
 
-def load_here(ref: str) -> tuple[Registry, ModelWorker, str, str | None]:
-    """Resolve MODEL as the server does and load it into a one-model registry (which
-    measures it and builds its capacity table); returns the registry, the worker,
-    the model string that addresses it and its profile."""
+def load_here(ref: str) -> tuple[Engine, ModelWorker, str]:
+    """Resolve MODEL as the server does and load it into a one-model engine (whose
+    registry measures it and builds its capacity table); returns the engine, the
+    worker and the model string that addresses it."""
+    from gmlx.compose import build_engine, build_registry
     from gmlx.config import load_settings
 
     settings, (name,) = load_settings().with_models([ref])
-    registry = settings.registry(decode_batch=1, warmup=False)
+    registry = build_registry(settings, decode_batch=1, warmup=False)
     target = registry.address(name)
     with err_console.status(f"Loading {ref} …", spinner="dots"):
         worker = registry.worker(target.spec.id)
-    return registry, worker, name, target.profile_name
+    return build_engine(settings, registry), worker, name
 
 
 def estimate_here(ref: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The ``/v1/estimate`` answer computed in this process, for a model loaded here."""
-    from gmlx.engine.tools import apply_tool_choice
-    from gmlx.server.admin.capacity import estimate
-    from gmlx.server.generation import Rendered
+    """The ``/v1/estimate`` answer computed in this process, for a model loaded here:
+    the body read as the chat route reads it, estimated by the same engine code."""
     from gmlx.server.openai import translate
     from gmlx.server.openai.schemas import ChatCompletionRequest
 
-    registry, worker, name, _ = load_here(ref)
+    engine, _, name = load_here(ref)
     try:
-        req = ChatCompletionRequest.model_validate({**body, "model": name})
-        target = registry.address(req.model, req.profile)
-        profile = registry.profile(target, worker.loaded)
-        messages = translate.chat_messages(req.messages)
-        # As generation.render does: the profile's system prompt unless one is given.
-        if profile.system and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": profile.system}, *messages]
-        tools, _ = apply_tool_choice(req.tools, req.tool_choice)
-        kwargs = req.template_kwargs(profile.chat_template_kwargs)
-        ids = worker.loaded.tokenizer.encode_chat(messages, tools=tools, **kwargs)
-        result = estimate(registry, Rendered(worker, profile, name, ids), req.output_cap)
+        req = translate.chat_request(ChatCompletionRequest.model_validate({**body, "model": name}))
+        result = engine.estimate_sync(req).as_dict()
     finally:
-        registry.close()
+        engine.registry.close()
     return {**result, "resident": None, "where": "local"}
 
 

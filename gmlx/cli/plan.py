@@ -30,41 +30,14 @@ DepthOpt = Annotated[int, typer.Option("--depth", "-d", min=1, help="Tokens each
 
 def plan_here(ref: str, width: int, depth: int) -> dict[str, Any]:
     """The plan for a model loaded here: its table at this machine's free memory."""
-    from gmlx.engine import capacity
+    from gmlx.engine.admission import offline_plan
 
-    registry, worker, _, _ = load_here(ref)
+    engine, worker, _ = load_here(ref)
     try:
-        table = registry.capacity
-        geom = registry.geometry(worker.loaded.id)
-        if table is None or geom is None:
-            return {
-                "width": width,
-                "depth": depth,
-                "model": worker.loaded.id,
-                "ok": None,
-                "reason": "no_table",
-                "detail": "the model's memory geometry cannot be measured",
-            }
-        ok, detail = capacity.plan(table, width, depth)
-        return {
-            "width": width,
-            "depth": depth,
-            "model": worker.loaded.id,
-            "ok": ok,
-            "admit_now": None,  # nothing runs here: only a server knows
-            "reason": None if ok else "geometry",
-            "detail": detail,
-            "table_width": min((w for w in table.max_ctx if w >= width), default=None),
-            "max_ctx": table.max_ctx_at(width),
-            "max_width_at_depth": capacity.max_width(geom, depth, table.budget_bytes, table.chunk),
-            "budget_bytes": table.budget_bytes,
-            "weight_bytes": table.weight_bytes,
-            "kv_bytes_per_token": table.kv_bytes_per_token,
-            "context_length": geom.context_length,
-            "where": "local",
-        }
+        plan = offline_plan(engine.registry, width, depth, worker)
     finally:
-        registry.close()
+        engine.registry.close()
+    return {**plan.as_dict(), "where": "local"}
 
 
 def plan_command(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,71 +15,56 @@ from rich.console import Console
 from gmlx.cli.errors import err_console, fail
 from gmlx.cli.options import MaxTokensOpt, ModelArg, SeedOpt, SystemOpt, TemperatureOpt
 from gmlx.engine.errors import GmlxError
-from gmlx.engine.types import Event, FinishReason, GenerateRequest, SamplingParams
+from gmlx.engine.types import (
+    ChatRequest,
+    Event,
+    FinishReason,
+    Message,
+    Reasoning,
+    ResponseFormat,
+    new_request_id,
+)
 
 if TYPE_CHECKING:
-    from gmlx.engine.profiles import Profile
-    from gmlx.engine.structured import Grammar
-    from gmlx.engine.worker import ModelWorker
+    from gmlx.engine.chat import Engine, Job
 
 HELP_LINE = "Type a message; /reset clears the conversation, /exit (or Ctrl-D) leaves. Ctrl-C stops an answer."
 
+# The alternatives `--logprobs` shows per token (the table prints all but the token itself).
+LOGPROB_ALTERNATIVES = 5
 
-def load_addressed(ref: str, profile: str | None) -> tuple[ModelWorker, Profile]:
-    """Resolve ``MODEL[@profile]`` as the server does (configured ids and aliases first,
-    else ``demo`` or a path) and load it; returns its worker and effective profile."""
+
+def load_engine(ref: str) -> tuple[Engine, str]:
+    """An engine over ``MODEL[@profile]`` resolved as the server resolves it
+    (configured ids and aliases first, else ``demo`` or a path), loaded now with a
+    spinner; returns the engine and the model string that addresses the model."""
+    from gmlx.compose import build_engine, build_registry
     from gmlx.config import load_settings
 
     settings, (name,) = load_settings().with_models([ref])
-    registry = settings.registry(decode_batch=1, warmup=False)
-    target = registry.address(name, profile)
+    registry = build_registry(settings, decode_batch=1, warmup=False)
+    engine = build_engine(settings, registry, top_logprobs_cap=LOGPROB_ALTERNATIVES)
     with err_console.status(f"Loading {ref} …", spinner="dots"):
-        worker = registry.worker(target.spec.id)
+        worker = registry.worker(registry.address(name).spec.id)
     for note in worker.loaded.notes:
         err_console.print(f"[dim]{note}[/]")
-    return worker, registry.profile(target, worker.loaded)
-
-
-@dataclass(frozen=True)
-class AnswerOptions:
-    """How each answer is generated and shown."""
-
-    max_tokens: int
-    sampling: SamplingParams
-    grammar: Grammar | None = None
-    logprobs: bool = False
-    template_kwargs: dict[str, Any] | None = None
-    thinking_budget: int | None = None
+    return engine, name
 
 
 def stream_answer(
-    worker: ModelWorker,
-    messages: list[dict[str, Any]],
-    opts: AnswerOptions,
+    job: Job,
     *,
     write: Callable[[str], None],
     write_reasoning: Callable[[str], None] | None = None,
     tokens: list[Event] | None = None,
 ) -> tuple[str, FinishReason]:
-    """Generate one assistant turn, writing text (and reasoning) as it arrives;
-    events that carry a token are appended to ``tokens`` when given (logprobs).
+    """Stream one started answer, writing text (and reasoning) as it arrives; events
+    that carry a token are appended to ``tokens`` when given (logprobs).
 
     Ctrl-C cancels the request and returns what was written so far, with a
     ``cancelled`` finish; the worker frees the slot before this returns.
     """
-    prompt = worker.loaded.tokenizer.encode_chat(messages, **(opts.template_kwargs or {}))
-    handle = worker.submit(
-        GenerateRequest(
-            tuple(prompt),
-            max_tokens=opts.max_tokens,
-            sampling=opts.sampling,
-            grammar=opts.grammar,
-            logprobs=opts.logprobs,
-            top_logprobs=5 if opts.logprobs else 0,
-            split_reasoning=True,
-            thinking_budget=opts.thinking_budget,
-        )
-    )
+    handle = job.handle
     parts: list[str] = []
     while True:
         # Ctrl-C can land anywhere in here, also inside the handle's iterator, which
@@ -99,11 +84,12 @@ def stream_answer(
             handle.cancel()  # keep draining until the worker confirms it
 
 
-def print_logprobs(worker: ModelWorker, tokens: list[Event]) -> None:
+def print_logprobs(job: Job, tokens: list[Event]) -> None:
     """A table of each generated token, its log-probability and the top alternatives."""
     from rich.table import Table
 
-    decode = worker.loaded.tokenizer.decode
+    assert job.tokenizer is not None
+    decode = job.tokenizer.decode
     table = Table("token", "logprob", "alternatives", box=None, pad_edge=False)
     for ev in tokens:
         alternatives = "  ".join(f"{decode([i])!r} {lp:.2f}" for i, lp in ev.top_logprobs[1:])
@@ -111,23 +97,26 @@ def print_logprobs(worker: ModelWorker, tokens: list[Event]) -> None:
     err_console.print(table)
 
 
-def load_grammar(json_schema: Path | None, json_object: bool) -> Grammar | None:
-    """The grammar for ``--json-schema FILE`` or ``--json``; one clear error otherwise."""
+def response_format(json_schema: Path | None, json_object: bool) -> ResponseFormat | None:
+    """The format ``--json-schema FILE`` or ``--json`` asks for, checked now (before any
+    model loads); a file that cannot be read or compiled is one clear error."""
     from gmlx.engine.errors import InvalidRequestError
-    from gmlx.engine.structured import compile_response_format
+    from gmlx.engine.structured import compile_format
 
     if json_schema is None:
-        return compile_response_format({"type": "json_object"}) if json_object else None
+        return ResponseFormat("json_object", field="--json") if json_object else None
     try:
         schema = json.loads(json_schema.read_text())
     except OSError as e:
         fail(f"Cannot read the JSON schema {json_schema}: {e.strerror or e}.")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         fail(f"{json_schema} is not valid JSON: {e}.")
+    fmt = ResponseFormat("json_schema", schema, field="--json-schema")
     try:
-        return compile_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+        compile_format(fmt)
     except InvalidRequestError as e:
         fail(f"{json_schema}: {e}")
+    return fmt
 
 
 def run_command(
@@ -150,59 +139,57 @@ def run_command(
 ) -> None:
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")
-    grammar = load_grammar(json_schema, json_object)
-    worker, preset = load_addressed(model, profile)
+    fmt = response_format(json_schema, json_object)
+    engine, name = load_engine(model)
     # Explicit flags win over the profile, as request fields do on the server.
     explicit = {"temperature": temperature, "seed": seed, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "repetition_penalty": repetition_penalty}
-    kwargs = dict(preset.chat_template_kwargs)
-    if think is not None:
-        kwargs["enable_thinking"] = think
-    opts = AnswerOptions(
+    turn = ChatRequest(
+        model=name,
+        profile=profile,
+        response_format=fmt,
+        reasoning=Reasoning(enabled=think, budget=thinking_budget),
+        sampling={k: v for k, v in explicit.items() if v is not None},
         max_tokens=max_tokens,
-        sampling=preset.sampling_params(explicit),
-        grammar=grammar,
         logprobs=logprobs,
-        template_kwargs=kwargs,
-        thinking_budget=thinking_budget,
+        top_logprobs=LOGPROB_ALTERNATIVES if logprobs else 0,
     )
-    system = system if system is not None else preset.system
     try:
-        base = [{"role": "system", "content": system}] if system else []
+        base = (Message.text("system", system),) if system else ()
         if prompt is not None:
-            _one_shot(worker, [*base, {"role": "user", "content": prompt}], opts)
+            _one_shot(engine, replace(turn, messages=(*base, Message.text("user", prompt))))
         else:
-            _chat(worker, base, opts)
+            _chat(engine, turn, base)
     finally:
-        worker.close()
+        engine.registry.close()
 
 
 def _reasoning_writer() -> Callable[[str], None]:
     return lambda t: err_console.print(t, end="", style="dim", markup=False, highlight=False)
 
 
-def _one_shot(worker: ModelWorker, messages: list[dict[str, Any]], opts: AnswerOptions) -> None:
+def _one_shot(engine: Engine, req: ChatRequest) -> None:
     out = sys.stdout
 
     def write(text: str) -> None:
         out.write(text)
         out.flush()
 
+    job = engine.start_sync(req)
     tokens: list[Event] = []
-    _, finish = stream_answer(worker, messages, opts, write=write, write_reasoning=_reasoning_writer(),
-                              tokens=tokens)
+    _, finish = stream_answer(job, write=write, write_reasoning=_reasoning_writer(), tokens=tokens)
     out.write("\n")
     out.flush()
-    if opts.logprobs:
-        print_logprobs(worker, tokens)
+    if req.logprobs:
+        print_logprobs(job, tokens)
     if finish is FinishReason.CANCELLED:
         raise SystemExit(130)
 
 
-def _chat(worker: ModelWorker, base: list[dict[str, Any]], opts: AnswerOptions) -> None:
+def _chat(engine: Engine, turn: ChatRequest, base: tuple[Message, ...]) -> None:
     console = Console(highlight=False)
-    console.print(f"[dim]{worker.loaded.id} · {HELP_LINE}[/]")
-    history = list(base)
+    console.print(f"[dim]{turn.model} · {HELP_LINE}[/]")
+    history = base
     while True:
         try:
             line = console.input("[bold green]>>> [/]")
@@ -218,19 +205,18 @@ def _chat(worker: ModelWorker, base: list[dict[str, Any]], opts: AnswerOptions) 
         if text in ("/exit", "/quit", "/bye"):
             return
         if text == "/reset":
-            history = list(base)
+            history = base
             console.print("[dim]Conversation cleared.[/]")
             continue
         if text.startswith("/"):
             console.print(f"[dim]Unknown command {text.split()[0]}. {HELP_LINE}[/]")
             continue
-        turn = [*history, {"role": "user", "content": text}]
+        messages = (*history, Message.text("user", text))
         tokens: list[Event] = []
         try:
+            job = engine.start_sync(replace(turn, messages=messages, id=new_request_id()))
             answer, finish = stream_answer(
-                worker,
-                turn,
-                opts,
+                job,
                 write=lambda t: console.print(t, end="", markup=False, highlight=False),
                 write_reasoning=lambda t: console.print(t, end="", style="dim", markup=False, highlight=False),
                 tokens=tokens,
@@ -239,10 +225,10 @@ def _chat(worker: ModelWorker, base: list[dict[str, Any]], opts: AnswerOptions) 
             console.print(f"[bold red]error:[/] {e}", markup=True)
             continue
         console.print()
-        if opts.logprobs:
-            print_logprobs(worker, tokens)
+        if turn.logprobs:
+            print_logprobs(job, tokens)
         if finish is FinishReason.CANCELLED:
             console.print("[dim](stopped)[/]")
         elif finish is FinishReason.LENGTH:
-            console.print(f"[dim](stopped at --max-tokens {opts.max_tokens})[/]")
-        history = [*turn, {"role": "assistant", "content": answer}]
+            console.print(f"[dim](stopped at --max-tokens {turn.max_tokens})[/]")
+        history = (*messages, Message.text("assistant", answer))

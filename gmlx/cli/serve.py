@@ -77,8 +77,8 @@ def serve_command(
     """
     import uvicorn
 
+    from gmlx.compose import build_app
     from gmlx.config import load_settings
-    from gmlx.server.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     # Each token crosses from a model's worker thread to the event loop; with Python's
@@ -93,7 +93,7 @@ def serve_command(
         fail(
             f"Nothing to serve: name a model (for example `gmlx serve demo`) or list models in {settings.origin}."
         )
-    app = create_app(settings)
+    app = build_app(settings)
     startup = settings.startup_models()
     if startup:
         # Load before binding, so a bad model is one error sentence, not a server traceback.

@@ -178,10 +178,14 @@ class CapacityTable:
             "max_width_at_depth": {str(d): w for d, w in self.max_width_at_depth.items()},
         }
 
+    def width_at(self, width: int) -> int | None:
+        """The smallest tabulated width >= ``width`` (None: wider than the table)."""
+        return min((w for w in self.max_ctx if w >= width), default=None)
+
     def max_ctx_at(self, width: int) -> int | None:
         """Read conservatively: the entry of the smallest tabulated width >= ``width``."""
-        wider = [w for w in self.max_ctx if w >= width]
-        return self.max_ctx[min(wider)] if wider else None
+        tabulated = self.width_at(width)
+        return self.max_ctx[tabulated] if tabulated is not None else None
 
 
 def capacity_table(

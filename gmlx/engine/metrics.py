@@ -1,7 +1,10 @@
 """The runtime snapshot behind ``/v1/metrics``, and its Prometheus rendering.
 
-Each section is computed on its own: a probe that fails leaves that section's
-live fields null and the rest of the snapshot intact.
+The document is one object, ``server``: the process (``pid``, ``uptime_s``) and the
+spec's sections beside them (``concurrency``, ``queue``, ``requests``,
+``resident_models``, ``governor``, ``memory``, ``capacity``, ``rates``), so a client
+reads ``server.concurrency.in_flight``. Each section is computed on its own: a probe
+that fails leaves that section's live fields null and the rest of the snapshot intact.
 """
 
 from __future__ import annotations
@@ -118,22 +121,28 @@ def snapshot(
     governor: Callable[[], dict[str, Any]] | None = None,
     capacity: Callable[[], dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """The whole ``/v1/metrics`` document for the resident ``workers``."""
+    """The whole ``/v1/metrics`` document for the resident ``workers``: ``{"server":
+    {...}}``, the sections under ``server`` (see the module docstring)."""
     workers = list(workers)
     return {
-        "server": {"pid": os.getpid(), "uptime_s": round(time.monotonic() - started_at, 1)},
-        "concurrency": _section("concurrency", lambda: concurrency(workers)),
-        "queue": _section("queue", lambda: queue(workers)),
-        "requests": _section("requests", lambda: requests(workers)) or [],
-        "resident_models": _section(
-            "resident_models",
-            lambda: [model_row(w, model_extra(w) if model_extra else None) for w in workers],
-        )
-        or [],
-        "governor": _section("governor", governor or (lambda: {**EMPTY_SECTIONS["governor"], "enabled": False})),
-        "memory": _section("memory", memory),
-        "capacity": _section("capacity", capacity or (lambda: None)),
-        "rates": _section("rates", lambda: rates(workers)),
+        "server": {
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - started_at, 1),
+            "concurrency": _section("concurrency", lambda: concurrency(workers)),
+            "queue": _section("queue", lambda: queue(workers)),
+            "requests": _section("requests", lambda: requests(workers)) or [],
+            "resident_models": _section(
+                "resident_models",
+                lambda: [model_row(w, model_extra(w) if model_extra else None) for w in workers],
+            )
+            or [],
+            "governor": _section(
+                "governor", governor or (lambda: {**EMPTY_SECTIONS["governor"], "enabled": False})
+            ),
+            "memory": _section("memory", memory),
+            "capacity": _section("capacity", capacity or (lambda: None)),
+            "rates": _section("rates", lambda: rates(workers)),
+        }
     }
 
 
@@ -151,6 +160,9 @@ def _number(value: Any) -> float | None:
 def _families(snap: dict[str, Any]) -> Iterable[Any]:
     from prometheus_client.core import GaugeMetricFamily
 
+    # Gauges are named for the section alone (gmlx_concurrency_in_flight): every
+    # section lives under ``server``, so the prefix would add nothing.
+    snap = snap.get("server") or {}
     for section in ("concurrency", "queue", "memory", "rates"):
         for key, value in (snap.get(section) or {}).items():
             if (num := _number(value)) is not None:
@@ -189,7 +201,8 @@ def _families(snap: dict[str, Any]) -> Iterable[Any]:
 
 
 def render_prometheus(snap: dict[str, Any]) -> bytes:
-    """The snapshot as Prometheus text exposition (all gauges)."""
+    """The snapshot (as :func:`snapshot` returns it) as Prometheus text exposition: its
+    sections flattened to gauges, ``requests[]`` as a count only."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     class _Collector:

@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from gmlx.engine.mlxlm import kv_used, set_kv_used
+
 TIERS = ("exact", "block", "miss")
 BLOCK = 64  # tokens per step of the prefix index
 
@@ -66,9 +68,10 @@ class _AlignedBatchKVCache(BatchKVCache):
     every stream's arrays at the sizes the buffer cache already holds."""
 
     def update_and_fetch(self, keys: Any, values: Any) -> Any:
-        need = self._idx + keys.shape[2]
+        used = kv_used(self)
+        need = used + keys.shape[2]
         if self.keys is not None and need > self.keys.shape[2]:
-            self.keys, self.values = (_extend_to(a, self._idx, _whole_steps(need, self.step))
+            self.keys, self.values = (_extend_to(a, used, _whole_steps(need, self.step))
                                       for a in (self.keys, self.values))
         return super().update_and_fetch(keys, values)
 
@@ -104,7 +107,7 @@ class _RoomyKVCache(KVCache):
                 values[i : i + 1, :, longest - n : longest] = c.values[..., :n, :]
         batch.keys, batch.values = keys, values
         batch.offset = batch.offset + longest
-        batch._idx = longest
+        set_kv_used(batch, longest)
         return batch
 
 

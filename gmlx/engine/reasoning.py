@@ -215,21 +215,16 @@ def template_kwargs(
     reasoning_effort: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     profile_kwargs: Mapping[str, Any] | None = None,
-    *,
-    reasoning: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The chat-template variables of one request.
 
-    Layers, later winning: the profile's kwargs; the effort (``reasoning_effort``, or
-    OpenAI Responses' ``reasoning: {"effort": ...}``) mapped through ``EFFORTS`` to
-    ``reasoning_effort`` and ``enable_thinking``; the request's
+    Layers, later winning: the profile's kwargs; the effort mapped through
+    ``EFFORTS`` to ``reasoning_effort`` and ``enable_thinking``; the request's
     ``chat_template_kwargs``; the request's explicit ``enable_thinking``. Raises
     InvalidRequestError for an unknown effort.
     """
     out: dict[str, Any] = dict(profile_kwargs or {})
     effort = reasoning_effort
-    if effort is None and reasoning is not None:
-        effort = reasoning.get("effort")
     if effort is not None:
         if effort not in EFFORTS:
             raise InvalidRequestError(

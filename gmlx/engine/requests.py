@@ -1,5 +1,5 @@
 """One request inside the engine: the handle front ends consume, and the worker's
-per-request state (its detokenizer, stop matcher, processors and timings)."""
+per-request state (its text pipeline, logits processors and timings)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,22 @@ import asyncio
 import queue
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from gmlx.engine.reasoning import ReasoningSplitter
-from gmlx.engine.tokenizer import IncrementalDetokenizer, StopMatcher
-from gmlx.engine.tools import ToolCallStream
-from gmlx.engine.types import Event, FinishReason, GenerateRequest
+from gmlx.engine import sampling
+from gmlx.engine.errors import InvalidRequestError, PromptTooLongError
+from gmlx.engine.pipeline import TextPipeline, pipeline_for
+from gmlx.engine.reasoning import detect_open_think, make_thinking_budget_processor
+from gmlx.engine.structured import make_grammar_processor
+from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 
 if TYPE_CHECKING:
-    from gmlx.engine.worker import ModelWorker
+    from gmlx.engine.errors import GmlxError
+    from gmlx.engine.tokenizer import Tokenizer
+    from gmlx.engine.tools import ToolParser
 
 
 class RequestState(StrEnum):
@@ -28,17 +32,22 @@ class RequestState(StrEnum):
     FINISHED = "finished"
 
 
+_DECODE = RequestState.DECODE  # read once: an enum member costs a lookup on every token
+
+
 class RequestHandle:
     """The consumer's end of one request: iterate it for events, or cancel it.
 
     Iteration yields text events and the final event; a request that failed raises
-    its :class:`GmlxError` where it is consumed instead of yielding it.
+    its :class:`GmlxError` where it is consumed instead of yielding it. The handle
+    holds the request, its events and ``cancel``, a callable its worker bound at
+    submit: nothing of the worker itself.
     """
 
-    def __init__(self, request: GenerateRequest, worker: ModelWorker) -> None:
+    def __init__(self, request: GenerateRequest, cancel: Callable[[str], None]) -> None:
         self.request = request
         self.id = request.id
-        self._worker = worker
+        self._cancel = cancel
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
         # The event-loop side: a deque and one waiter future (lighter per token than an
         # asyncio.Queue, which matters where a decode step takes a few milliseconds).
@@ -67,7 +76,8 @@ class RequestHandle:
             self._waiter.set_result(None)
 
     def cancel(self) -> None:
-        self._worker.cancel(self.id)
+        """Stop the request at its worker's next step; the stream ends ``cancelled``."""
+        self._cancel(self.id)
 
     @staticmethod
     def _check(event: Event) -> Event:
@@ -133,13 +143,34 @@ class RequestHandle:
                 timer.cancel()
 
 
-@dataclass
+def check_request(request: GenerateRequest, vocab_size: int, context_length: int) -> None:
+    """Raise InvalidRequestError (or PromptTooLongError) for a request no worker of
+    this model can run: an empty prompt, no tokens to generate, a token id outside the
+    vocabulary, prompt and max_tokens past the context window, bad sampling values."""
+    n = len(request.prompt_tokens)
+    if n == 0:
+        raise InvalidRequestError("The prompt is empty.", param="prompt")
+    if request.max_tokens < 1:
+        raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
+    if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab_size:
+        raise InvalidRequestError("The prompt holds a token id outside the vocabulary.")
+    if n + request.max_tokens > context_length:
+        raise PromptTooLongError(
+            f"prompt is too long: {n} prompt tokens + {request.max_tokens} max_tokens = "
+            f"{n + request.max_tokens}, which exceeds the context window of {context_length} tokens.",
+            param="messages",
+        )
+    sampling.validate(request.sampling, vocab_size)
+
+
+@dataclass(eq=False)
 class ActiveRequest:
-    """Worker-side state of one request."""
+    """Worker-side state of one request: what it has generated, its text pipeline
+    and logits processors, and the times the metrics report."""
 
     handle: RequestHandle
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
+    pipeline: TextPipeline
+    processors: list[Any] = field(default_factory=list)  # request-owned logits processors
     state: RequestState = RequestState.QUEUED
     uid: int | None = None
     generated: int = 0
@@ -148,11 +179,106 @@ class ActiveRequest:
     first_token_at: float | None = None
     cache_tier: str | None = None
     warm_tokens: int = 0
-    processors: list[Any] = field(default_factory=list)  # request-owned logits processors
-    splitter: ReasoningSplitter | None = None
-    tool_stream: ToolCallStream | None = None
     failure: Exception | None = None  # raised by this request's own sampler or processors
     handed_out: int | None = None  # the first token, handed out before mlx-lm returns it
+
+    @classmethod
+    def prepare(
+        cls,
+        handle: RequestHandle,
+        tokenizer: Tokenizer,
+        *,
+        think_markers: tuple[str, str] | None = None,
+        tool_parser: ToolParser | None = None,
+    ) -> ActiveRequest:
+        """The state of a submitted request: its text pipeline and its logits
+        processors (penalties, the thinking budget, the grammar)."""
+        req = handle.request
+        inside = False
+        if think_markers and (req.split_reasoning or req.thinking_budget is not None):
+            tail = tokenizer.decode(list(req.prompt_tokens[-16:]))
+            inside = detect_open_think(tail, think_markers[0])
+        pipeline = pipeline_for(req, tokenizer, think_markers=think_markers,
+                                starts_inside=inside, tool_parser=tool_parser)
+        processors = sampling.make_processors(req.sampling)
+        if budget := make_thinking_budget_processor(tokenizer, req.thinking_budget, inside):
+            processors.append(budget)
+        if grammar := make_grammar_processor(tokenizer, req.grammar):
+            processors.append(grammar)
+        return cls(handle, pipeline, processors)
+
+    @property
+    def request(self) -> GenerateRequest:
+        return self.handle.request
+
+    @property
+    def tokens_held(self) -> int:
+        """Prompt and generated tokens: what its KV holds."""
+        return len(self.handle.request.prompt_tokens) + self.generated
+
+    # A request's own sampler and logits processors (a grammar, a penalty) run while
+    # the batch's next step is built. One that raises must fail that request alone: the
+    # guard records the error and stands in a harmless result, so the step goes on for
+    # the others, and the request leaves the batch after it (``failure`` is set).
+
+    def guarded_sampler(self, protected_ids: list[int]) -> Callable[[Any], Any]:
+        """The request's sampler (XTC never excludes ``protected_ids``), guarded."""
+        sampler = sampling.make_sampler(self.request.sampling, protected_ids)
+        if sampler is sampling.greedy_sampler:  # shared by greedy requests (one batched
+            return sampler  # call): it cannot fail
+        return self._guard(sampler, sampling.greedy_sampler)
+
+    def guarded_processors(self) -> list[Callable[[Any, Any], Any]]:
+        """The request's logits processors, each guarded."""
+        return [self._guard(p, _unchanged_logits) for p in self.processors]
+
+    def _guard(self, fn: Callable[..., Any], stand_in: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any) -> Any:
+            if self.failure is None:
+                try:
+                    return fn(*args)
+                except Exception as e:  # noqa: BLE001 - the request ends with it
+                    self.failure = e
+            return stand_in(*args)
+
+        return guarded
+
+    def take(self, token: int, logprobs: Any, end: str | None) -> FinishReason | None:
+        """Take a token the generator returned (``end``: how the generator ended the
+        output with it, ``"stop"`` or ``"length"``, or None), run it down the pipeline
+        and emit the event it makes. Returns the finish when the output ended.
+
+        A first token handed out early (``handed_out``) comes back from the generator
+        once more: then it is not counted again, and only its ending is news."""
+        again = self.handed_out is not None
+        self.handed_out = None
+        if again and end is None:
+            return None
+        if not again:
+            self.generated += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.state = _DECODE
+        pipeline = self.pipeline
+        # An end-of-sequence token ("stop") has no text and is not reported.
+        event = pipeline.feed(None if again or end == "stop" else token, logprobs, end)
+        if event is not None:
+            self.handle._emit(event)
+        return pipeline.finish
+
+    def finish(self, reason: FinishReason, error: GmlxError | None = None) -> None:
+        """End the request's stream with its final event: the finish, usage and the
+        prompt-cache tier, the error of an ``ERROR`` or ``SHED`` finish."""
+        self.state = RequestState.FINISHED
+        usage = Usage(len(self.request.prompt_tokens), self.generated, self.warm_tokens)
+        self.handle._emit(Event(
+            self.handle.id,
+            finish_reason=reason,
+            usage=usage,
+            error=error,
+            stop_sequence=self.pipeline.stop_sequence,
+            cache_tier=self.cache_tier,
+        ))
 
     def row(self, model: str, position: int | None, now: float) -> dict[str, Any]:
         """This request as a ``requests[]`` row of the metrics snapshot."""
@@ -173,6 +299,16 @@ class ActiveRequest:
             "speculative": None,
         }
 
-    @property
-    def request(self) -> GenerateRequest:
-        return self.handle.request
+
+def _unchanged_logits(tokens: Any, logits: Any) -> Any:
+    return logits
+
+
+def metrics_rows(live: list[ActiveRequest], model: str, now: float) -> list[dict[str, Any]]:
+    """One metrics row per live request: queued ones first, in queue order (with
+    their position), then those prefilling or decoding."""
+    queued = sorted((a for a in live if a.state is RequestState.QUEUED), key=lambda a: a.submitted_at)
+    running = [a for a in live if a.state in (RequestState.PREFILL, RequestState.DECODE)]
+    return [a.row(model, i + 1, now) for i, a in enumerate(queued)] + [
+        a.row(model, None, now) for a in running
+    ]

@@ -24,6 +24,7 @@ from gmlx.engine import capacity
 from gmlx.engine.errors import InvalidRequestError, ModelNotFoundError
 from gmlx.engine.governor import Governor, default_floor
 from gmlx.engine.profiles import Profile, ProfileBook
+from gmlx.engine.scheduling import DEFAULT_DECODE_BATCH
 
 if TYPE_CHECKING:
     from gmlx.engine.capacity import CapacityTable, Geometry
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
     from gmlx.engine.worker import ModelWorker
 
 log = logging.getLogger("gmlx.engine")
-
-DEFAULT_DECODE_BATCH = 8  # the width of a model whose geometry cannot be measured
 
 
 def _total_memory() -> int:
@@ -152,8 +151,9 @@ class Registry:
     def address(self, model: str | None, profile: str | None = None) -> Target:
         """Resolve a request's ``model`` (and optional ``profile`` field) to a target.
 
-        Raises ModelNotFoundError for an unknown id, UnknownProfileError for an
-        unknown profile, InvalidRequestError for an empty model that is ambiguous.
+        Raises ModelNotFoundError for an unknown id (``id@suffix`` whose suffix is no
+        known profile is an unknown id), UnknownProfileError for an unknown ``profile``
+        field, InvalidRequestError for an empty model that is ambiguous.
         """
         name = (model or "").strip()
         target = self._default() if not name else self._lookup(name) or self._split(name)
@@ -175,12 +175,13 @@ class Registry:
         return self.aliases.get(name)
 
     def _split(self, name: str) -> Target | None:
-        """``id@profile`` on the last ``@``; a known model with an unknown suffix is a 400."""
+        """``id@profile`` split on the last ``@``, only when the suffix names a known
+        profile: otherwise ``name`` is one id (None here, so a 404 names all of it)."""
         head, sep, tail = name.rpartition("@")
-        if not sep or not head or (base := self._lookup(head)) is None:
+        if not sep or not head or tail not in self.profiles:
             return None
-        self.profiles.check(tail)
-        return replace(base, profile=tail)
+        base = self._lookup(head)
+        return replace(base, profile=tail) if base is not None else None
 
     def _default(self) -> Target:
         defaults = [s for s in self.specs.values() if s.default]

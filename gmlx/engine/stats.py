@@ -4,31 +4,39 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gmlx.engine.types import FinishReason, GenerateRequest
-
-if TYPE_CHECKING:
-    from gmlx.engine.requests import ActiveRequest
 
 RECENT = 8  # requests averaged in the "recent" rates
 
 
-def token_logprobs(r: Any, request: GenerateRequest) -> tuple[float | None, tuple[tuple[int, float], ...]]:
-    """The sampled token's log-probability and the top alternatives, when asked for."""
-    if not request.logprobs:
-        return None, ()
+def token_logprobs(token: int, row: Any, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of ``token`` in ``row`` (a step's log-probabilities over the
+    vocabulary, already evaluated) and the ``top`` most likely tokens, most likely first."""
     import mlx.core as mx
 
-    row = r.logprobs  # already evaluated by the generation step
-    chosen = row[r.token].item()
-    k = min(request.top_logprobs, row.shape[-1])
+    chosen = row[token].item()
+    k = min(top, row.shape[-1])
     if k <= 0:
         return chosen, ()
     ids = mx.argpartition(-row, k - 1)[:k]
     values = row[ids]
     pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
     return chosen, tuple(pairs)
+
+
+class FinishedRequest(Protocol):
+    """What the statistics read of a finished request (an ``ActiveRequest``)."""
+
+    generated: int
+    warm_tokens: int
+    submitted_at: float
+    admitted_at: float | None
+    first_token_at: float | None
+
+    @property
+    def request(self) -> GenerateRequest: ...
 
 
 class WorkerStats:
@@ -49,7 +57,7 @@ class WorkerStats:
         if tokens:
             self._steps.append((time.monotonic(), tokens))
 
-    def record(self, active: ActiveRequest, reason: FinishReason) -> None:
+    def record(self, active: FinishedRequest, reason: FinishReason) -> None:
         now = time.monotonic()
         self.requests_finished += 1
         self.finish_reasons[reason.value] = self.finish_reasons.get(reason.value, 0) + 1

@@ -1,7 +1,7 @@
 """Structured output: llguidance grammars run as mlx-lm logits processors.
 
-A request's ``response_format`` (OpenAI) or ``output_config`` (Anthropic) is compiled
-and validated up front, so a malformed schema is a 400 before any generation. At
+A request's :class:`~gmlx.engine.types.ResponseFormat` is compiled and validated
+up front, so a malformed schema is a 400 before any generation. At
 admission the worker builds one :class:`GrammarProcessor` per constrained request;
 each holds its own llguidance matcher, so constrained and free requests share a
 batch. The llguidance tokenizer is built once per :class:`Tokenizer` and cached.
@@ -14,7 +14,6 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +22,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from gmlx.engine.errors import InvalidRequestError
 from gmlx.engine.tokenizer import Tokenizer
+from gmlx.engine.types import Grammar, ResponseFormat
 
 log = logging.getLogger("gmlx.engine")
 
@@ -38,76 +38,17 @@ _JSON_OPTIONS: dict[str, Any] = {
     "lenient": True,
 }
 
-_FORMATS = ("text", "json_object", "json_schema")
+def compile_format(fmt: ResponseFormat | None) -> Grammar | None:
+    """Compile a request's response format into a grammar (None: unconstrained).
 
-
-@dataclass(frozen=True)
-class Grammar:
-    """A validated llguidance grammar (its serialized form) and where it came from."""
-
-    text: str  # llguidance's grammar JSON, ready for LLMatcher
-    kind: str  # "json_object" or "json_schema"
-    name: str | None = None  # the schema's name, when the request gave one
-
-
-def compile_response_format(response_format: Mapping[str, Any] | None) -> Grammar | None:
-    """Compile an OpenAI ``response_format`` into a grammar (None: unconstrained).
-
-    Accepts ``{"type": "text"}``, ``{"type": "json_object"}`` and
-    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
-    (``strict`` is implied: the schema is always enforced). Raises
-    InvalidRequestError (param ``response_format``) for an unknown type, a missing
-    or malformed schema, or one llguidance rejects.
+    Raises InvalidRequestError (its param the format's ``field``) for a missing or
+    malformed schema, or one llguidance rejects.
     """
-    param = "response_format"
-    if response_format is None:
-        return None
-    if not isinstance(response_format, Mapping):
-        raise InvalidRequestError("response_format must be an object.", param=param)
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return Grammar(_compile({"type": "object"}, param), "json_object")
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if spec is None and "schema" in response_format:
-            spec = response_format  # some clients put the schema at the top level
-        if not isinstance(spec, Mapping):
-            raise InvalidRequestError(
-                "response_format.json_schema must be an object holding a schema.", param=param
-            )
-        name = spec.get("name")
-        return Grammar(_compile(spec.get("schema"), param), "json_schema",
-                       name if isinstance(name, str) else None)
-    raise InvalidRequestError(
-        f"response_format.type {kind!r} is not supported; use one of {', '.join(_FORMATS)}.",
-        param=param,
-    )
-
-
-def compile_output_config(output_config: Mapping[str, Any] | None) -> Grammar | None:
-    """Compile an Anthropic ``output_config`` (``{"format": {"type": "json_schema",
-    "schema": {...}}}``) into a grammar; None when it asks for no format.
-
-    Raises InvalidRequestError (param ``output_config``) like
-    :func:`compile_response_format`.
-    """
-    param = "output_config"
-    if output_config is None:
-        return None
-    if not isinstance(output_config, Mapping):
-        raise InvalidRequestError("output_config must be an object.", param=param)
-    fmt = output_config.get("format")
     if fmt is None:
         return None
-    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
-        kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
-        raise InvalidRequestError(
-            f"output_config.format type {kind!r} is not supported; use 'json_schema'.",
-            param=param,
-        )
-    return Grammar(_compile(fmt.get("schema"), param), "json_schema")
+    if fmt.kind == "json_object":
+        return Grammar(_compile({"type": "object"}, fmt.field), "json_object")
+    return Grammar(_compile(fmt.schema, fmt.field), "json_schema", fmt.name)
 
 
 def _compile(schema: Any, param: str) -> str:

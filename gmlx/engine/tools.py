@@ -21,22 +21,14 @@ from typing import Any
 
 from gmlx.engine.errors import InvalidRequestError
 from gmlx.engine.tokenizer import Tokenizer, partial_suffix
+from gmlx.engine.types import Tool, ToolCall, ToolChoice, ToolChoiceMode
 
 log = logging.getLogger("gmlx.engine")
 
-Tools = Sequence[Mapping[str, Any]]
+Tools = Sequence[Tool]
 # mlx-lm's parser signature: a dict or a list of dicts with "name" and "arguments";
 # raises (ValueError, JSONDecodeError, ...) on text that is not a call.
 ParseFn = Callable[[str, Any], Any]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One parsed call: ``arguments`` is JSON text of an object, as OpenAI sends it."""
-
-    id: str
-    name: str
-    arguments: str
 
 
 Item = str | ToolCall  # what ToolCallStream yields: text to emit, or a completed call
@@ -102,13 +94,13 @@ def tool_parser_for(tokenizer: Tokenizer) -> ToolParser | None:
     mlx-lm's inference runs first; then Hermes ``<tool_call>`` JSON, Llama 3 JSON and
     bare pythonic lists are recognised from the template text.
     """
-    from mlx_lm.tokenizer_utils import _infer_tool_parser
+    from gmlx.engine.mlxlm import infer_tool_parser
 
     template = tokenizer.chat_template
     if not isinstance(template, str) or not template:
         return None
     try:
-        name = _infer_tool_parser(tokenizer.hf)
+        name = infer_tool_parser(tokenizer.hf)
     except Exception:  # a private helper: never let it break a request
         log.debug("mlx-lm tool-parser inference failed", exc_info=True)
         name = None
@@ -249,97 +241,53 @@ class ToolCallStream:
 # -- tool_choice ------------------------------------------------------------------
 
 
-def _tool_name(tool: Mapping[str, Any]) -> str | None:
-    """A tool's name in OpenAI (``function.name``) or Anthropic (``name``) form."""
-    function = tool.get("function")
-    if isinstance(function, Mapping) and isinstance(function.get("name"), str):
-        return function["name"]
-    name = tool.get("name")
-    return name if isinstance(name, str) else None
+def select_tools(tools: Tools, choice: ToolChoice) -> tuple[tuple[Tool, ...], bool]:
+    """The tools the template should see under ``choice``, and whether a call is forced.
 
-
-def check_tools(tools: Tools | None) -> None:
-    """Raise InvalidRequestError (param ``tools``) unless every tool is a function tool
-    with a name and, when it has one, a parameters object.
-
-    Tools arrive in the chat-completions shape (``{"type": "function", "function":
-    {...}}``; the Anthropic and Responses routes convert theirs) or flat. A template
-    renders whatever it is handed, so a nameless tool would otherwise only surface as
-    a call nobody can match.
+    ``none`` hides them all, so the model cannot call one; ``auto`` shows them;
+    ``required`` shows them and forces a call; ``named`` shows only that tool and
+    forces it. Forcing is the template's business (or a grammar's, where the call
+    syntax allows one). Raises InvalidRequestError (param ``tool_choice``) for a
+    forced choice without tools or a named tool that is not among them.
     """
-    for i, tool in enumerate(tools or ()):
-        where = f"tools[{i}]"
-        if not isinstance(tool, Mapping):
-            raise InvalidRequestError(f"{where} must be an object.", param="tools")
-        kind = tool.get("type", "function")
-        if kind != "function":
-            raise InvalidRequestError(
-                f"{where} has type {kind!r}; only function tools are supported.", param="tools"
-            )
-        function = tool.get("function", tool)
-        if not isinstance(function, Mapping):
-            raise InvalidRequestError(f"{where}.function must be an object.", param="tools")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError(f"{where} needs a name (a non-empty string).", param="tools")
-        params = function.get("parameters")
-        if params is not None and not isinstance(params, Mapping):
-            raise InvalidRequestError(
-                f"{where} ({name}): parameters must be a JSON schema object.", param="tools"
-            )
-
-
-def apply_tool_choice(
-    tools: Tools | None, tool_choice: str | Mapping[str, Any] | None
-) -> tuple[list[dict[str, Any]] | None, bool]:
-    """The tools the template should see, and whether a call is forced.
-
-    ``"none"`` (OpenAI) or ``{"type": "none"}`` (Anthropic) strips the tools, so the
-    model cannot call one; absent, ``"auto"`` or ``{"type": "auto"}`` keep them;
-    ``"required"``/``{"type": "any"}`` keep them and report forced=True; a named
-    choice (``{"type": "function", "function": {"name": N}}`` or ``{"type": "tool",
-    "name": N}``) keeps only tool N and reports forced=True. Forcing is the
-    template's business; the caller warns when a forced request produced no call.
-    Raises InvalidRequestError (param ``tool_choice``) for an unknown value, a named
-    tool that is not in ``tools``, or a forced choice without tools, and (param
-    ``tools``) for tools that :func:`check_tools` refuses.
-    """
-    check_tools(tools)
-    listed = [dict(t) for t in tools or ()]
-    choice: Any = tool_choice
-    if isinstance(choice, Mapping):
-        kind = choice.get("type")
-        if kind in ("auto", "none"):
-            choice = kind
-        elif kind == "any":
-            choice = "required"
-        elif kind in ("function", "tool"):
-            function = choice.get("function")
-            name = function.get("name") if isinstance(function, Mapping) else choice.get("name")
-            if not isinstance(name, str):
-                raise InvalidRequestError("tool_choice names no tool.", param="tool_choice")
-            named = [t for t in listed if _tool_name(t) == name]
-            if not named:
-                raise InvalidRequestError(
-                    f"tool_choice names {name!r}, which is not among the tools.",
-                    param="tool_choice",
-                )
-            return named, True
-        else:
-            raise InvalidRequestError(f"tool_choice type {kind!r} is not supported.",
-                                      param="tool_choice")
-    if choice is None or choice == "auto":
-        return listed or None, False
-    if choice == "none":
-        return None, False
-    if choice == "required":
-        if not listed:
+    if choice.mode is ToolChoiceMode.NONE:
+        return (), False
+    if choice.mode is ToolChoiceMode.AUTO:
+        return tuple(tools), False
+    if choice.mode is ToolChoiceMode.REQUIRED:
+        if not tools:
             raise InvalidRequestError("tool_choice 'required' needs tools.", param="tool_choice")
-        return listed, True
-    raise InvalidRequestError(
-        f"tool_choice {choice!r} is not one of none, auto, required or a named tool.",
-        param="tool_choice",
-    )
+        return tuple(tools), True
+    named = tuple(t for t in tools if t.name == choice.name)
+    if not named:
+        raise InvalidRequestError(
+            f"tool_choice names {choice.name!r}, which is not among the tools.",
+            param="tool_choice",
+        )
+    return named, True
+
+
+def template_tools(tools: Tools) -> list[dict[str, Any]] | None:
+    """Tools in the function shape chat templates expect (None: no tools)."""
+    out = []
+    for tool in tools:
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.parameters is not None:
+            function["parameters"] = dict(tool.parameters)
+        out.append({"type": "function", "function": {**function, **tool.extra}})
+    return out or None
+
+
+def template_tool_choice(choice: ToolChoice) -> Any:
+    """The ``tool_choice`` template variable of a forced choice (None otherwise):
+    templates that implement forcing read ``"required"`` or a named function."""
+    if choice.mode is ToolChoiceMode.REQUIRED:
+        return "required"
+    if choice.mode is ToolChoiceMode.NAMED:
+        return {"type": "function", "function": {"name": choice.name}}
+    return None
 
 
 # -- forcing a call -----------------------------------------------------------------
@@ -362,11 +310,10 @@ def forced_call_grammar(parser: ToolParser | None, tokenizer: Tokenizer, tools: 
 
     variants = []
     for tool in tools:
-        function = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
-        params = function.get("parameters") or function.get("input_schema") or {"type": "object"}
+        params = tool.parameters or {"type": "object"}
         variants.append({
             "type": "object",
-            "properties": {"name": {"const": _tool_name(tool)}, "arguments": params},
+            "properties": {"name": {"const": tool.name}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,  # the call object is ours: name and arguments only
         })

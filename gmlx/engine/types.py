@@ -1,4 +1,10 @@
-"""Engine types: what front ends hand to the engine and what they get back."""
+"""Engine types: what front ends hand to the engine and what they get back.
+
+A front end turns its input into a :class:`ChatRequest` (a protocol-neutral
+conversation, or a raw text prompt, and how to answer it), hands it to
+:class:`gmlx.engine.chat.Engine`, and renders the :class:`Event` objects it gets back.
+No type here knows a protocol's field names.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gmlx.engine.errors import GmlxError
-    from gmlx.engine.structured import Grammar
-    from gmlx.engine.tools import ToolCall
 
 
 class FinishReason(StrEnum):
@@ -50,6 +54,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A validated llguidance grammar (its serialized form) and where it came from
+    (``gmlx.engine.structured`` compiles one)."""
+
+    text: str  # llguidance's grammar JSON, ready for LLMatcher
+    kind: str  # "json_object" or "json_schema"
+    name: str | None = None  # the schema's name, when the request gave one
 
 
 def new_request_id() -> str:
@@ -111,3 +125,135 @@ class Event:
     @property
     def final(self) -> bool:
         return self.finish_reason is not None
+
+
+# -- the conversation a front end hands to the engine ------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call: ``arguments`` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image in a message: a ``data:`` URI or an ``http(s)://`` URL. The engine
+    refuses it until a vision model can take it."""
+
+    url: str
+    detail: str | None = None
+
+
+Part = TextPart | ImagePart
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation.
+
+    ``parts`` is the content; an assistant turn may carry ``tool_calls`` (and the
+    ``reasoning`` it wrote before answering), a ``tool`` turn is the result of the
+    call ``tool_call_id``. ``name`` is the participant or tool name, when given.
+    """
+
+    role: str  # one of ROLES
+    parts: tuple[Part, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+
+    @classmethod
+    def text(cls, role: str, text: str, **fields: Any) -> Message:
+        return cls(role, (TextPart(text),) if text else (), **fields)
+
+    @property
+    def content(self) -> str:
+        """The text parts joined (images have no text)."""
+        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, description and JSON-schema
+    parameters; ``extra`` holds any other fields the client gave the function (the
+    chat template sees them)."""
+
+    name: str
+    description: str | None = None
+    parameters: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ToolChoiceMode(StrEnum):
+    AUTO = "auto"  # the model decides
+    NONE = "none"  # no tool may be called: the tools are not shown to the model
+    REQUIRED = "required"  # some tool must be called
+    NAMED = "named"  # the tool ``ToolChoice.name`` must be called
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: ToolChoiceMode = ToolChoiceMode.AUTO
+    name: str | None = None  # with NAMED
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output: ``json_schema`` (JSON valid against ``schema``) or
+    ``json_object`` (any JSON object). ``field`` names the request field it came
+    from, for error messages."""
+
+    kind: str = "json_schema"  # or "json_object"
+    schema: Any = None  # the JSON schema, as the client sent it (checked when compiled)
+    name: str | None = None
+    field: str = "response_format"
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Reasoning controls: think or not (None: the template's default), an effort
+    (one of ``reasoning.EFFORTS``), and a budget of thinking tokens."""
+
+    enabled: bool | None = None
+    effort: str | None = None
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """Everything between a front end and a running stream, protocol-neutral.
+
+    ``model`` is an address (an id, an alias, ``id@profile``, or empty for the
+    default model). Either ``messages`` (rendered through the model's chat template)
+    or ``prompt`` (raw text, no template) is set. ``sampling`` holds the
+    :class:`SamplingParams` fields the request sets explicitly (they override the
+    profile); ``max_tokens`` and ``stop`` left None take the profile's.
+    """
+
+    model: str = ""
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None
+    profile: str | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    response_format: ResponseFormat | None = None
+    reasoning: Reasoning = field(default_factory=Reasoning)
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    id: str = field(default_factory=new_request_id)

@@ -1,9 +1,15 @@
-"""One worker thread per resident model: it owns MLX and runs mlx-lm's BatchGenerator.
+"""One worker thread per resident model: it owns MLX and steps the model's batch.
 
 Front ends call :meth:`ModelWorker.submit` from any thread and consume the returned
 :class:`RequestHandle`, synchronously (the CLI) or with ``async for`` (the server,
 without blocking its event loop). All MLX work happens on the worker's thread; the
 handle only moves :class:`Event` objects across.
+
+The worker admits and queues requests, cancels them, applies the memory governor and
+finishes requests (their statistics and final event). The rest is elsewhere: the
+batch it steps (``batch``: mlx-lm's generator and the requests in it), the choices
+it makes (``scheduling``), each request's token-to-text chain (``pipeline``), and
+what it reads of mlx-lm's insides (``mlxlm``).
 """
 
 from __future__ import annotations
@@ -16,54 +22,41 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from mlx_lm.models.cache import make_prompt_cache
-
-from gmlx.engine import sampling
-from gmlx.engine.errors import (
-    EngineError,
-    GmlxError,
-    InvalidRequestError,
-    PromptTooLongError,
-    ServerOverloadedError,
-)
+from gmlx.engine import scheduling
+from gmlx.engine.batch import Batch
+from gmlx.engine.errors import EngineError, GmlxError, ServerOverloadedError
 from gmlx.engine.governor import Governor, ShedError
 from gmlx.engine.loading import LoadedModel
-from gmlx.engine.prompt_cache import PromptCache, with_room
-from gmlx.engine.reasoning import (
-    ReasoningSplitter,
-    detect_open_think,
-    make_thinking_budget_processor,
-    thinking_markers,
+from gmlx.engine.prompt_cache import PromptCache
+from gmlx.engine.reasoning import thinking_markers
+from gmlx.engine.requests import (
+    ActiveRequest,
+    RequestHandle,
+    RequestState,
+    check_request,
+    metrics_rows,
 )
-from gmlx.engine.requests import ActiveRequest, RequestHandle, RequestState
-from gmlx.engine.stats import WorkerStats, token_logprobs
-from gmlx.engine.structured import make_grammar_processor
-from gmlx.engine.tokenizer import StopMatcher
-from gmlx.engine.tools import ToolCall, ToolCallStream, tool_parser_for
-from gmlx.engine.types import Event, FinishReason, GenerateRequest, SamplingParams, Usage
+from gmlx.engine.scheduling import DEFAULT_DECODE_BATCH, default_prefill_step
+from gmlx.engine.stats import WorkerStats
+from gmlx.engine.tools import tool_parser_for
+from gmlx.engine.types import Event, FinishReason, GenerateRequest
 
-__all__ = ["ModelWorker", "RequestHandle", "RequestState"]
+__all__ = [
+    "DEFAULT_DECODE_BATCH",
+    "DEFAULT_PROMPT_CACHE_BYTES",
+    "ModelWorker",
+    "RequestHandle",
+    "RequestState",
+    "default_prefill_step",
+]
 
 log = logging.getLogger("gmlx.engine")
 
-DEFAULT_DECODE_BATCH = 8
-DEFAULT_PREFILL_STEP = 512  # CPU: unfused attention makes the chunk's transient large
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
-RETRY_AFTER_RANGE = (2, 60)
 WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
-MIN_SHARED_PREFILL_STEP = 64  # the smallest prefill chunk while streams decode
-
-
-def default_prefill_step() -> int:
-    """Prompt tokens per prefill step: 512 on the CPU, 2048 where attention is fused
-    (Metal, CUDA), so its transient stays small and fewer, larger steps win."""
-    from gmlx.engine.capacity import backend
-
-    return DEFAULT_PREFILL_STEP if backend() == "cpu" else 2048
 
 
 # Workers still running at interpreter exit are closed first: MLX aborts the process
@@ -91,20 +84,14 @@ def _close_live_workers() -> None:
         worker.close()
 
 
-@dataclass
-class _FirstToken:
-    """A first token handed out early, shaped as mlx-lm's generation response."""
+def _canceller(inbox: queue.SimpleQueue[tuple[str, Any]]) -> Callable[[str], None]:
+    """What a handle cancels with: it reaches the worker's inbox, never the worker
+    (a handle kept after its model is unloaded holds nothing of it)."""
 
-    uid: int
-    token: int
-    logprobs: Any
-    finish_reason: None = None
-    prompt_cache: None = None
-    all_tokens: None = None
+    def cancel(request_id: str) -> None:
+        inbox.put(("cancel", request_id))
 
-
-def _unchanged_logits(tokens: Any, logits: Any) -> Any:
-    return logits
+    return cancel
 
 
 class ModelWorker:
@@ -149,14 +136,13 @@ class ModelWorker:
         self._admission = threading.Lock()
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
         self.vocab_size = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
-        tok = loaded.tokenizer
-        self.tool_parser = tool_parser_for(tok)
-        self._think_markers = thinking_markers(tok)
-        # Tokens XTC never excludes: ending or breaking a line must stay possible.
-        self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
+        self.tool_parser = tool_parser_for(loaded.tokenizer)
+        self._think_markers = thinking_markers(loaded.tokenizer)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._cancel_request = _canceller(self._inbox)
         self._pending: deque[ActiveRequest] = deque()
-        self._by_uid: dict[int, ActiveRequest] = {}
+        self._batch = Batch(loaded, width=decode_batch, prefill_step_size=self.prefill_step_size,
+                            prompt_cache=self.prompt_cache)
         self._requests: dict[str, ActiveRequest] = {}
         self._closed = threading.Event()
         self._done = threading.Event()
@@ -170,13 +156,12 @@ class ModelWorker:
 
     def submit(self, request: GenerateRequest) -> RequestHandle:
         """Validate and queue a request. Raises GmlxError for a request that cannot run."""
-        self.validate(request)
+        check_request(request, self.vocab_size, self.loaded.context_length)
         if self._closed.is_set():
             raise EngineError(f"The worker for {self.loaded.id} is shut down.")
         with self._admission:
-            if self.waiting_for_slot >= self.queue_cap + self.free_slots:
-                eta = self.queue_eta_s()
-                retry = min(max(round(eta), RETRY_AFTER_RANGE[0]), RETRY_AFTER_RANGE[1])
+            if scheduling.queue_full(self.waiting_for_slot, self.queue_cap, self.free_slots):
+                retry = scheduling.retry_after_s(self.queue_eta_s())
                 reason = f"the queue is full ({self.queued} waiting, cap {self.queue_cap})"
                 self.stats.rejections += 1
                 self.stats.last_reject_reason = reason
@@ -185,31 +170,12 @@ class ModelWorker:
                     headers={"Retry-After": str(retry)},
                 )
             self._waiting += 1
-        handle = RequestHandle(request, self)
-        active = self._prepare(handle)
+        handle = RequestHandle(request, self._cancel_request)
+        active = ActiveRequest.prepare(handle, self.loaded.tokenizer,
+                                       think_markers=self._think_markers, tool_parser=self.tool_parser)
         self._requests[handle.id] = active  # visible to has_request/cancel at once
         self._inbox.put(("submit", active))
         return handle
-
-    def _prepare(self, handle: RequestHandle) -> ActiveRequest:
-        """The per-request state: detokenizer, stop matcher, logits processors (grammar,
-        thinking budget, penalties) and the reasoning and tool-call splitters."""
-        req, tok = handle.request, self.loaded.tokenizer
-        active = ActiveRequest(handle, tok.detokenizer(), StopMatcher(req.stop))
-        inside = None
-        if self._think_markers and (req.split_reasoning or req.thinking_budget is not None):
-            tail = tok.decode(list(req.prompt_tokens[-16:]))
-            inside = detect_open_think(tail, self._think_markers[0])
-            if req.split_reasoning:
-                active.splitter = ReasoningSplitter(*self._think_markers, starts_inside=inside)
-        active.processors = sampling.make_processors(req.sampling)
-        if budget := make_thinking_budget_processor(tok, req.thinking_budget, inside):
-            active.processors.append(budget)
-        if grammar := make_grammar_processor(tok, req.grammar):
-            active.processors.append(grammar)
-        if req.tools and self.tool_parser is not None:
-            active.tool_stream = ToolCallStream(self.tool_parser, req.tools)
-        return active
 
     @property
     def waiting_for_slot(self) -> int:
@@ -220,47 +186,25 @@ class ModelWorker:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.decode_batch - len(self._by_uid))
+        return self._batch.free
 
     @property
     def queued(self) -> int:
         """Requests waiting beyond the free slots (those are about to start)."""
-        return max(0, self._waiting - self.free_slots)
+        return scheduling.queued(self._waiting, self.free_slots)
 
     def queue_eta_s(self) -> float:
         """Seconds until the queue drains at the recent pace (0 when nothing waits)."""
-        queued = self.queued
-        if queued == 0:
-            return 0.0
-        per_request = self.stats.mean_request_s() or 5.0
-        return per_request * -(-queued // self.decode_batch)
-
-    def validate(self, request: GenerateRequest) -> None:
-        n = len(request.prompt_tokens)
-        if n == 0:
-            raise InvalidRequestError("The prompt is empty.", param="prompt")
-        if request.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
-        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= self.vocab_size:
-            raise InvalidRequestError("The prompt holds a token id outside the vocabulary.")
-        budget = self.loaded.context_length
-        if n + request.max_tokens > budget:
-            raise PromptTooLongError(
-                f"prompt is too long: {n} prompt tokens + {request.max_tokens} max_tokens = "
-                f"{n + request.max_tokens}, which exceeds the context window of {budget} tokens.",
-                param="messages",
-            )
-        sampling.validate(request.sampling, self.vocab_size)
+        return scheduling.queue_eta_s(self.queued, self.decode_batch, self.stats.mean_request_s())
 
     def warm_up(self) -> float:
         """Run every decode-batch width once, before the first client does: on an
         accelerator each new shape of a step compiles its kernels on first use (up to
         seconds), which would otherwise land in some client's time to first token.
 
-        ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together.
-        Each decodes past the admission of the last (however many prompts prefill
-        together) and each asks for one token more than the one before, so they leave
-        one by one and the batch passes through every width down to 1. The chat template
+        ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together and
+        leave one by one (``scheduling.warm_up_requests``), so the batch passes through
+        every width down to 1. The chat template
         is rendered once first (its compilation would also land in the first client's
         time). The prompt cache and the statistics are cleared afterwards. Returns the
         seconds it took.
@@ -270,20 +214,9 @@ class ModelWorker:
             self.loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello."}])
         except Exception as e:  # noqa: BLE001 - a real request will report it properly
             log.debug("%s: warm-up render failed: %r", self.loaded.id, e)
-        n, vocab = min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size
-        # Greedy, and never ending early: each must stay in the batch for the whole ramp.
-        no_eos = {t: -100.0 for t in self.loaded.tokenizer.eos_token_ids}
-        greedy = SamplingParams(temperature=0.0, logit_bias=no_eos)
-        handles = [
-            self.submit(GenerateRequest(
-                tuple((97 * i + 31 * j + 1) % vocab for j in range(8)),
-                max_tokens=2 * n + 2 + i,
-                sampling=greedy,
-                id=f"req-warmup-{i}",
-            ))
-            for i in range(n)
-        ]
-        for handle in handles:
+        ramp = scheduling.warm_up_requests(min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size,
+                                           self.loaded.tokenizer.eos_token_ids)
+        for handle in [self.submit(request) for request in ramp]:
             for _ in handle:
                 pass
         self.prompt_cache.reset(stats=True)
@@ -300,7 +233,7 @@ class ModelWorker:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step; its stream ends with a ``cancelled`` finish."""
-        self._inbox.put(("cancel", request_id))
+        self._cancel_request(request_id)
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything and stop the thread."""
@@ -317,18 +250,11 @@ class ModelWorker:
 
     @property
     def in_flight(self) -> int:
-        return len(self._by_uid)
+        return len(self._batch.running)
 
     def rows(self) -> list[dict[str, Any]]:
         """One metrics row per live request, queued ones first (in queue order)."""
-        now = time.monotonic()
-        live = list(self._requests.values())
-        queued = sorted((a for a in live if a.state is RequestState.QUEUED), key=lambda a: a.submitted_at)
-        running = [a for a in live if a.state in (RequestState.PREFILL, RequestState.DECODE)]
-        model = self.loaded.id
-        return [a.row(model, i + 1, now) for i, a in enumerate(queued)] + [
-            a.row(model, None, now) for a in running
-        ]
+        return metrics_rows(list(self._requests.values()), self.loaded.id, time.monotonic())
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -344,62 +270,26 @@ class ModelWorker:
     # -- the worker thread --------------------------------------------------------
 
     def _run(self) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import BatchGenerator
-
-        eos = sorted(self.loaded.tokenizer.eos_token_ids)
         if self.buffer_cache_bytes is not None:
             from gmlx.engine.buffers import keep_buffers
 
             keep_buffers(self.buffer_cache_bytes)
-
-        def new_generator() -> BatchGenerator:
-            return BatchGenerator(
-                self.loaded.model,
-                stop_tokens=[[t] for t in eos],
-                completion_batch_size=self.decode_batch,
-                # Prompts prefill in chunks between decode steps; how many share a step
-                # is set before each step (`_prefill_width`): the capacity model prices
-                # one chunk's transient, and a burst of long prompts must not multiply it.
-                prefill_batch_size=1,
-                prefill_step_size=self.prefill_step_size,
-            )
-
-        gen = new_generator()
+        batch = self._batch
+        batch.open()
         try:
             while not self._closed.is_set():
-                idle = not self._by_uid and not self._pending
-                self._drain_inbox(gen, block=idle)
+                idle = not batch.running and not self._pending
+                self._drain_inbox(block=idle)
                 if self._closed.is_set():
                     break
-                if self._govern(gen):
-                    self._admit(gen)
-                if not self._by_uid:
+                if self._govern():
+                    self._admit()
+                if not batch.running:
                     if self._pending:  # held back by the governor: wait, do not spin
-                        self._drain_inbox(gen, block=True, timeout=0.05)
+                        self._drain_inbox(block=True, timeout=0.05)
                     continue
-                gen.prefill_step_size = step = self._prefill_step()
-                gen.prefill_batch_size = self._prefill_width(gen, step)
-                try:
-                    prompt_responses, responses = gen.next()
-                except Exception as e:  # a failed step must not kill the worker
-                    log.exception("generation step failed on %s", self.loaded.id)
-                    self._fail_all(EngineError(f"Generation failed: {e}."))
-                    gen.close()
-                    gen = new_generator()
-                    continue
-                started = []
-                for pr in prompt_responses:
-                    if (active := self._by_uid.get(pr.uid)) is not None:
-                        active.state = RequestState.DECODE if pr.end_of_prompt else RequestState.PREFILL
-                        if pr.end_of_prompt:
-                            started.append(active)
-                self.stats.note_step(len(responses))
-                for r in responses:
-                    self._on_token(gen, r)
-                if started:
-                    self._hand_out_first_tokens(gen, started)
-                self._drop_failed(gen)
+                for active, reason, error in batch.step(self.stats):
+                    self._finish(active, reason, error)
         finally:
             self._closed.set()
             while True:  # requests submitted while closing end too, never hang
@@ -409,19 +299,16 @@ class ModelWorker:
                     break
                 if kind == "submit":
                     self._pending.append(payload)
-            for active in [*self._pending, *self._by_uid.values()]:
+            for active in [*self._pending, *batch.running.values()]:
                 self._finish(active, FinishReason.CANCELLED)
             with self._admission:
                 self._waiting -= len(self._pending)
             self._pending.clear()
-            self._by_uid.clear()
-            gen.close()
-            mx.synchronize(gen.stream)  # no asynchronous work may outlive the thread
-            del gen
+            batch.close()
             self._closed.set()
             self._done.set()
 
-    def _drain_inbox(self, gen: Any, block: bool, timeout: float | None = None) -> None:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         while True:
             try:
                 kind, payload = self._inbox.get(block=block, timeout=timeout)
@@ -432,12 +319,12 @@ class ModelWorker:
                 if payload.state is RequestState.QUEUED:  # not cancelled meanwhile
                     self._pending.append(payload)
             elif kind == "cancel":
-                self._cancel(gen, payload)
+                self._cancel(payload)
             elif kind == "close":
                 self._closed.set()
                 return
 
-    def _cancel(self, gen: Any, request_id: str) -> None:
+    def _cancel(self, request_id: str) -> None:
         active = self._requests.get(request_id)
         if active is None:
             return
@@ -446,108 +333,30 @@ class ModelWorker:
             with self._admission:
                 self._waiting -= 1
         else:
-            self._remove(gen, active.uid)
+            self._batch.remove(active)
         self._finish(active, FinishReason.CANCELLED)
 
-    def _admit(self, gen: Any) -> None:
-        while self._pending and len(self._by_uid) < self.decode_batch:
+    def _admit(self) -> None:
+        while self._pending and self._batch.free:
             active = self._pending.popleft()
             with self._admission:
                 self._waiting -= 1
-            req = active.request
-            prompt = list(req.prompt_tokens)
             try:
-                sampler = sampling.make_sampler(req.sampling, self._protected_ids)
-                lookup = self.prompt_cache.fetch(prompt)
-                cache = lookup.cache
-                if cache is None:  # a miss merges like a hit (whole-step arrays, `with_room`)
-                    cache = with_room(make_prompt_cache(self.loaded.model), len(lookup.rest))
-                (uid,) = gen.insert(
-                    [lookup.rest],
-                    max_tokens=[req.max_tokens],
-                    caches=[cache],
-                    all_tokens=[prompt[: lookup.warm_tokens]],
-                    # Greedy requests share one sampler (one batched call); it cannot fail.
-                    samplers=[sampler if sampler is sampling.greedy_sampler
-                              else self._guard(active, sampler, sampling.greedy_sampler)],
-                    logits_processors=[
-                        [self._guard(active, p, _unchanged_logits) for p in active.processors]
-                    ],
-                )
+                self._batch.admit(active)
             except Exception as e:
-                log.exception("cannot start request %s", req.id)
+                log.exception("cannot start request %s", active.request.id)
                 self._finish(active, FinishReason.ERROR, EngineError(f"Cannot start request: {e}."))
-                continue
-            active.uid = uid
-            active.state = RequestState.PREFILL
-            active.admitted_at = time.monotonic()
-            active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
-            self._by_uid[uid] = active
 
-    # A request's own sampler and logits processors (a grammar, a penalty) run while
-    # the batch's next step is built. One that raises must fail that request alone: the
-    # guard records the error and stands in a harmless result, so the step goes on for
-    # the others, and the request leaves the batch after it (`_drop_failed`).
-
-    @staticmethod
-    def _guard(active: ActiveRequest, fn: Any, stand_in: Any) -> Any:
-        def guarded(*args: Any) -> Any:
-            if active.failure is None:
-                try:
-                    return fn(*args)
-                except Exception as e:  # noqa: BLE001 - the request ends with it
-                    active.failure = e
-            return stand_in(*args)
-
-        return guarded
-
-    def _drop_failed(self, gen: Any) -> None:
-        for active in [a for a in self._by_uid.values() if a.failure is not None]:
-            log.error("request %s failed: %r", active.request.id, active.failure)
-            self._remove(gen, active.uid, keep_kv=False)  # type: ignore[arg-type]
-            self._finish(active, FinishReason.ERROR, EngineError(f"Generation failed: {active.failure}."))
-
-    def _prefill_step(self) -> int:
-        """Prompt tokens one step may prefill. While streams are decoding, a quarter of
-        ``prefill_step_size``: every step waits for its prefill chunk, so a long prompt
-        arriving in full chunks would hold each running stream's next token for a whole
-        chunk (a 512-token chunk at a 2k context takes ~250 ms on a 2-core CPU). With
-        nobody decoding the whole chunk goes, for the fastest prefill."""
-        if any(a.state is RequestState.DECODE for a in self._by_uid.values()):
-            return max(MIN_SHARED_PREFILL_STEP, self.prefill_step_size // 4)
-        return self.prefill_step_size
-
-    def _prefill_width(self, gen: Any, step: int) -> int:
-        """How many prompts prefill together in the next step: in arrival order, as many
-        as keep that step within ``step`` tokens counting each at the longest one's
-        chunk (the batch is padded to it). A burst of short prompts then prefills in one
-        step instead of one step each, while the memory a prefill step takes stays
-        within what the capacity model prices for one chunk. At least one."""
-        chunks = [min(len(seq[0][0]), step) for seq in gen._currently_processing if seq[0]]
-        chunks += [min(len(seq[1][0]), step) for seq in gen._unprocessed_sequences]
-        width = longest = 0
-        for chunk in chunks:
-            wider = max(longest, chunk)
-            if width and (width + 1) * wider > step:
-                break
-            width, longest = width + 1, wider
-        return max(1, width)
-
-    def _remove(self, gen: Any, uid: int, keep_kv: bool = True) -> None:
-        """Take a running request out of the batch, keeping its KV in the prompt cache."""
-        for cache, tokens in gen.remove([uid], return_prompt_caches=keep_kv).values():
-            self.prompt_cache.insert(tokens, cache)
-
-    def _govern(self, gen: Any) -> bool:
+    def _govern(self) -> bool:
         """Apply the governor's band; returns whether new prefills may start."""
         gov = self.governor
         if gov is None:
             return True
         gov.update()
-        if gov.claim_shed() and self._by_uid:
-            victim = max(self._by_uid.values(), key=lambda a: len(a.request.prompt_tokens) + a.generated)
-            self._remove(gen, victim.uid, keep_kv=False)  # type: ignore[arg-type]
-            tokens = len(victim.request.prompt_tokens) + victim.generated
+        victim = scheduling.shed_victim(self._batch.running.values()) if gov.claim_shed() else None
+        if victim is not None:
+            tokens = victim.tokens_held
+            self._batch.remove(victim, keep_kv=False)
             log.warning("governor shed %s (%d tokens) at headroom %s bytes", victim.request.id, tokens,
                         gov.headroom_bytes)
             self._finish(victim, FinishReason.SHED, ShedError(
@@ -557,116 +366,12 @@ class ModelWorker:
             ))
         return gov.admits_prefill
 
-    def _hand_out_first_tokens(self, gen: Any, started: list[ActiveRequest]) -> None:
-        """Hand out the first token of requests whose prompt just finished, now.
-
-        mlx-lm computes a request's first token in the step that ends its prompt but
-        returns it only from the next step, after building that step's graph: the
-        first token waits for one more graph (on a CPU, where building overlaps
-        nothing, the whole next step: a 2k-token prefix hit's first token came after
-        18.4 ms, now 16.7; on an H200 timeline that graph took ~10 ms of a 46 ms hit).
-        On an accelerator, reading it here costs the running streams that one overlap,
-        once per admission. Left to mlx-lm: a token that ends the request (an
-        end-of-sequence token, or the only one asked for), so its ending stays mlx-lm's."""
-        import mlx.core as mx
-
-        batch = gen._generation_batch
-        for active in started:
-            if active.request.max_tokens <= 1 or active.uid not in batch.uids:
-                continue
-            row = batch.uids.index(active.uid)
-            try:
-                with mx.stream(gen.stream):  # on the generator's stream: no cross-stream wait
-                    token = batch._next_tokens[row].item()
-            except Exception:  # mlx-lm's own step will hand it out (or fail it)
-                log.exception("reading the first token of %s early failed", active.request.id)
-                continue
-            if token in self.loaded.tokenizer.eos_token_ids:
-                continue
-            self._on_token(gen, _FirstToken(active.uid, token, batch._next_logprobs[row]))
-            active.handed_out = token
-
-    def _on_token(self, gen: Any, r: Any) -> None:
-        active = self._by_uid.get(r.uid)
-        if active is None:
-            return
-        # mlx-lm returning a first token handed out already (`_hand_out_first_tokens`):
-        # nothing to do, unless it also ended the request (never, as that path stands).
-        again = active.handed_out is not None
-        active.handed_out = None
-        if again and r.finish_reason is None:
-            return
-        if not again:
-            active.generated += 1
-        if active.first_token_at is None:
-            active.first_token_at = time.monotonic()
-        active.state = RequestState.DECODE
-        hit_eos = r.finish_reason == "stop"
-        text = "" if hit_eos or again else active.detok.add(r.token)
-        if r.finish_reason is not None:
-            text += active.detok.flush()
-        text, hit_stop = active.stops.feed(text)
-        finish: FinishReason | None = None
-        if hit_stop:
-            finish = FinishReason.STOP
-            if r.finish_reason is None:
-                self._remove(gen, r.uid)
-        elif r.finish_reason is not None:
-            text += active.stops.flush()
-            finish = FinishReason.STOP if hit_eos else FinishReason.LENGTH
-        if r.finish_reason is not None and r.prompt_cache is not None:
-            self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
-        reasoning, text, calls = self._split(active, text, final=finish is not None)
-        if finish is FinishReason.STOP and active.tool_stream and active.tool_stream.calls:
-            finish = FinishReason.TOOL_CALLS
-        token_ids = () if hit_eos or again else (r.token,)
-        if text or reasoning or calls or token_ids:
-            logprob, top = token_logprobs(r, active.request) if token_ids else (None, ())
-            active.handle._emit(Event(
-                active.handle.id, text=text, token_ids=token_ids, reasoning=reasoning,
-                tool_calls=calls, logprob=logprob, top_logprobs=top,
-            ))
-        if finish is not None:
-            if active.request.tool_choice_forced and not (active.tool_stream and active.tool_stream.calls):
-                log.warning("%s: a tool call was required but the model made none", active.request.id)
-            self._finish(active, finish)
-
-    @staticmethod
-    def _split(active: ActiveRequest, text: str, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
-        """Route released text: thinking-block text to reasoning, tool calls out of the
-        content; ``final`` flushes whatever the splitters hold."""
-        reasoning = ""
-        if active.splitter is not None:
-            reasoning, text = active.splitter.feed(text)
-            if final:
-                more_reasoning, more_text = active.splitter.finish()
-                reasoning, text = reasoning + more_reasoning, text + more_text
-        if active.tool_stream is None:
-            return reasoning, text, ()
-        items = active.tool_stream.feed(text) + (active.tool_stream.finish() if final else [])
-        content = "".join(i for i in items if isinstance(i, str))
-        return reasoning, content, tuple(i for i in items if isinstance(i, ToolCall))
-
     def _finish(
         self, active: ActiveRequest, reason: FinishReason, error: GmlxError | None = None
     ) -> None:
-        active.state = RequestState.FINISHED
+        """End a request: forget it, count it, and send its final event."""
         if active.uid is not None:
-            self._by_uid.pop(active.uid, None)
+            self._batch.running.pop(active.uid, None)
         self._requests.pop(active.handle.id, None)
-        self.stats.record(active, reason)
-        usage = Usage(len(active.request.prompt_tokens), active.generated, active.warm_tokens)
-        active.handle._emit(
-            Event(
-                active.handle.id,
-                finish_reason=reason,
-                usage=usage,
-                error=error,
-                stop_sequence=active.stops.matched,
-                cache_tier=active.cache_tier,
-            )
-        )
-
-    def _fail_all(self, error: GmlxError) -> None:
-        for active in list(self._by_uid.values()):
-            self._finish(active, FinishReason.ERROR, error)
+        self.stats.record(active, reason)  # before the final event: its reader sees it
+        active.finish(reason, error)

@@ -1,8 +1,9 @@
-"""``create_app(settings)``: the FastAPI app over one model registry.
+"""``create_app(settings, engine=...)``: the FastAPI app over one engine.
 
-All state lives on ``app.state`` (``settings``, ``registry``, ``started_at`` in epoch
-seconds, ``started_mono`` on the monotonic clock), so several apps can live in one
-process (tests do).
+All state lives on ``app.state`` (``settings``, ``engine``, its ``registry``,
+``started_at`` in epoch seconds, ``started_mono`` on the monotonic clock), so several
+apps can live in one process (tests do). Routes translate their protocol into engine
+requests and hand them to ``app.state.engine``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from gmlx import __version__
 from gmlx.config import Settings
-from gmlx.engine.residency import Registry
+from gmlx.engine.chat import Engine
 from gmlx.server import errors
 from gmlx.server.admin import cache, capacity, health, metrics, models, requests, status
 from gmlx.server.anthropic import routes as anthropic_routes
@@ -29,14 +30,13 @@ from gmlx.server.openai import routes as openai_routes
 log = logging.getLogger("gmlx.server")
 
 
-def create_app(settings: Settings, *, registry: Registry | None = None) -> FastAPI:
-    """The server app. Models in ``settings.startup_models()`` load when it starts;
-    the others on their first request. Stopping the app stops every worker.
-
-    ``registry`` replaces ``settings.registry()`` (tests pass one with a scripted
-    memory probe).
+def create_app(settings: Settings, *, engine: Engine) -> FastAPI:
+    """The server app over ``engine`` and its registry (built from ``settings`` by
+    :mod:`gmlx.compose`, whose ``build_app`` builds all three). Models in
+    ``settings.startup_models()`` load when it starts; the others on their first
+    request. Stopping the app stops every worker.
     """
-    registry = registry if registry is not None else settings.registry()
+    registry = engine.registry
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -68,7 +68,7 @@ def create_app(settings: Settings, *, registry: Registry | None = None) -> FastA
     app.state.registry = registry
     app.state.started_at = int(time.time())
     app.state.started_mono = time.monotonic()
-    app.state.preflight = capacity.preflight  # generation.start calls it after rendering
+    app.state.engine = engine
     errors.install(app)
     if settings.server.cors:
         app.add_middleware(

@@ -130,10 +130,13 @@ def test_chat_leaves_on_end_of_input():
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_worker(demo_model):
     """Ctrl-C during an answer cancels the request; the next answer runs normally."""
-    from gmlx.cli.run import AnswerOptions, stream_answer
-    from gmlx.engine.worker import ModelWorker
+    from gmlx.cli.run import stream_answer
+    from gmlx.compose import build_engine, build_registry
+    from gmlx.config import Settings
+    from gmlx.engine.types import ChatRequest, Message
 
-    worker = ModelWorker(demo_model, decode_batch=1)
+    settings, _ = Settings().with_models(["demo"])
+    engine = build_engine(settings, build_registry(settings, decode_batch=1, warmup=False))
     written: list[str] = []
 
     def interrupting_write(text: str) -> None:
@@ -141,19 +144,20 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_worker(demo_model):
         if len(written) == 2:
             raise KeyboardInterrupt
 
-    messages = [{"role": "user", "content": "Hello"}]
+    def turn(max_tokens: int) -> ChatRequest:
+        return ChatRequest(model="demo", messages=(Message.text("user", "Hello"),),
+                           sampling={"temperature": 0}, max_tokens=max_tokens)
+
     try:
         # The write raises inside the loop; stream_answer must treat it like Ctrl-C.
-        answer, finish = stream_answer(worker, messages, AnswerOptions(500, SamplingParams(temperature=0)),
-                                       write=interrupting_write)
+        answer, finish = stream_answer(engine.start_sync(turn(500)), write=interrupting_write)
         assert finish is FinishReason.CANCELLED
         assert answer == "".join(written)
         assert len(written) < 500
-        answer, finish = stream_answer(worker, messages, AnswerOptions(5, SamplingParams(temperature=0)),
-                                       write=lambda t: None)
+        answer, finish = stream_answer(engine.start_sync(turn(5)), write=lambda t: None)
         assert finish is FinishReason.LENGTH and answer
     finally:
-        worker.close()
+        engine.registry.close()
 
 
 def test_version():

@@ -17,19 +17,21 @@ def test_snapshot_sections_with_a_live_request(demo_worker, demo_model):
     for _ in range(3):
         next(events)
     snap = metrics.snapshot([demo_worker], started_at=time.monotonic() - 5)
+    assert set(snap) == {"server"}  # one layout: every section under server
+    live = snap["server"]
     try:
-        assert snap["concurrency"]["in_flight"] == 1
-        assert snap["concurrency"]["decode_batch"] == demo_worker.decode_batch
-        assert snap["queue"]["waiting"] == 0 and snap["queue"]["eta_s"] == 0
-        (row,) = snap["requests"]
+        assert live["concurrency"]["in_flight"] == 1
+        assert live["concurrency"]["decode_batch"] == demo_worker.decode_batch
+        assert live["queue"]["waiting"] == 0 and live["queue"]["eta_s"] == 0
+        (row,) = live["requests"]
         assert row["id"] == handle.id and row["state"] == "decode"
         assert set(row) >= {"id", "model", "state", "position", "prompt_tokens", "generated", "max_tokens",
                             "elapsed_s", "ttft_s", "decode_tok_s", "cache", "speculative"}
-        (model,) = snap["resident_models"]
+        (model,) = live["resident_models"]
         assert model["id"] == "demo" and model["in_flight"] == 1 and model["weight_bytes"] > 0
-        assert snap["memory"]["headroom_bytes"] > 0
-        assert set(snap["rates"]) == set(metrics.EMPTY_SECTIONS["rates"])
-        assert snap["server"]["uptime_s"] >= 5
+        assert live["memory"]["headroom_bytes"] > 0
+        assert set(live["rates"]) == set(metrics.EMPTY_SECTIONS["rates"])
+        assert live["uptime_s"] >= 5
     finally:
         handle.cancel()
         list(events)
@@ -40,9 +42,10 @@ def test_a_failing_section_is_null_not_fatal(demo_worker, monkeypatch):
         raise RuntimeError("probe failed")
 
     monkeypatch.setattr(metrics, "memory", broken)
-    snap = metrics.snapshot([demo_worker], started_at=time.monotonic())
-    assert snap["memory"] == dict.fromkeys(metrics.EMPTY_SECTIONS["memory"])
-    assert snap["concurrency"]["decode_batch"] == demo_worker.decode_batch
+    live = metrics.snapshot([demo_worker], started_at=time.monotonic())["server"]
+    assert live["memory"] == dict.fromkeys(metrics.EMPTY_SECTIONS["memory"])
+    assert live["concurrency"]["decode_batch"] == demo_worker.decode_batch
+    assert live["rates"]["decode_streams"] is not None  # the other sections still answer
 
 
 def test_prometheus_text_parses_and_names_the_gauges(demo_worker):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gmlx.engine.errors import UnknownProfileError
-from gmlx.engine.profiles import BUILTIN_INTENTS, Profile, ProfileBook, model_family
+from gmlx.engine.profiles import BUILTIN_INTENTS, FAMILY_BASE, Profile, ProfileBook, model_family
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,13 @@ def test_unknown_profile_lists_the_valid_ones():
 def test_profile_rejects_unknown_sampling_keys():
     with pytest.raises(ValueError):
         Profile("x", {"temprature": 1})
+
+
+@pytest.mark.parametrize("family", [*FAMILY_BASE, "unknown"])
+@pytest.mark.parametrize("name", [None, *BUILTIN_INTENTS])
+def test_built_in_profiles_pass_the_engines_checks(name, family):
+    """Built-in values meet the rules a request's and a YAML profile's values meet."""
+    from gmlx.engine.sampling import validate
+
+    model_type = family.replace("-", "_")
+    validate(ProfileBook().resolve(name, model_type).sampling_params(), vocab_size=32000)

@@ -236,7 +236,6 @@ def test_request_values_win_over_the_profile():
 ])
 def test_effort_mapping(effort, expected):
     assert template_kwargs(reasoning_effort=effort) == expected
-    assert template_kwargs(reasoning={"effort": effort}) == expected
 
 
 def test_explicit_values_beat_the_effort():

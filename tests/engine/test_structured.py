@@ -1,4 +1,5 @@
-"""Structured output: response_format compilation and grammar-constrained decoding."""
+"""Structured output: grammar-constrained decoding (the protocols' format fields are
+tested with their translation, in tests/server/test_translate.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,14 @@ import mlx.core as mx
 import pytest
 
 from gmlx.engine import sampling
-from gmlx.engine.errors import InvalidRequestError
 from gmlx.engine.structured import (
     GeneratedTokens,
-    Grammar,
     GrammarProcessor,
-    compile_output_config,
-    compile_response_format,
+    compile_format,
     llg_tokenizer,
     make_grammar_processor,
 )
-from gmlx.engine.types import GenerateRequest, SamplingParams
+from gmlx.engine.types import GenerateRequest, ResponseFormat, SamplingParams
 
 PERSON = {
     "type": "object",
@@ -113,81 +111,6 @@ def generate(demo_model, processors: list[GrammarProcessor | None], seeds: list[
     return [(tok.decode([t for t in tokens[u] if t not in eos]), finish[u]) for u in uids]
 
 
-# -- compiling ----------------------------------------------------------------------
-
-
-def test_text_and_absent_formats_are_unconstrained():
-    assert compile_response_format(None) is None
-    assert compile_response_format({"type": "text"}) is None
-    assert compile_output_config(None) is None
-    assert compile_output_config({"effort": "low"}) is None
-
-
-def test_json_schema_compiles_with_its_name():
-    grammar = compile_response_format(
-        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    )
-    assert isinstance(grammar, Grammar)
-    assert (grammar.kind, grammar.name) == ("json_schema", "person")
-    assert json.loads(grammar.text)["grammars"]  # llguidance's serialized grammar
-
-
-def test_output_config_json_schema_compiles():
-    grammar = compile_output_config({"format": {"type": "json_schema", "schema": STEPS}})
-    assert grammar is not None and grammar.kind == "json_schema"
-
-
-@pytest.mark.parametrize(
-    "response_format",
-    [
-        {"type": "json_schema", "json_schema": {"name": "x"}},  # no schema
-        {"type": "json_schema"},  # no json_schema at all
-        {"type": "json_schema", "json_schema": "not an object"},
-        {"type": "json_schema", "json_schema": {"schema": ["not", "an", "object"]}},
-        {"type": "json_schema", "json_schema": {"schema": "string"}},
-        {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}},
-        {"type": "json_schema", "json_schema": {"schema": {"type": "object", "required": 5}}},
-        {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/definitions/missing"}}},
-        {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "("}}},
-        {"type": "xml"},  # unknown type
-        {},  # no type
-        "json_object",  # not an object
-    ],
-)
-def test_malformed_response_format_is_rejected(response_format):
-    with pytest.raises(InvalidRequestError) as info:
-        compile_response_format(response_format)
-    assert info.value.param == "response_format"
-    assert info.value.status == 400
-    assert str(info.value)
-
-
-def test_unknown_type_message_names_the_accepted_types():
-    with pytest.raises(InvalidRequestError, match="json_schema"):
-        compile_response_format({"type": "regex"})
-
-
-@pytest.mark.parametrize(
-    "output_config",
-    [
-        {"format": {"type": "text"}},
-        {"format": {"type": "json_schema"}},
-        {"format": {"type": "json_schema", "schema": {"type": "nope"}}},
-        {"format": "json"},
-    ],
-)
-def test_malformed_output_config_is_rejected(output_config):
-    with pytest.raises(InvalidRequestError) as info:
-        compile_output_config(output_config)
-    assert info.value.param == "output_config"
-
-
-def test_unimplemented_keywords_are_tolerated():
-    # uniqueItems is not enforced by llguidance; the schema still constrains the shape.
-    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-    assert compile_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
-
-
 # -- the tokenizer cache ------------------------------------------------------------
 
 
@@ -219,7 +142,7 @@ def test_generated_tokens_marks_the_prompt_end_at_the_first_call():
 
 def test_processor_follows_the_grammar_then_allows_only_eos(demo_model):
     tok = demo_model.tokenizer
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {"schema": STEPS}})
+    grammar = compile_format(ResponseFormat("json_schema", STEPS))
     proc = make_grammar_processor(tok, grammar)
     width = len(tok) + 10  # a model head wider than the vocabulary
     logits = mx.zeros((1, width))
@@ -243,7 +166,7 @@ def test_processor_follows_the_grammar_then_allows_only_eos(demo_model):
 
 def test_processor_that_sees_a_rejected_token_ends_the_request(demo_model):
     tok = demo_model.tokenizer
-    proc = make_grammar_processor(tok, compile_response_format({"type": "json_object"}))
+    proc = make_grammar_processor(tok, compile_format(ResponseFormat("json_object")))
     logits = mx.zeros((1, len(tok)))
     proc(mx.array([1, 2]), logits)
     bad = tok.encode("x", add_special_tokens=False)
@@ -259,7 +182,7 @@ def test_no_grammar_no_processor(demo_model):
 
 @pytest.mark.parametrize("schema", [PERSON, STEPS], ids=["person", "steps"])
 def test_every_sampled_output_validates(demo_model, schema):
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+    grammar = compile_format(ResponseFormat("json_schema", schema))
     seeds = [1, 2, 3, 4]
     # Constrained rows share the batch with unconstrained ones, each with its own state.
     procs = [make_grammar_processor(demo_model.tokenizer, grammar) if i % 2 == 0 else None
@@ -275,7 +198,7 @@ def test_every_sampled_output_validates(demo_model, schema):
 
 
 def test_json_object_yields_objects(demo_model):
-    grammar = compile_response_format({"type": "json_object"})
+    grammar = compile_format(ResponseFormat("json_object"))
     seeds = [0, 1, 2, 3, 4, 5]
     rows = generate(demo_model, [make_grammar_processor(demo_model.tokenizer, grammar)
                                  for _ in seeds], seeds)
@@ -290,7 +213,7 @@ def test_grammar_through_the_worker_with_prompt_cache(demo_model, monkeypatch):
     """The worker's path: processors built per request, prompt-cache hits included."""
     from gmlx.engine.worker import ModelWorker
 
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {"schema": STEPS}})
+    grammar = compile_format(ResponseFormat("json_schema", STEPS))
     base = sampling.make_processors
     monkeypatch.setattr(
         sampling, "make_processors",

@@ -11,12 +11,14 @@ import pytest
 
 from gmlx.engine.errors import InvalidRequestError
 from gmlx.engine.tools import (
-    ToolCall,
     ToolCallStream,
     ToolParser,
-    apply_tool_choice,
+    select_tools,
+    template_tool_choice,
+    template_tools,
     tool_parser_for,
 )
+from gmlx.engine.types import Tool, ToolCall, ToolChoice, ToolChoiceMode
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",
@@ -262,44 +264,34 @@ def test_demo_tokens_stream_into_a_call(demo_model):
 
 # -- tool_choice ------------------------------------------------------------------
 
-
-@pytest.mark.parametrize("choice", [None, "auto", {"type": "auto"}])
-def test_auto_keeps_the_tools(choice):
-    assert apply_tool_choice(TOOLS, choice) == (TOOLS, False)
+W, T = Tool("get_weather", parameters={"type": "object"}), Tool("get_time")
 
 
-@pytest.mark.parametrize("choice", ["none", {"type": "none"}])
-def test_none_strips_the_tools(choice):
-    assert apply_tool_choice(TOOLS, choice) == (None, False)
-
-
-@pytest.mark.parametrize("choice", ["required", {"type": "any"}])
-def test_required_keeps_the_tools_and_forces(choice):
-    assert apply_tool_choice(TOOLS, choice) == (TOOLS, True)
-
-
-def test_named_choice_keeps_only_that_tool():
-    choice = {"type": "function", "function": {"name": "get_time"}}
-    assert apply_tool_choice(TOOLS, choice) == ([TIME], True)
-    anthropic_tools = [{"name": "get_time", "input_schema": {"type": "object"}},
-                       {"name": "get_weather", "input_schema": {"type": "object"}}]
-    assert apply_tool_choice(anthropic_tools, {"type": "tool", "name": "get_weather"}) == (
-        [anthropic_tools[1]], True)
-
-
-def test_no_tools_auto_is_fine():
-    assert apply_tool_choice(None, "auto") == (None, False)
-    assert apply_tool_choice([], None) == (None, False)
+def test_select_tools_by_mode():
+    assert select_tools((W, T), ToolChoice()) == ((W, T), False)
+    assert select_tools((W, T), ToolChoice(ToolChoiceMode.NONE)) == ((), False)
+    assert select_tools((W, T), ToolChoice(ToolChoiceMode.REQUIRED)) == ((W, T), True)
+    assert select_tools((W, T), ToolChoice(ToolChoiceMode.NAMED, "get_time")) == ((T,), True)
+    assert select_tools((), ToolChoice()) == ((), False)
 
 
 @pytest.mark.parametrize("tools, choice", [
-    (TOOLS, {"type": "function", "function": {"name": "nope"}}),
-    (TOOLS, {"type": "function"}),
-    (TOOLS, "sometimes"),
-    (TOOLS, {"type": "maybe"}),
-    (None, "required"),
+    ((W, T), ToolChoice(ToolChoiceMode.NAMED, "nope")),
+    ((), ToolChoice(ToolChoiceMode.REQUIRED)),
 ])
-def test_bad_tool_choice_is_rejected(tools, choice):
+def test_select_tools_refuses_what_cannot_be_honoured(tools, choice):
     with pytest.raises(InvalidRequestError) as info:
-        apply_tool_choice(tools, choice)
+        select_tools(tools, choice)
     assert info.value.param == "tool_choice"
+
+
+def test_template_forms():
+    assert template_tools(()) is None
+    assert template_tools((W, Tool("f", "does f", None, {"strict": True}))) == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "f", "description": "does f", "strict": True}},
+    ]
+    assert template_tool_choice(ToolChoice()) is None
+    assert template_tool_choice(ToolChoice(ToolChoiceMode.REQUIRED)) == "required"
+    assert template_tool_choice(ToolChoice(ToolChoiceMode.NAMED, "f")) == {
+        "type": "function", "function": {"name": "f"}}

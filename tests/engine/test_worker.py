@@ -404,6 +404,7 @@ def test_handing_out_first_tokens_changes_no_output(demo_model, monkeypatch):
     and requests joining a running batch."""
     import threading
 
+    from gmlx.engine import mlxlm
     from gmlx.engine.worker import ModelWorker
 
     base = prompt(demo_model, "Tell me a story about a ship.")
@@ -441,6 +442,6 @@ def test_handing_out_first_tokens_changes_no_output(demo_model, monkeypatch):
         return out
 
     early = streams()
-    monkeypatch.setattr(ModelWorker, "_hand_out_first_tokens", lambda self, gen, started: None)
+    monkeypatch.setattr(mlxlm, "first_token", lambda gen, uid: None)  # mlx-lm hands out each
     assert streams() == early
     assert early[1][-1][-1] is FinishReason.STOP and early[2][-1][-1] is FinishReason.LENGTH

@@ -9,8 +9,8 @@ import pytest
 from llguidance import LLMatcher
 
 from gmlx.engine.errors import InvalidRequestError
-from gmlx.engine.structured import Grammar, compile_response_format
-from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
+from gmlx.engine.structured import Grammar, compile_format
+from gmlx.engine.types import FinishReason, GenerateRequest, ResponseFormat, SamplingParams
 
 WEATHER = {
     "type": "function",
@@ -100,7 +100,7 @@ def test_json_schema_output_validates(demo_worker, demo_model):
         "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["color", "n"],
     }
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    grammar = compile_format(ResponseFormat(schema=schema, name="x"))
     prompt = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "json"}]))
     for seed in range(3):
         events, final = collect(demo_worker, GenerateRequest(
@@ -112,16 +112,16 @@ def test_json_schema_output_validates(demo_worker, demo_model):
 
 def test_malformed_schema_fails_before_generation():
     with pytest.raises(InvalidRequestError) as info:
-        compile_response_format({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}})
+        compile_format(ResponseFormat(schema={"type": "nonsense"}))
     assert info.value.param == "response_format"
 
 
 def test_constrained_and_free_requests_share_a_batch(demo_worker, demo_model):
     """A grammar-constrained request decodes in the same batch as free ones, and
     neither changes the other's output."""
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {"schema": {
+    grammar = compile_format(ResponseFormat(schema={
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["n"], "additionalProperties": False}}})
+        "required": ["n"], "additionalProperties": False}))
     prompt = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "batch"}]))
 
     def requests():

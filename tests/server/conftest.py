@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from live_server import LiveServer
 
+from gmlx.compose import build_app
 from gmlx.config import load_settings
-from gmlx.server.app import create_app
 
 API_KEY = "sk-test-gmlx"
 
@@ -49,7 +49,7 @@ def config_path(gmlx_home: Path) -> Path:
 @pytest.fixture(scope="session")
 def server(config_path: Path) -> Iterator[LiveServer]:
     settings, _ = load_settings(config_path).with_models(["demo"])
-    live = LiveServer.start(create_app(settings))
+    live = LiveServer.start(build_app(settings))
     yield live
     live.stop()
 
@@ -60,7 +60,7 @@ def key_server(gmlx_home: Path) -> Iterator[LiveServer]:
     settings = settings.model_copy(
         update={"server": settings.server.model_copy(update={"api_key": API_KEY})}
     )
-    live = LiveServer.start(create_app(settings))
+    live = LiveServer.start(build_app(settings))
     yield live
     live.stop()
 

@@ -38,9 +38,51 @@ def test_unknown_id_and_profile():
         reg.address("zzz@coding")
     assert err.value.extra["available_models"] == ["a", "b"] and err.value.status == 404
     with pytest.raises(UnknownProfileError):
-        reg.address("a@nope")
-    with pytest.raises(UnknownProfileError):
         reg.address("a", profile="nope")
+
+
+def test_a_suffix_that_is_no_profile_is_part_of_the_id():
+    reg = registry(ModelSpec("a", "demo"), ModelSpec("b@nope", "demo"))
+    with pytest.raises(ModelNotFoundError) as err:
+        reg.address("a@nope")
+    assert "'a@nope'" in str(err.value) and err.value.status == 404
+    assert reg.address("b@nope").spec.id == "b@nope"  # not "b" with profile "nope"
+    assert reg.address("b@nope@mine").profile_name == "mine"
+
+
+def test_an_alias_to_an_unknown_profile_is_refused():
+    with pytest.raises(ValueError, match="not a served model"):
+        registry(ModelSpec("m", "demo"), aliases={"x": "m@nope"})
+
+
+# -- through a real server and the OpenAI SDK ------------------------------------------
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_a_suffix_that_is_no_profile_is_a_404_naming_the_whole_id(openai_client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as nf:
+        openai_client.chat.completions.create(
+            model="demo@not-a-profile", messages=HI, max_tokens=2
+        )
+    body = nf.value.body
+    assert body["type"] == "model_not_found" and body["code"] == "model_not_found"
+    assert "'demo@not-a-profile'" in body["message"]
+    assert body["available_models"] == ["demo", "tiny"]
+
+
+def test_the_profile_field_still_names_an_unknown_profile(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        openai_client.chat.completions.create(
+            model="demo", messages=HI, max_tokens=2, extra_body={"profile": "not-a-profile"}
+        )
+    body = bad.value.body
+    assert body["type"] == "unknown_profile" and "coding" in body["valid_profiles"]
+    assert "'not-a-profile'" in body["message"]
 
 
 def test_empty_model():

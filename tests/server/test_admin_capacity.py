@@ -13,8 +13,8 @@ import openai
 import pytest
 from live_server import LiveServer
 
+from gmlx.compose import build_app
 from gmlx.config import ServerSettings, load_settings
-from gmlx.server.app import create_app
 
 HI = [{"role": "user", "content": "Say hello."}]
 GREEN = 10**12
@@ -56,7 +56,7 @@ def start(tmp: Path, env: dict[str, str], probe: Headroom | None = None) -> Live
         for key, value in env.items():
             mp.setenv(key, value)
         settings, _ = load_settings(path).with_models(["demo"])
-    return LiveServer.start(create_app(settings, registry=settings.registry(probe=probe)))
+    return LiveServer.start(build_app(settings, probe=probe))
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_plan_geometry_and_bands(scripted, sc, headroom):
             r = sc.get("/health", params={"ready": 1})
             assert r.status_code == 503 and r.json()["reason"] == "pressure"
             assert int(r.headers["retry-after"]) > 0
-            assert sc.get("/v1/metrics").json()["governor"]["band"] in ("orange", "red")
+            assert sc.get("/v1/metrics").json()["server"]["governor"]["band"] in ("orange", "red")
     finally:
         headroom.set(GREEN)
     assert plan(sc, 2)["admit_now"] is True
@@ -226,7 +226,7 @@ def test_busy_queue_and_overload(scripted, sc, sdk):
             r = sc.get("/health", params={"ready": 1})
             assert r.status_code == 503 and r.json()["reason"] == "queue"
             assert plan(sc, 1)["reason"] == "queue"
-            rows = sc.get("/v1/metrics").json()["requests"]
+            rows = sc.get("/v1/metrics").json()["server"]["requests"]
             assert rows[0]["state"] == "queued" and rows[0]["position"] == 1
             with pytest.raises(openai.APIStatusError) as caught:
                 sdk.chat.completions.create(model="demo", messages=HI, max_tokens=2)
@@ -234,7 +234,7 @@ def test_busy_queue_and_overload(scripted, sc, sdk):
             assert err.status_code == 503
             assert err.response.json()["error"]["type"] == "server_overloaded"
             assert 2 <= int(err.response.headers["retry-after"]) <= 60
-            queue = sc.get("/v1/metrics").json()["queue"]
+            queue = sc.get("/v1/metrics").json()["server"]["queue"]
             assert queue["rejections"] >= 1 and queue["cap"] == 1
             # A queued request can be cancelled too.
             sc.post(f"/v1/requests/{rows[0]['id']}/cancel").raise_for_status()
@@ -242,7 +242,7 @@ def test_busy_queue_and_overload(scripted, sc, sdk):
 
 
 def test_preflight_refuses_what_cannot_fit(scripted, sc, headroom):
-    settings = scripted.app.state.settings.server
+    engine = scripted.app.state.engine  # it read server.preflight_mem at start
     try:
         headroom.set(100_000)  # green against the floor, but smaller than any request
         for stream in (False, True):
@@ -260,13 +260,13 @@ def test_preflight_refuses_what_cannot_fit(scripted, sc, headroom):
         anth = sc.post("/v1/messages", json={"model": "demo", "max_tokens": 4, "messages": HI})
         assert anth.status_code == 400
         assert anth.json()["error"]["message"].startswith("prompt is too long")
-        settings.preflight_mem = False  # what GMLX_PREFLIGHT_MEM=0 sets
+        engine.preflight_mem = False  # what GMLX_PREFLIGHT_MEM=0 sets
         ok = sc.post(
             "/v1/chat/completions", json={"model": "demo", "messages": HI, "max_tokens": 2}
         )
         assert ok.status_code == 200, ok.text
     finally:
-        settings.preflight_mem = True
+        engine.preflight_mem = True
         headroom.set(GREEN)
 
 
@@ -303,9 +303,10 @@ def test_overcommit_cache_off_governor_off(plain):
     p = plan(plain, 1, depth=10**6)
     assert p["ok"] is None and p["admit_now"] is True and p["band"] is None
     snap = plain.get("/v1/metrics").json()
-    assert snap["governor"]["enabled"] is False and snap["capacity"]["model"] == "demo"
+    live = snap["server"]
+    assert live["governor"]["enabled"] is False and live["capacity"]["model"] == "demo"
     # The decode width comes from the capacity table when nothing sets it.
-    assert snap["concurrency"]["decode_batch"] >= 1
+    assert live["concurrency"]["decode_batch"] >= 1
     body = {"model": "demo", "messages": HI, "max_tokens": 2}
     assert plain.post("/v1/chat/completions", json=body).status_code == 200
     est = plain.post("/v1/estimate", json=body).json()

@@ -12,9 +12,9 @@ import openai
 import pytest
 from live_server import LiveServer
 
+from gmlx.compose import build_app
 from gmlx.config import load_settings
 from gmlx.engine import capacity
-from gmlx.server.app import create_app
 
 MiB = 1024**2
 DEPTH = 1024  # tokens each stream reaches: prompt + output
@@ -41,7 +41,7 @@ def limited_server(tmp_path: Path):
     path = tmp_path / "gmlx.yaml"
     path.write_text(f"server:\n  decode_batch: 8\n  governor_floor_bytes: {FLOOR}\n  prompt_cache_bytes: 0\n")
     settings, _ = load_settings(path).with_models(["demo"])
-    live = LiveServer.start(create_app(settings))
+    live = LiveServer.start(build_app(settings))
     try:
         yield live
     finally:

@@ -80,7 +80,9 @@ def test_run_takes_profiles_like_the_server():
     greedy = runner.invoke(app, ["run", "demo", "-t", "0", *base])
     assert suffix.exit_code == 0, suffix.output
     assert suffix.stdout == option.stdout == greedy.stdout
-    bad = runner.invoke(app, ["run", "demo@nope", *base])
+    bad = runner.invoke(app, ["run", "demo@nope", *base])  # no such profile: one id, unknown
+    assert bad.exit_code == 1 and "'demo@nope' is not a configured model" in str(bad.exception)
+    bad = runner.invoke(app, ["run", "demo", "--profile", "nope", *base])
     assert bad.exit_code == 1 and "Unknown profile 'nope'" in str(bad.exception)
 
 

@@ -39,10 +39,10 @@ def test_eight_concurrent_streams(wide_server):
         async with httpx.AsyncClient(base_url=wide_server.url, timeout=10) as http:
             while not done.is_set():
                 snap = (await http.get("/v1/metrics")).json()
-                seen_in_flight.append(snap["concurrency"]["in_flight"])
-                if snap["concurrency"]["in_flight"] == WIDTH:
-                    states = {r["state"] for r in snap["requests"]}
-                    assert len(snap["requests"]) == WIDTH and states <= {"prefill", "decode"}
+                seen_in_flight.append(snap["server"]["concurrency"]["in_flight"])
+                if snap["server"]["concurrency"]["in_flight"] == WIDTH:
+                    states = {r["state"] for r in snap["server"]["requests"]}
+                    assert len(snap["server"]["requests"]) == WIDTH and states <= {"prefill", "decode"}
                 await asyncio.sleep(0.05)
 
     async def main():

@@ -210,8 +210,9 @@ def test_logprobs_non_stream_join_to_the_text(openai_client):
     assert all(t.logprob <= 0 and t.top_logprobs == [] for t in content)  # TOP_LOGPROBS_K is 0
 
 
-def test_logprobs_stream_and_top_cap(openai_client, monkeypatch):
-    monkeypatch.setenv("TOP_LOGPROBS_K", "2")
+def test_logprobs_stream_and_top_cap(openai_client, server, monkeypatch):
+    # The cap is read once, into settings (TOP_LOGPROBS_K): this server's engine gets 2.
+    monkeypatch.setattr(server.app.state.engine, "top_logprobs_cap", 2)
     stream = openai_client.chat.completions.create(
         model="demo", messages=USER, logprobs=True, top_logprobs=5, max_tokens=10, temperature=0, stream=True)
     text, entries = "", []

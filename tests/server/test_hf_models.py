@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
+from gmlx.compose import build_app
 from gmlx.config import load_settings
-from gmlx.server.app import create_app
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -34,7 +34,7 @@ def test_configured_hf_models(hf_cache, demo_files, tmp_path: Path):
         "  qwen: {source: 'hf:gmlx-test/demo-mlx', default: true}\n"
         "  missing: 'hf:gmlx-test/not-downloaded'\n"
     )
-    app = create_app(load_settings(config))
+    app = build_app(load_settings(config))
     registry = app.state.registry
     try:
         ok, missing, repo_id = post_all(

@@ -55,7 +55,9 @@ def test_unknown_model_404(http):
     assert set(err) >= {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("body", [{"model": "demo@nope"}, {"model": "demo", "profile": "nope"}])
+@pytest.mark.parametrize(
+    "body", [{"model": "demo", "profile": "nope"}, {"model": "demo@coding", "profile": "nope"}]
+)
 def test_unknown_profile_400(http, body):
     r = chat(http, max_tokens=2, **body)
     assert r.status_code == 400
@@ -206,10 +208,10 @@ def test_non_streaming_disconnect_cancels_too(server):
 
 
 def test_cors_preflight():
+    from gmlx.compose import build_app
     from gmlx.config import ServerSettings, Settings
-    from gmlx.server.app import create_app
 
-    app = create_app(Settings(server=ServerSettings(cors=["http://ui.test"])))
+    app = build_app(Settings(server=ServerSettings(cors=["http://ui.test"])))
     transport = httpx.ASGITransport(app=app)
 
     async def preflight() -> httpx.Response:

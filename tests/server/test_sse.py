@@ -7,13 +7,14 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from gmlx.engine.chat import Job
 from gmlx.engine.errors import EngineError
 from gmlx.engine.requests import RequestHandle
 from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 from gmlx.server import sse
-from gmlx.server.anthropic.routes import _stream as anthropic_stream
-from gmlx.server.generation import Job
-from gmlx.server.openai.routes import ChatStreamOptions, _chat_stream
+from gmlx.server.anthropic.routes import MessageStream
+from gmlx.server.openai.routes import ChatStream
+from gmlx.server.streaming import _frames
 
 
 async def _collect(source: AsyncIterator[str]) -> list[str]:
@@ -25,7 +26,7 @@ def test_a_silent_request_ticks_and_a_busy_one_does_not():
     events in order, and nothing extra when ticks are off."""
 
     async def run(idle_s: float) -> list[Event | None]:
-        handle = RequestHandle(GenerateRequest((1, 2)), worker=None)  # type: ignore[arg-type]
+        handle = RequestHandle(GenerateRequest((1, 2)), cancel=lambda request_id: None)
         loop = asyncio.get_running_loop()
 
         def produce() -> None:  # the worker's side, from another thread
@@ -64,7 +65,8 @@ class FailingHandle:
 
 def test_openai_stream_error_is_an_event_then_done():
     handle = FailingHandle()
-    chunks = asyncio.run(_collect(_chat_stream(Job(handle, "demo", 3, 0), ChatStreamOptions(False, False, False))))  # type: ignore[arg-type]
+    job = Job(handle, "demo", 3, 0)  # type: ignore[arg-type]
+    chunks = asyncio.run(_collect(_frames(job, ChatStream(job, False, False, False), 0)))
     assert chunks[-1] == sse.DONE
     error = json.loads(chunks[-2].removeprefix("data: "))
     assert error["error"]["type"] == "server_error" and "boom" in error["error"]["message"]
@@ -72,7 +74,8 @@ def test_openai_stream_error_is_an_event_then_done():
 
 
 def test_anthropic_stream_error_is_an_error_event():
-    chunks = asyncio.run(_collect(anthropic_stream(Job(FailingHandle(), "demo", 3, 0))))  # type: ignore[arg-type]
+    job = Job(FailingHandle(), "demo", 3, 0)  # type: ignore[arg-type]
+    chunks = asyncio.run(_collect(_frames(job, MessageStream(job), 0)))
     assert chunks[0].startswith("event: message_start")
     assert chunks[-1].startswith("event: error\n")
     body = json.loads(chunks[-1].split("data: ", 1)[1])

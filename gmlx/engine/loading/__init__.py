@@ -9,32 +9,16 @@ this module decides which one a reference names and wraps every failure in a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gmlx.engine.errors import ModelSourceError
+from gmlx.engine.loading.model import DEMO_ID, LoadedModel
 
 if TYPE_CHECKING:
-    from mlx import nn
-
     from gmlx.engine.tokenizer import Tokenizer
 
-DEMO_ID = "demo"
-
-
-@dataclass
-class LoadedModel:
-    """A model ready for a worker: the mlx-lm module, its tokenizer and facts about it."""
-
-    id: str
-    model: nn.Module
-    tokenizer: Tokenizer
-    config: dict[str, Any]
-    source: Path
-    kind: str  # "mlx", "gguf" or "demo"
-    context_length: int
-    notes: list[str] = field(default_factory=list)  # load-log lines (e.g. requantized tensors)
+__all__ = ["DEMO_ID", "LoadedModel", "load_model", "load_tokenizer", "local_path", "source_kind"]
 
 
 def source_kind(ref: str | Path) -> str:

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gmlx.engine.loading import DEMO_ID, LoadedModel
+from gmlx.engine.loading.model import DEMO_ID, LoadedModel
 from gmlx.paths import cache_dir
 
 VERSION = 2  # bump whenever the built files change
@@ -141,8 +141,9 @@ def build(target: Path) -> None:
     """Write the demo model folder (config, weights, tokenizer) to ``target``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
     from transformers import PreTrainedTokenizerFast
+
+    from gmlx.engine.mlxlm import model_classes
 
     tok = build_tokenizer()
     vocab_size = tok.get_vocab_size()
@@ -151,7 +152,7 @@ def build(target: Path) -> None:
                   bos_token_id=None, torch_dtype="float32")
 
     mx.random.seed(SEED)
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     # With the default init a random model repeats one token and samples near
     # uniformly. Wider embeddings (untied) make greedy output vary with the
@@ -198,15 +199,15 @@ def ensure_built() -> Path:
 
 
 def load() -> LoadedModel:
-    from gmlx.engine.loading import mlx_dir
+    from gmlx.engine.loading.mlx_dir import load as load_folder
 
-    loaded = mlx_dir.load(ensure_built())
+    loaded = load_folder(ensure_built())
     loaded.id = DEMO_ID
     loaded.kind = "demo"
     return loaded
 
 
 def load_tokenizer():
-    from gmlx.engine.loading import mlx_dir
+    from gmlx.engine.loading.mlx_dir import load_tokenizer as load_folder_tokenizer
 
-    return mlx_dir.load_tokenizer(ensure_built())
+    return load_folder_tokenizer(ensure_built())

@@ -17,10 +17,11 @@ from gguf import GGMLQuantizationType
 from mlx import nn
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
-from gmlx.engine.loading import LoadedModel, gguf_arch, gguf_quant
+from gmlx.engine.loading import gguf_arch, gguf_quant
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_quant import QuantizedTensor
 from gmlx.engine.loading.gguf_tokenizer import build_tokenizer
+from gmlx.engine.loading.model import LoadedModel
 from gmlx.engine.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
@@ -43,9 +44,9 @@ def load(path: Path) -> LoadedModel:
     _check_types(path, f)
     tokenizer = build_tokenizer(path, f.metadata)
 
-    from mlx_lm.utils import _get_classes
+    from gmlx.engine.mlxlm import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     try:
         model: nn.Module = model_class(args_class.from_dict(config))
     except Exception as e:  # ModelArgs validation raises ValueError/TypeError/KeyError

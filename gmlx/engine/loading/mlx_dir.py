@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
-from gmlx.engine.loading import LoadedModel
+from gmlx.engine.loading.model import LoadedModel
 from gmlx.engine.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096
@@ -29,10 +29,10 @@ def supported_model_types() -> list[str]:
 
 def check_architecture(path: Path, config: dict) -> None:
     """Raise UnsupportedModelError unless mlx-lm has a model class for ``config``."""
-    from mlx_lm.utils import _get_classes
+    from gmlx.engine.mlxlm import model_classes
 
     try:
-        _get_classes(config)
+        model_classes(config)
     except ValueError as e:  # mlx-lm's way of saying it has no module for the type
         raise UnsupportedModelError(
             f"{path}: architecture {config.get('model_type')!r} is not supported "

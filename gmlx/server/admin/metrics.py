@@ -20,8 +20,9 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_snapshot(registry: Registry, started_at: float) -> dict[str, Any]:
-    """The ``/v1/metrics`` document: every resident model, the shared governor (measured
-    now) and the boot capacity table (null when there is none)."""
+    """The ``/v1/metrics`` document (its sections under ``server``): every resident
+    model, the shared governor (measured now) and the boot capacity table (null when
+    there is none)."""
 
     def markers(worker: ModelWorker) -> dict[str, Any]:
         spec = registry.specs.get(worker.loaded.id)

@@ -46,18 +46,6 @@ class MessagesRequest(GenerationBody):
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}
     thinking: dict[str, Any] | None = None  # {"type": "enabled", "budget_tokens": N} | disabled
 
-    def model_post_init(self, context: Any) -> None:
-        # Anthropic's extended-thinking switch maps onto the engine's controls.
-        kind = (self.thinking or {}).get("type")
-        if kind == "enabled":
-            if self.enable_thinking is None:
-                self.enable_thinking = True
-            budget = (self.thinking or {}).get("budget_tokens")
-            if self.thinking_budget is None and isinstance(budget, int) and budget >= 0:
-                self.thinking_budget = budget
-        elif kind == "disabled" and self.enable_thinking is None:
-            self.enable_thinking = False
-
 
 class CountTokensRequest(MessagesRequest):
     """The same body without generation; ``max_tokens`` is irrelevant."""

@@ -1,15 +1,53 @@
-"""Anthropic shapes <-> engine values: content blocks in, Message objects out."""
+"""Anthropic shapes <-> engine values: a Messages body in as a :class:`ChatRequest`,
+Message objects out."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
+from gmlx.engine.chat import Job, Result
 from gmlx.engine.errors import InvalidRequestError
-from gmlx.engine.tools import ToolCall, apply_tool_choice
-from gmlx.engine.types import FinishReason, Usage
+from gmlx.engine.types import (
+    ChatRequest,
+    FinishReason,
+    ImagePart,
+    Message,
+    Part,
+    ResponseFormat,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    Usage,
+)
+from gmlx.server import translate as common
 from gmlx.server.anthropic.schemas import MessagesRequest
-from gmlx.server.generation import Job, Result
+from gmlx.server.openai.translate import response_format
+
+# -- in -------------------------------------------------------------------------------
+
+
+def messages_request(body: MessagesRequest) -> ChatRequest:
+    """A Messages body as the engine's request. Anthropic's ``thinking`` switch
+    (``{"type": "enabled", "budget_tokens": N}`` or ``disabled``) maps onto the
+    reasoning controls; ``output_config``'s ``json_schema`` format onto structured
+    output (``response_format`` is taken too)."""
+    thinking = body.thinking or {}
+    enabled = {"enabled": True, "disabled": False}.get(thinking.get("type"))
+    budget = thinking.get("budget_tokens") if enabled else None
+    return ChatRequest(
+        messages=chat_messages(body),
+        tools=tools(body.tools),
+        tool_choice=tool_choice(body.tool_choice),
+        response_format=output_config(body.output_config) or response_format(body.response_format),
+        max_tokens=body.max_tokens,
+        stop=tuple(body.stop_sequences) if body.stop_sequences else None,
+        **common.common(body, enabled=enabled,
+                        budget=budget if isinstance(budget, int) and budget >= 0 else None),
+    )
 
 
 def _block_text(content: Any, where: str, param: str = "messages") -> str:
@@ -42,48 +80,47 @@ def _text(block: dict[str, Any], param: str = "messages") -> str:
     return text
 
 
-def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
-    """``system`` and ``messages`` as the plain chat dicts templates expect.
+def _image(block: dict[str, Any]) -> ImagePart:
+    source = block.get("source") if isinstance(block.get("source"), Mapping) else {}
+    if source.get("type") == "base64":
+        return ImagePart(f"data:{source.get('media_type', '')};base64,{source.get('data', '')}")
+    return ImagePart(str(source.get("url") or ""))
+
+
+def chat_messages(body: MessagesRequest) -> tuple[Message, ...]:
+    """``system`` and ``messages`` as engine messages.
 
     ``tool_use`` blocks become assistant tool calls and ``tool_result`` blocks tool
-    messages; image blocks are refused (no vision support yet).
+    messages (before the turn's own text); earlier thinking is not replayed.
     """
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     if body.system:
-        out.append({"role": "system", "content": _block_text(body.system, "system", "system")})
+        out.append(Message.text("system", _block_text(body.system, "system", "system")))
     for m in body.messages:
         if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+            out.append(Message.text(m.role, m.content))
             continue
-        texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        results: list[dict[str, Any]] = []
+        parts: list[Part] = []
+        calls: list[ToolCall] = []
+        results: list[Message] = []
         for block in m.content:
             kind = block.get("type")
             if kind == "text":
-                texts.append(_text(block))
+                parts.append(TextPart(_text(block)))
             elif kind == "tool_use":
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
-                calls.append(
-                    {
-                        "id": block.get("id"),
-                        "type": "function",
-                        "function": {"name": block.get("name"), "arguments": arguments},
-                    }
-                )
+                calls.append(ToolCall(str(block.get("id") or ""), str(block.get("name") or ""),
+                                      arguments))
             elif kind == "tool_result":
-                results.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": block.get("tool_use_id"),
-                        "content": _block_text(block.get("content"), "tool_result content"),
-                    }
-                )
+                content = _block_text(block.get("content"), "tool_result content")
+                results.append(Message.text("tool", content, tool_call_id=block.get("tool_use_id")))
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not replayed to the model
-            elif kind in ("image", "document"):
+            elif kind == "image":
+                parts.append(_image(block))
+            elif kind == "document":
                 raise InvalidRequestError(
-                    f"{kind} blocks need a vision model, and gmlx does not serve one yet.",
+                    "document blocks need a vision model, and gmlx does not serve one yet.",
                     param="messages",
                 )
             else:
@@ -91,29 +128,66 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                     f"Unsupported content block type {kind!r}.", param="messages"
                 )
         out.extend(results)
-        if texts or calls or not results:
-            msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-    return out
+        if parts or calls or not results:
+            text = "".join(p.text for p in parts if isinstance(p, TextPart))
+            others = tuple(p for p in parts if not isinstance(p, TextPart))
+            joined: tuple[Part, ...] = ((TextPart(text),) if text else ()) + others
+            out.append(Message(m.role, joined, tool_calls=tuple(calls)))
+    return tuple(out)
 
 
-def tools_and_choice(body: MessagesRequest) -> tuple[list[dict[str, Any]] | None, bool]:
-    """Anthropic tools in the function shape chat templates expect, after
-    ``tool_choice`` (``none`` strips them), and whether a call is forced."""
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema") or {},
-            },
-        }
-        for t in body.tools or []
-    ]
-    return apply_tool_choice(tools or None, body.tool_choice)
+def tools(listed: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
+    """Anthropic tools (``name``, ``description``, ``input_schema``) as engine Tools."""
+    out = []
+    for i, tool in enumerate(listed or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise InvalidRequestError(f"{where} must be an object.", param="tools")
+        function = {"name": tool.get("name"), "description": tool.get("description", ""),
+                    "parameters": tool.get("input_schema") or {}}
+        out.append(common.function_tool(function, where))
+    return tuple(out)
+
+
+def tool_choice(choice: Any) -> ToolChoice:
+    """Anthropic's ``tool_choice``: ``{"type": "auto" | "any" | "none"}`` or
+    ``{"type": "tool", "name": N}``."""
+    if choice is None:
+        return ToolChoice()
+    kind = choice.get("type") if isinstance(choice, Mapping) else choice
+    if kind in ("auto", "none"):
+        return ToolChoice(ToolChoiceMode(kind))
+    if kind == "any":
+        return ToolChoice(ToolChoiceMode.REQUIRED)
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequestError("tool_choice names no tool.", param="tool_choice")
+        return ToolChoice(ToolChoiceMode.NAMED, name)
+    raise InvalidRequestError(f"tool_choice type {kind!r} is not supported.", param="tool_choice")
+
+
+def output_config(config: Any) -> ResponseFormat | None:
+    """``output_config``'s format: ``{"type": "json_schema", "schema": {...}}``; None when
+    it asks for no format."""
+    field = "output_config"
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise InvalidRequestError("output_config must be an object.", param=field)
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+        raise InvalidRequestError(
+            f"output_config.format type {kind!r} is not supported; use 'json_schema'.",
+            param=field,
+        )
+    return ResponseFormat("json_schema", fmt.get("schema"), field=field)
+
+
+# -- out ------------------------------------------------------------------------------
 
 
 def stop_reason(finish: FinishReason, stop_sequence: str | None) -> str:

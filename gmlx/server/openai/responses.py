@@ -11,33 +11,45 @@ clients wait for response.completed and fail without it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from gmlx.engine.chat import Engine, Job, Result
 from gmlx.engine.errors import GmlxError, InvalidRequestError
-from gmlx.engine.structured import Grammar, compile_response_format
-from gmlx.engine.tools import ToolCall, apply_tool_choice
-from gmlx.engine.types import FinishReason, Usage
-from gmlx.server import generation, sse
-from gmlx.server.generation import Job, Result
+from gmlx.engine.types import ChatRequest, Event, FinishReason, Message, ToolCall, Usage
+from gmlx.server import sse, streaming
+from gmlx.server.openai import translate
 from gmlx.server.openai.schemas import ResponsesBody, ResponsesRequest
-from gmlx.server.openai.translate import text_of
 
 router = APIRouter()
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")  # of Responses message items
 
 
-def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """Responses ``instructions`` and ``input`` items as chat messages."""
-    messages: list[dict[str, Any]] = []
+def responses_request(body: ResponsesRequest) -> ChatRequest:
+    """A Responses body as the engine's request."""
+    fmt = (body.text or {}).get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # flat: name, schema, strict
+        fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return ChatRequest(
+        messages=input_messages(body),
+        tools=translate.tools(function_tools(body.tools)),
+        tool_choice=translate.tool_choice(body.tool_choice),
+        response_format=translate.response_format(fmt or body.response_format),
+        max_tokens=body.max_output_tokens,
+        **translate.common.common(body),
+    )
+
+
+def input_messages(body: ResponsesRequest) -> tuple[Message, ...]:
+    """Responses ``instructions`` and ``input`` items as messages."""
+    messages: list[Message] = []
     if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
+        messages.append(Message.text("system", body.instructions))
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        return (*messages, Message.text("user", body.input))
     for item in body.input:
         kind = item.get("type", "message")
         if kind == "message":
@@ -48,38 +60,23 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                     f"{', '.join(INPUT_ROLES)}.",
                     param="input",
                 )
-            messages.append(
-                {
-                    "role": "system" if role == "developer" else role,
-                    "content": text_of(item.get("content"), param="input"),
-                }
-            )
+            role = "system" if role == "developer" else role
+            messages.append(Message(role, translate.parts(item.get("content"), param="input")))
         elif kind == "function_call":
-            call = {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {"id": item.get("call_id"), "type": "function", "function": call}
-                    ],
-                }
-            )
+            call = ToolCall(str(item.get("call_id") or ""), str(item.get("name") or ""),
+                            item.get("arguments") or "{}")
+            messages.append(Message("assistant", tool_calls=(call,)))
         elif kind == "function_call_output":
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.get("call_id"),
-                    "content": str(item.get("output") or ""),
-                }
-            )
+            messages.append(Message.text("tool", str(item.get("output") or ""),
+                                         tool_call_id=item.get("call_id")))
         else:
             raise InvalidRequestError(f"Unsupported input item type {kind!r}.", param="input")
-    return messages
+    return tuple(messages)
 
 
 def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat) in the chat-completions shape templates expect."""
+    """Responses function tools (flat) in the chat-completions shape; other tool types
+    (the hosted ones) are skipped."""
     if not tools:
         return None
     return [
@@ -179,128 +176,113 @@ def _status(finish: FinishReason | None) -> str:
     return "incomplete" if finish is FinishReason.LENGTH else "completed"
 
 
-def response_grammar(body: ResponsesRequest) -> Grammar | None:
-    """Structured output: Responses' ``text.format`` (flat json_schema), or ``response_format``."""
-    fmt = (body.text or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    return compile_response_format(fmt or body.response_format)
-
-
 @router.post("/v1/responses")
 async def responses(body: ResponsesBody, request: Request) -> Response:
-    tools, forced = apply_tool_choice(function_tools(body.tools), body.tool_choice)
-    job = await generation.start(
-        request,
-        body,
-        messages=input_messages(body),
-        tools=tools,
-        max_tokens=body.max_output_tokens,
-        grammar=response_grammar(body),
-        forced_tool=forced,
-    )
-    headers = {"x-request-id": job.handle.id}
+    engine: Engine = request.app.state.engine
+    req = responses_request(body)
+    streaming.warn_ignored(request, body)
+    job = await engine.start(req)
     if body.stream:
-        return sse.stream_response(_stream(job, body), headers)
-    result = await generation.collect(job, request)
+        return streaming.stream(job, ResponseStream(job, body), request)
+    result = await streaming.answer(job, request)
     status = _status(result.finish_reason)
     return JSONResponse(
         response_object(job, body, status=status, output=output_items(job, result), usage=result.usage),
-        headers=headers,
+        headers=streaming.headers(job),
     )
 
 
-async def _stream(job: Job, body: ResponsesRequest) -> AsyncIterator[str]:
+class ResponseStream:
     """Output items open as their content arrives (reasoning, the message, each function
-    call) and each is done before the next is added."""
-    seq = 0
+    call) and each is done before the next is added. Every event is numbered."""
 
-    def emit(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return sse.event({"type": kind, "sequence_number": seq - 1, **fields}, kind)
+    def __init__(self, job: Job, body: ResponsesRequest) -> None:
+        self.job, self.body = job, body
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.current: str | None = None  # "reasoning" | "message" while one is open
+        self.buffer: list[str] = []
 
-    output: list[dict[str, Any]] = []
-    current: str | None = None  # "reasoning" | "message" while one is open
-    buffer: list[str] = []
+    def emit(self, kind: str, **fields: Any) -> str:
+        self.seq += 1
+        return sse.event({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
 
-    def close() -> list[str]:
-        nonlocal current
-        if current is None:
-            return []
-        text, index = "".join(buffer), len(output)
-        buffer.clear()
-        if current == "reasoning":
+    def close(self) -> str:
+        if self.current is None:
+            return ""
+        job, text, index = self.job, "".join(self.buffer), len(self.output)
+        self.buffer.clear()
+        if self.current == "reasoning":
             item = _reasoning(job, text)
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            lines = [emit("response.reasoning_text.done", **where, text=text)]
+            out = self.emit("response.reasoning_text.done", **where, text=text)
         else:
             item = _message(job, text, "completed")
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            lines = [emit("response.output_text.done", **where, text=text, logprobs=[]),
-                     emit("response.content_part.done", **where, part=_part(text))]
-        lines.append(emit("response.output_item.done", output_index=index, item=item))
-        output.append(item)
-        current = None
-        return lines
+            out = (self.emit("response.output_text.done", **where, text=text, logprobs=[])
+                   + self.emit("response.content_part.done", **where, part=_part(text)))
+        out += self.emit("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
+        self.current = None
+        return out
 
-    def open_item(kind: str) -> list[str]:
-        nonlocal current
-        lines = close()
-        current, index = kind, len(output)
+    def open_item(self, kind: str) -> str:
+        out = self.close()
+        self.current, index = kind, len(self.output)
         if kind == "reasoning":
-            item = {**_reasoning(job, ""), "content": [], "status": "in_progress"}
-            return [*lines, emit("response.output_item.added", output_index=index, item=item)]
-        item = _message(job, "", "in_progress")
+            item = {**_reasoning(self.job, ""), "content": [], "status": "in_progress"}
+            return out + self.emit("response.output_item.added", output_index=index, item=item)
+        item = _message(self.job, "", "in_progress")
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        return [*lines, emit("response.output_item.added", output_index=index, item=item),
-                emit("response.content_part.added", **where, part=_part(""))]
+        return (out + self.emit("response.output_item.added", output_index=index, item=item)
+                + self.emit("response.content_part.added", **where, part=_part("")))
 
-    yield emit("response.created", response=response_object(job, body, status="in_progress"))
-    yield emit("response.in_progress", response=response_object(job, body, status="in_progress"))
-    try:
-        async for ev in generation.events(job):
-            if ev is None:
-                yield sse.KEEPALIVE
+    def opening(self) -> str:
+        shell = response_object(self.job, self.body, status="in_progress")
+        return self.emit("response.created", response=shell) + self.emit(
+            "response.in_progress", response=shell)
+
+    def event(self, ev: Event) -> str:
+        out, job = "", self.job
+        for kind, delta in (("reasoning", ev.reasoning), ("message", ev.text)):
+            if not delta:
                 continue
-            for kind, delta in (("reasoning", ev.reasoning), ("message", ev.text)):
-                if not delta:
-                    continue
-                if current != kind:
-                    for line in open_item(kind):
-                        yield line
-                buffer.append(delta)
-                item_id = f"rs_{job.id}" if kind == "reasoning" else f"msg_{job.id}"
-                where = {"item_id": item_id, "output_index": len(output), "content_index": 0}
-                if kind == "reasoning":
-                    yield emit("response.reasoning_text.delta", **where, delta=delta)
-                else:
-                    yield emit("response.output_text.delta", **where, delta=delta, logprobs=[])
-            for call in ev.tool_calls:
-                for line in close():
-                    yield line
-                index, item = len(output), _function_call(call)
-                yield emit("response.output_item.added", output_index=index,
-                           item=_function_call(call, "", "in_progress"))
-                yield emit("response.function_call_arguments.delta", item_id=item["id"],
-                           output_index=index, delta=call.arguments)
-                yield emit("response.function_call_arguments.done", item_id=item["id"],
-                           output_index=index, arguments=call.arguments)
-                yield emit("response.output_item.done", output_index=index, item=item)
-                output.append(item)
-            if not ev.final:
-                continue
-            if not output and current is None:  # an empty answer is an empty message
-                for line in open_item("message"):
-                    yield line
-            for line in close():
-                yield line
-            if ev.error is not None:
-                raise ev.error
-            final = response_object(job, body, status=_status(ev.finish_reason), output=output, usage=ev.usage)
-            yield emit("response.completed", response=final)
-    except GmlxError as e:
-        yield emit("error", code=e.code, message=e.message, param=e.param)
-        failed = response_object(job, body, status="failed")
-        failed["error"] = {"code": e.code or e.openai_type, "message": e.message}
-        yield emit("response.failed", response=failed)
+            if self.current != kind:
+                out += self.open_item(kind)
+            self.buffer.append(delta)
+            item_id = f"rs_{job.id}" if kind == "reasoning" else f"msg_{job.id}"
+            where = {"item_id": item_id, "output_index": len(self.output), "content_index": 0}
+            if kind == "reasoning":
+                out += self.emit("response.reasoning_text.delta", **where, delta=delta)
+            else:
+                out += self.emit("response.output_text.delta", **where, delta=delta, logprobs=[])
+        for call in ev.tool_calls:
+            out += self.close()
+            index, item = len(self.output), _function_call(call)
+            out += self.emit("response.output_item.added", output_index=index,
+                             item=_function_call(call, "", "in_progress"))
+            out += self.emit("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=index, delta=call.arguments)
+            out += self.emit("response.function_call_arguments.done", item_id=item["id"],
+                             output_index=index, arguments=call.arguments)
+            out += self.emit("response.output_item.done", output_index=index, item=item)
+            self.output.append(item)
+        if not ev.final:
+            return out
+        if not self.output and self.current is None:  # an empty answer is an empty message
+            out += self.open_item("message")
+        out += self.close()
+        if ev.error is not None:  # shed: the response fails with its error
+            return out + self.error(ev.error)
+        final = response_object(job, self.body, status=_status(ev.finish_reason),
+                                output=self.output, usage=ev.usage)
+        return out + self.emit("response.completed", response=final)
+
+    def error(self, error: GmlxError) -> str:
+        failed = response_object(self.job, self.body, status="failed")
+        failed["error"] = {"code": error.code or error.openai_type, "message": error.message}
+        return (self.emit("error", code=error.code, message=error.message, param=error.param)
+                + self.emit("response.failed", response=failed))
+
+    def closing(self) -> str:
+        return ""

@@ -1,87 +1,219 @@
-"""OpenAI shapes <-> engine values: messages in, completion objects and chunks out."""
+"""OpenAI shapes <-> engine values: chat and completion bodies in as a
+:class:`ChatRequest`, completion objects and chunks out."""
 
 from __future__ import annotations
 
-import logging
-import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any
 
+from gmlx.engine.chat import Job, Result
 from gmlx.engine.errors import InvalidRequestError
-from gmlx.engine.types import Event, FinishReason, Usage
-from gmlx.server.generation import Job, Result
-from gmlx.server.openai.schemas import ChatMessage
-
-if TYPE_CHECKING:
-    from gmlx.engine.tools import ToolCall
-
-log = logging.getLogger("gmlx.server")
+from gmlx.engine.types import (
+    ChatRequest,
+    Event,
+    FinishReason,
+    ImagePart,
+    Message,
+    Part,
+    ResponseFormat,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    Usage,
+)
+from gmlx.server import translate as common
+from gmlx.server.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+FORMATS = ("text", "json_object", "json_schema")
 
 
-def finish_reason(reason: FinishReason) -> str:
-    """OpenAI's finish_reason for an engine finish (``stop``, ``length``, ``cancelled``)."""
-    return reason.value
+# -- in -------------------------------------------------------------------------------
 
 
-def text_of(content: Any, param: str = "messages") -> str:
-    """The text of message content given as a string or a list of typed parts.
+def chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    """A chat-completions body as the engine's request."""
+    logprobs = bool(body.logprobs)
+    return ChatRequest(
+        messages=tuple(chat_message(m) for m in body.messages),
+        tools=tools(body.tools),
+        tool_choice=tool_choice(body.tool_choice),
+        response_format=response_format(body.response_format),
+        max_tokens=body.output_cap,
+        stop=stop_tuple(body.stop),
+        logprobs=logprobs,
+        top_logprobs=(body.top_logprobs or 0) if logprobs else 0,
+        **common.common(body),
+    )
 
-    Raises InvalidRequestError for image parts (no vision support yet), for parts
-    of unknown types and for content of any other shape (Responses input items are
-    not schema-typed, so their content arrives here as whatever the client sent).
+
+def completion_request(body: CompletionRequest) -> ChatRequest:
+    """A ``/v1/completions`` body: one string prompt, no template."""
+    return ChatRequest(
+        prompt=check_completion_prompt(body.prompt, body.n, body.echo, body.suffix, body.best_of),
+        max_tokens=body.max_tokens,
+        stop=stop_tuple(body.stop),
+        **common.common(body),
+    )
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...] | None:
+    """OpenAI's ``stop`` as a tuple (it may be one string)."""
+    if stop is None:
+        return None
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def chat_message(m: ChatMessage) -> Message:
+    """One chat message; ``developer`` is a system message, ``function`` a tool result."""
+    extra = m.model_extra or {}
+    role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+    calls = tuple(_call(c, i) for i, c in enumerate(extra.get("tool_calls") or ()))
+    name, call_id, reasoning = (extra.get(k) for k in ("name", "tool_call_id", "reasoning_content"))
+    return Message(
+        role,
+        parts(m.content),
+        tool_calls=calls,
+        tool_call_id=call_id if isinstance(call_id, str) else None,
+        name=name if isinstance(name, str) else None,
+        reasoning=reasoning if isinstance(reasoning, str) else None,
+    )
+
+
+def _call(call: Any, i: int) -> ToolCall:
+    """An assistant message's ``tool_calls`` entry."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(
+            f"tool_calls[{i}] needs a function with a name.", param="messages"
+        )
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):  # some clients send the object itself
+        import json
+
+        arguments = json.dumps(arguments or {}, ensure_ascii=False)
+    return ToolCall(str(call.get("id") or ""), function["name"], arguments)
+
+
+def parts(content: Any, param: str = "messages") -> tuple[Part, ...]:
+    """Message content given as a string or a list of typed parts.
+
+    Raises InvalidRequestError for parts of unknown types and for content of any other
+    shape (Responses input items are not schema-typed, so their content arrives here as
+    whatever the client sent).
     """
     if content is None or isinstance(content, str):
-        return content or ""
+        return (TextPart(content),) if content else ()
     if not isinstance(content, list):
         raise InvalidRequestError(
-            f"Message content must be a string or a list of parts, not {_json_type(content)}.",
+            f"Message content must be a string or a list of parts, not {common.json_type(content)}.",
             param=param,
         )
-    texts: list[str] = []
+    out: list[Part] = []
     for part in content:
         if not isinstance(part, dict):
             raise InvalidRequestError(
-                f"A content part must be an object, not {_json_type(part)}.", param=param
+                f"A content part must be an object, not {common.json_type(part)}.", param=param
             )
         kind = part.get("type")
         if kind in TEXT_PARTS:
             text = part.get("text")
             if not isinstance(text, str):
                 raise InvalidRequestError(
-                    f"A {kind} part needs its text as a string, not {_json_type(text)}.",
+                    f"A {kind} part needs its text as a string, not {common.json_type(text)}.",
                     param=param,
                 )
-            texts.append(text)
+            out.append(TextPart(text))
         elif kind in IMAGE_PARTS:
-            raise InvalidRequestError(
-                "Image input needs a vision model (one configured with mmproj:), "
-                "and gmlx does not serve vision models yet.",
-                param=param,
-            )
+            url = part.get("image_url")
+            if isinstance(url, Mapping):
+                url = url.get("url")
+            out.append(ImagePart(url if isinstance(url, str) else ""))
         else:
             raise InvalidRequestError(f"Unsupported content part type {kind!r}.", param=param)
-    return "".join(texts)
+    return tuple(out)
 
 
-def _json_type(value: Any) -> str:
-    """The JSON name of a value's type, for error messages."""
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+def tools(listed: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
+    """Chat tools (``{"type": "function", "function": {...}}``, or flat) as engine Tools."""
+    out = []
+    for i, tool in enumerate(listed or ()):
+        where = f"tools[{i}]"
+        common.tool_kind(tool, where)
+        function = tool.get("function", tool)
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{where}.function must be an object.", param="tools")
+        if function is tool:
+            function = {k: v for k, v in tool.items() if k != "type"}
+        out.append(common.function_tool(function, where))
+    return tuple(out)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI chat messages as the plain dicts chat templates expect."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        msg: dict[str, Any] = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
-        msg["role"] = "system" if m.role == "developer" else m.role
-        msg["content"] = text_of(m.content)
-        out.append(msg)
-    return out
+def tool_choice(choice: Any) -> ToolChoice:
+    """OpenAI's ``tool_choice``: ``none``, ``auto``, ``required`` or a named function
+    (``{"type": "function", "function": {"name": N}}``; ``{"type": "auto"}`` and the
+    like are accepted too)."""
+    if isinstance(choice, Mapping):
+        kind = choice.get("type")
+        if kind in ("auto", "none", "required"):
+            return ToolChoice(ToolChoiceMode(kind))
+        if kind == "function":
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, Mapping) else choice.get("name")
+            if not isinstance(name, str):
+                raise InvalidRequestError("tool_choice names no tool.", param="tool_choice")
+            return ToolChoice(ToolChoiceMode.NAMED, name)
+        raise InvalidRequestError(f"tool_choice type {kind!r} is not supported.",
+                                  param="tool_choice")
+    if choice is None:
+        return ToolChoice()
+    if choice in ("auto", "none", "required"):
+        return ToolChoice(ToolChoiceMode(choice))
+    raise InvalidRequestError(
+        f"tool_choice {choice!r} is not one of none, auto, required or a named tool.",
+        param="tool_choice",
+    )
+
+
+def response_format(fmt: Any, field: str = "response_format") -> ResponseFormat | None:
+    """``response_format``: ``text`` (None), ``json_object``, or ``json_schema`` with
+    ``{"name", "schema", "strict"}`` (``strict`` is implied: the schema is always
+    enforced). Raises InvalidRequestError for an unknown type or a missing spec."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping):
+        raise InvalidRequestError(f"{field} must be an object.", param=field)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object", field=field)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if spec is None and "schema" in fmt:
+            spec = fmt  # some clients put the schema at the top level
+        if not isinstance(spec, Mapping):
+            raise InvalidRequestError(
+                f"{field}.json_schema must be an object holding a schema.", param=field
+            )
+        name = spec.get("name")
+        return ResponseFormat("json_schema", spec.get("schema"),
+                              name if isinstance(name, str) else None, field)
+    raise InvalidRequestError(
+        f"{field}.type {kind!r} is not supported; use one of {', '.join(FORMATS)}.",
+        param=field,
+    )
+
+
+# -- out ------------------------------------------------------------------------------
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """OpenAI's finish_reason for an engine finish (``stop``, ``length``, ``cancelled``)."""
+    return reason.value
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -91,16 +223,6 @@ def usage(u: Usage) -> dict[str, Any]:
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
-
-
-def top_logprobs_cap() -> int:
-    """``TOP_LOGPROBS_K`` from the server's environment: 0 to 20, default 0."""
-    raw = os.environ.get("TOP_LOGPROBS_K", "0")
-    try:
-        return min(20, max(0, int(raw)))
-    except ValueError:
-        log.warning("TOP_LOGPROBS_K=%r is not a number; alternatives stay off", raw)
-        return 0
 
 
 def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:

@@ -1,0 +1,199 @@
+"""The running batch of one model: mlx-lm's BatchGenerator and the requests in it.
+
+A model worker admits requests into its batch and steps it. The batch starts each
+request from the longest cached prefix, sets each step's prefill chunk and width
+(``gmlx.engine.scheduling``), hands every token the generator returns to its
+request's pipeline, and leaves the KV of requests that leave in the prompt cache.
+A step returns the requests it ended (their output ended, their own sampler failed,
+the step failed) for the worker to finish. Everything runs on the worker's thread;
+``running`` and ``free`` may be read from any.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from gmlx.engine import mlxlm, scheduling
+from gmlx.engine.errors import EngineError, GmlxError
+from gmlx.engine.loading import LoadedModel
+from gmlx.engine.prompt_cache import PromptCache, with_room
+from gmlx.engine.requests import ActiveRequest, RequestState
+from gmlx.engine.stats import WorkerStats
+from gmlx.engine.types import FinishReason
+
+log = logging.getLogger("gmlx.engine")
+
+Ended = tuple[ActiveRequest, FinishReason, GmlxError | None]  # a request, why, and the error
+
+
+class Batch:
+    """The requests decoding together on one model, at most ``width`` of them.
+
+    Args:
+        loaded: the model and tokenizer.
+        width: the decode batch.
+        prefill_step_size: prompt tokens a step prefills while nothing decodes.
+        prompt_cache: where requests start from and leave their KV.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        width: int,
+        prefill_step_size: int,
+        prompt_cache: PromptCache,
+    ) -> None:
+        self.loaded = loaded
+        self.width = width
+        self.prefill_step_size = prefill_step_size
+        self.prompt_cache = prompt_cache
+        self.running: dict[int, ActiveRequest] = {}  # by the generator's uid
+        self._ended: list[Ended] = []  # what the current step ended (one list, reused)
+        tok = loaded.tokenizer
+        # Tokens XTC never excludes: ending or breaking a line must stay possible.
+        self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
+        self._gen: Any = None
+
+    @property
+    def free(self) -> int:
+        """Slots no request holds."""
+        return max(0, self.width - len(self.running))
+
+    def open(self) -> None:
+        """Start mlx-lm's generator, on the thread that steps it."""
+        # Prompts prefill in chunks between decode steps; how many share a step is set
+        # before each step (`prefill_width`): the capacity model prices one chunk's
+        # transient, and a burst of long prompts must not multiply it.
+        self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
+                                          self.width, self.prefill_step_size)
+
+    def close(self) -> None:
+        """Stop the generator and wait for its work: no asynchronous work may outlive
+        the thread. The requests still running are forgotten (finish them first)."""
+        import mlx.core as mx
+
+        self.running.clear()
+        gen, self._gen = self._gen, None
+        gen.close()
+        mx.synchronize(gen.stream)
+
+    def admit(self, active: ActiveRequest) -> None:
+        """Start ``active`` from the longest cached prefix of its prompt. Raises what
+        building its sampler or inserting it raises; the batch is unchanged then."""
+        req = active.request
+        prompt = list(req.prompt_tokens)
+        sampler = active.guarded_sampler(self._protected_ids)
+        lookup = self.prompt_cache.fetch(prompt)
+        cache = lookup.cache
+        if cache is None:  # a miss merges like a hit (whole-step arrays, `with_room`)
+            cache = with_room(make_prompt_cache(self.loaded.model), len(lookup.rest))
+        (uid,) = self._gen.insert(
+            [lookup.rest],
+            max_tokens=[req.max_tokens],
+            caches=[cache],
+            all_tokens=[prompt[: lookup.warm_tokens]],
+            samplers=[sampler],
+            logits_processors=[active.guarded_processors()],
+        )
+        active.uid = uid
+        active.state = RequestState.PREFILL
+        active.admitted_at = time.monotonic()
+        active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
+        self.running[uid] = active
+
+    def remove(self, active: ActiveRequest, keep_kv: bool = True) -> None:
+        """Take a running request out of the generator, keeping its KV in the prompt
+        cache (unless not ``keep_kv``). It stays in ``running`` until finished."""
+        for cache, tokens in self._gen.remove([active.uid], return_prompt_caches=keep_kv).values():
+            self.prompt_cache.insert(tokens, cache)
+
+    def step(self, stats: WorkerStats) -> list[Ended]:
+        """One generation step: a prefill chunk for the prompts in progress and a
+        token for each decoding request, each handed to its request. A failed step
+        ends every running request with the error and starts a fresh generator.
+
+        Returns the requests the step ended, out of ``running`` already, for the
+        worker to finish (the list is valid until the next step)."""
+        self._ended.clear()
+        gen = self._gen
+        decoding = any(a.state is RequestState.DECODE for a in self.running.values())
+        gen.prefill_step_size = chunk = scheduling.prefill_step(self.prefill_step_size, decoding)
+        gen.prefill_batch_size = scheduling.prefill_width(mlxlm.prefill_lengths(gen), chunk)
+        try:
+            prompt_responses, responses = gen.next()
+        except Exception as e:  # a failed step must not kill the worker
+            log.exception("generation step failed on %s", self.loaded.id)
+            error = EngineError(f"Generation failed: {e}.")
+            for failed in list(self.running.values()):
+                self._end(failed, FinishReason.ERROR, error)
+            gen.close()
+            self.open()
+            return self._ended
+        started: list[ActiveRequest] = []
+        for pr in prompt_responses:
+            if (active := self.running.get(pr.uid)) is not None:
+                active.state = RequestState.DECODE if pr.end_of_prompt else RequestState.PREFILL
+                if pr.end_of_prompt:
+                    started.append(active)
+        stats.note_step(len(responses))
+        for r in responses:
+            self._on_token(r)
+        if started:
+            self._hand_out_first_tokens(started)
+        self._drop_failed()
+        return self._ended
+
+    def _end(self, active: ActiveRequest, reason: FinishReason, error: GmlxError | None) -> None:
+        self.running.pop(active.uid, None)  # type: ignore[arg-type]
+        self._ended.append((active, reason, error))
+
+    def _on_token(self, r: Any) -> None:
+        """Run a token the generator returned (its response) down its request's
+        pipeline; end the request when the token ended it."""
+        active = self.running.get(r.uid)
+        if active is None:
+            return
+        finish = active.take(r.token, r.logprobs, r.finish_reason)
+        if r.finish_reason is not None and r.prompt_cache is not None:
+            self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
+        if finish is not None:
+            if r.finish_reason is None:  # a stop string ended it: mlx-lm would go on
+                self.remove(active)
+            self._end(active, finish, None)
+
+    def _hand_out_first_tokens(self, started: list[ActiveRequest]) -> None:
+        """Hand out the first token of requests whose prompt just finished, now.
+
+        mlx-lm computes a request's first token in the step that ends its prompt but
+        returns it only from the next step, after building that step's graph: the
+        first token waits for one more graph (on a CPU, where building overlaps
+        nothing, the whole next step: a 2k-token prefix hit's first token came after
+        18.4 ms, now 16.7; on an H200 timeline that graph took ~10 ms of a 46 ms hit).
+        On an accelerator, reading it here costs the running streams that one overlap,
+        once per admission. Left to mlx-lm: a token that ends the request (an
+        end-of-sequence token, or the only one asked for), so its ending stays mlx-lm's."""
+        eos = self.loaded.tokenizer.eos_token_ids
+        for active in started:
+            if active.request.max_tokens <= 1:
+                continue
+            try:
+                first = mlxlm.first_token(self._gen, active.uid)  # type: ignore[arg-type]
+            except Exception:  # mlx-lm's own step will hand it out (or fail it)
+                log.exception("reading the first token of %s early failed", active.request.id)
+                continue
+            if first is None or first.token in eos:
+                continue
+            self._on_token(first)
+            active.handed_out = first.token
+
+    def _drop_failed(self) -> None:
+        """End the requests whose own sampler or processor failed in this step."""
+        for active in [a for a in self.running.values() if a.failure is not None]:
+            log.error("request %s failed: %r", active.request.id, active.failure)
+            self.remove(active, keep_kv=False)
+            self._end(active, FinishReason.ERROR, EngineError(f"Generation failed: {active.failure}."))

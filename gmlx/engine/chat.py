@@ -1,0 +1,290 @@
+"""The engine's one way in: a :class:`ChatRequest` becomes a running stream.
+
+:meth:`Engine.start` does everything between a request and its stream, in order:
+address and profile resolution (loading the model if needed, off the event loop),
+the system prompt, template rendering and tokenization, tool and grammar set-up,
+the memory preflight, then submission to the model's worker. Every front end (the
+OpenAI and Anthropic routes, ``gmlx run``, ``gmlx estimate``) comes through here, so
+a request renders to the same tokens whichever way it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gmlx.engine import admission
+from gmlx.engine.errors import GmlxError, InvalidRequestError
+from gmlx.engine.reasoning import template_kwargs
+from gmlx.engine.structured import Grammar, compile_format
+from gmlx.engine.tools import select_tools, template_tool_choice, template_tools
+from gmlx.engine.types import (
+    ChatRequest,
+    Event,
+    FinishReason,
+    GenerateRequest,
+    ImagePart,
+    Message,
+    ToolCall,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from gmlx.engine.profiles import Profile
+    from gmlx.engine.requests import RequestHandle
+    from gmlx.engine.residency import Registry, Target
+    from gmlx.engine.tokenizer import Tokenizer
+    from gmlx.engine.worker import ModelWorker
+
+# A prompt this short (characters of message content) renders and tokenizes on the
+# event loop: about 0.3-0.7 ms on a slow CPU, which a hop to a worker thread would only
+# lengthen. Longer ones go off the loop, where the tokenizer lets go of the GIL while it
+# works, so the streams the loop serves keep going meanwhile.
+INLINE_CHARS = 1024
+
+
+@dataclass
+class Job:
+    """A submitted request and what its responses echo back."""
+
+    handle: RequestHandle
+    model: str  # the name the response reports: what the request asked for, else the id
+    prompt_tokens: int
+    created: int
+    tokenizer: Tokenizer | None = None  # names the alternatives of top_logprobs
+
+    @property
+    def id(self) -> str:
+        """The engine request id without its ``req-`` prefix, for protocol ids."""
+        return self.handle.id.removeprefix("req-")
+
+
+@dataclass
+class Result:
+    """A finished request, collected."""
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    stop_sequence: str | None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tokens: list[Event] = field(default_factory=list)  # events that carry a token (logprobs)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A request rendered and tokenized for the model it addressed."""
+
+    worker: ModelWorker
+    profile: Profile
+    model: str  # the name responses report
+    ids: list[int]
+    forced_tool: bool = False  # the request requires a tool call
+    tools: tuple[Any, ...] = ()  # the engine Tools the template saw
+
+
+class Engine:
+    """The engine behind every front end: one :class:`Registry` of models, and what
+    each request needs beyond its model (the memory preflight switch, the cap on
+    logprob alternatives).
+
+    Args:
+        registry: the served models.
+        preflight_mem: refuse before submitting a request that cannot fit in memory.
+        top_logprobs_cap: most ``top_logprobs`` alternatives a request gets (0..20).
+    """
+
+    def __init__(
+        self, registry: Registry, *, preflight_mem: bool = True, top_logprobs_cap: int = 0
+    ) -> None:
+        self.registry = registry
+        self.preflight_mem = preflight_mem
+        self.top_logprobs_cap = top_logprobs_cap
+
+    # -- rendering --------------------------------------------------------------
+
+    async def render(self, req: ChatRequest) -> Rendered:
+        """Resolve the request's model (loading it off the loop if needed) and profile,
+        and render and tokenize it (off the loop when it is long)."""
+        target = self.registry.address(req.model, req.profile)
+        worker = self.registry.running(target.spec.id) or await asyncio.to_thread(
+            self.registry.worker, target.spec.id
+        )
+        if _content_chars(req) <= INLINE_CHARS and not req.tools:
+            return self._render(req, target, worker)
+        return await asyncio.to_thread(self._render, req, target, worker)
+
+    def render_sync(self, req: ChatRequest) -> Rendered:
+        """:meth:`render` for a caller without an event loop (the CLI)."""
+        target = self.registry.address(req.model, req.profile)
+        return self._render(req, target, self.registry.worker(target.spec.id))
+
+    def _render(self, req: ChatRequest, target: Target, worker: ModelWorker) -> Rendered:
+        profile = self.registry.profile(target, worker.loaded)
+        tokenizer = worker.loaded.tokenizer
+        model = req.model or target.spec.id
+        if req.prompt is not None:
+            return Rendered(worker, profile, model, tokenizer.encode(req.prompt))
+        tools, forced = select_tools(req.tools, req.tool_choice)
+        messages = [template_message(m) for m in req.messages]
+        if profile.system and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": profile.system})
+        kwargs = template_kwargs(
+            req.reasoning.enabled, req.reasoning.effort, req.template_kwargs,
+            profile.chat_template_kwargs,
+        )
+        if (choice := template_tool_choice(req.tool_choice)) is not None:
+            kwargs["tool_choice"] = choice
+        try:
+            ids = tokenizer.encode_chat(messages, tools=template_tools(tools), **kwargs)
+        except GmlxError:
+            raise
+        except Exception as e:  # jinja raises many types; all mean the messages do not fit
+            raise InvalidRequestError(
+                f"The model's chat template cannot render these messages: {e}.", param="messages"
+            ) from e
+        return Rendered(worker, profile, model, ids, forced, tools)
+
+    def check(self, req: ChatRequest) -> Target:
+        """Address the request and check what can be checked without its model (the
+        tool choice), as every route does before anything loads."""
+        target = self.registry.address(req.model, req.profile)
+        select_tools(req.tools, req.tool_choice)
+        return target
+
+    # -- starting -----------------------------------------------------------------
+
+    async def start(self, req: ChatRequest) -> Job:
+        """Submit one request to its model's worker; its events stream from the job's
+        handle. Raises GmlxError (unknown model or profile, a prompt too long for the
+        context or the memory, bad sampling values or schema, a full queue, a model
+        that fails to load) before anything is streamed.
+        """
+        grammar = compile_format(req.response_format)  # a bad schema fails before any load
+        r = await self.render(req)
+        grammar = grammar or self._forced_call(r)
+        if grammar is not None:  # the first structured request builds the vocabulary index
+            from gmlx.engine.structured import llg_tokenizer
+
+            await asyncio.to_thread(llg_tokenizer, r.worker.loaded.tokenizer)
+        return self._submit(req, r, grammar)
+
+    def start_sync(self, req: ChatRequest) -> Job:
+        """:meth:`start` for a caller without an event loop (the CLI)."""
+        grammar = compile_format(req.response_format)
+        r = self.render_sync(req)
+        return self._submit(req, r, grammar or self._forced_call(r))
+
+    def _forced_call(self, r: Rendered) -> Grammar | None:
+        """Make a required tool call mean it, where the call syntax allows a grammar."""
+        if not r.forced_tool:
+            return None
+        from gmlx.engine.tools import forced_call_grammar
+
+        return forced_call_grammar(r.worker.tool_parser, r.worker.loaded.tokenizer, r.tools)
+
+    def _submit(self, req: ChatRequest, r: Rendered, grammar: Grammar | None) -> Job:
+        if self.preflight_mem:
+            admission.preflight(self.registry, r.worker, r.ids, req.max_tokens)
+        max_tokens = req.max_tokens if req.max_tokens is not None else r.profile.max_tokens
+        if max_tokens is None:  # unset everywhere: whatever the context window leaves
+            max_tokens = max(1, r.worker.loaded.context_length - len(r.ids))
+        chat = req.prompt is None
+        handle = r.worker.submit(
+            GenerateRequest(
+                tuple(r.ids),
+                max_tokens=max_tokens,
+                sampling=r.profile.sampling_params(req.sampling),
+                stop=req.stop if req.stop else r.profile.stop,
+                id=req.id,
+                logprobs=req.logprobs,
+                top_logprobs=min(req.top_logprobs, self.top_logprobs_cap) if req.logprobs else 0,
+                grammar=grammar,
+                tools=tuple(template_tools(r.tools) or ()) or None,
+                tool_choice_forced=r.forced_tool,
+                split_reasoning=chat,
+                thinking_budget=req.reasoning.budget,
+            )
+        )
+        return Job(handle, r.model, len(r.ids), int(time.time()), r.worker.loaded.tokenizer)
+
+    # -- answers without generating ------------------------------------------------
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        """The prompt tokens the request renders to on its model (loading it if needed)."""
+        return len((await self.render(req)).ids)
+
+    async def estimate(self, req: ChatRequest) -> admission.Estimate:
+        """The admission estimate of a request. Never loads a model: one that is not
+        resident answers ``resident: false`` with nothing counted. Raises the
+        addressing errors ``start`` raises."""
+        target = self.check(req)
+        if not self.registry.resident(target.spec.id):
+            return admission.not_resident(
+                req.model or target.spec.id, req.max_tokens, target.spec.max_kv_size
+            )
+        r = await self.render(req)
+        return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model)
+
+    def estimate_sync(self, req: ChatRequest) -> admission.Estimate:
+        """:meth:`estimate` for a caller without an event loop, loading the model."""
+        r = self.render_sync(req)
+        return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model)
+
+
+async def collect(job: Job) -> Result:
+    """Wait for the whole answer. A shed request raises its error (a whole response
+    has no stream to carry it in); a failed one raises as its handle does."""
+    parts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    tokens: list[Event] = []
+    async for ev in job.handle:
+        parts.append(ev.text)
+        reasoning.append(ev.reasoning)
+        calls.extend(ev.tool_calls)
+        if ev.token_ids:
+            tokens.append(ev)
+        if ev.final:
+            assert ev.finish_reason is not None and ev.usage is not None
+            if ev.finish_reason is FinishReason.SHED and ev.error is not None:
+                raise ev.error
+            return Result("".join(parts), ev.finish_reason, ev.usage, ev.stop_sequence,
+                          "".join(reasoning), calls, tokens)
+    raise AssertionError("a request stream ended without a final event")
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    """A message as the plain dict chat templates expect. Raises InvalidRequestError
+    for an image: no served model takes one yet."""
+    if any(isinstance(p, ImagePart) for p in message.parts):
+        raise InvalidRequestError(
+            "Image input needs a vision model (one configured with mmproj:), "
+            "and gmlx does not serve vision models yet.",
+            param="messages",
+        )
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.reasoning:
+        out["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _template_call(call: ToolCall) -> Mapping[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _content_chars(req: ChatRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt)
+    return sum(len(m.content) for m in req.messages)

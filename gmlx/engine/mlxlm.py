@@ -1,0 +1,123 @@
+"""Everything gmlx reads or writes of mlx-lm that mlx-lm does not publish.
+
+mlx-lm's private names (a leading underscore) may change in any release. Each one
+gmlx touches is behind a small function here, so moving to a new mlx-lm is this
+file's work: check each function against the new release (the tests drive every
+one). Nothing else in gmlx may name an mlx-lm private attribute.
+
+mlx-lm is imported inside the functions: importing this module stays cheap (the
+CLI's ``--help`` never loads MLX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FirstToken",
+    "batch_generator",
+    "first_token",
+    "infer_tool_parser",
+    "kv_used",
+    "model_classes",
+    "prefill_lengths",
+    "set_kv_used",
+]
+
+
+# -- models and tokenizers ------------------------------------------------------------
+
+
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """The model class and its ``ModelArgs`` class for a model's ``config.json``
+    (``mlx_lm.utils._get_classes``). Raises ValueError when mlx-lm has no model
+    module for its type."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
+
+
+def infer_tool_parser(hf_tokenizer: Any) -> str | None:
+    """The name of the ``mlx_lm.tool_parsers`` module that fits a Hugging Face
+    tokenizer's chat template, or None (``mlx_lm.tokenizer_utils._infer_tool_parser``)."""
+    from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+    return _infer_tool_parser(hf_tokenizer)
+
+
+# -- the batch generator --------------------------------------------------------------
+
+
+def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step: int) -> Any:
+    """mlx-lm's ``BatchGenerator`` decoding up to ``width`` streams, each ending at any
+    of ``stop_tokens``. Prompts prefill ``prefill_step`` tokens a step, one prompt at
+    a time until the caller sets ``prefill_batch_size`` (the worker sets both before
+    every step)."""
+    from mlx_lm.generate import BatchGenerator
+
+    return BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in stop_tokens],
+        completion_batch_size=width,
+        prefill_batch_size=1,
+        prefill_step_size=prefill_step,
+    )
+
+
+def prefill_lengths(gen: Any) -> list[int]:
+    """The prompt tokens each prompt in ``gen`` has left in its current segment, in
+    the order the generator prefills them: those prefilling, then those not started.
+
+    Reads ``BatchGenerator._currently_processing`` (entries ``[segments, done,
+    total]``) and ``_unprocessed_sequences`` (tuples ``(uid, segments, ...)``)."""
+    lengths = [len(seq[0][0]) for seq in gen._currently_processing if seq[0]]
+    lengths += [len(seq[1][0]) for seq in gen._unprocessed_sequences]
+    return lengths
+
+
+@dataclass
+class FirstToken:
+    """A first token read ahead of mlx-lm, shaped as its generation ``Response``."""
+
+    uid: int
+    token: int
+    logprobs: Any
+    finish_reason: None = None
+    prompt_cache: None = None
+    all_tokens: None = None
+
+
+def first_token(gen: Any, uid: int) -> FirstToken | None:
+    """The token ``gen`` will return for ``uid`` at its next step, read now: the step
+    that ended ``uid``'s prompt computed it, and mlx-lm returns it only after building
+    the next step's graph. None when ``uid`` is not decoding. Raises what MLX raises
+    when that step failed (mlx-lm's own next step then reports it).
+
+    Reads ``BatchGenerator._generation_batch`` and its ``uids``, ``_next_tokens``
+    and ``_next_logprobs``; the read runs on the generator's stream, so it waits for
+    no other stream."""
+    import mlx.core as mx
+
+    batch = gen._generation_batch
+    if uid not in batch.uids:
+        return None
+    row = batch.uids.index(uid)
+    with mx.stream(gen.stream):
+        token = batch._next_tokens[row].item()
+    return FirstToken(uid, token, batch._next_logprobs[row])
+
+
+# -- KV caches --------------------------------------------------------------------------
+
+
+def kv_used(cache: Any) -> int:
+    """Positions in use in a ``BatchKVCache`` layer's arrays, which may be longer
+    (``BatchKVCache._idx``)."""
+    return cache._idx
+
+
+def set_kv_used(cache: Any, used: int) -> None:
+    """Say that the first ``used`` positions of a ``BatchKVCache`` layer's arrays hold
+    keys and values (``BatchKVCache._idx``)."""
+    cache._idx = used

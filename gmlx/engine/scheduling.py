@@ -1,0 +1,116 @@
+"""A worker's scheduling choices, as pure functions: how much prompt a step prefills,
+how many prompts share it, whom the governor sheds, and what a full queue tells a
+client. The worker gathers the numbers; these decide. Each is tested without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+from gmlx.engine.types import GenerateRequest, SamplingParams
+
+DEFAULT_DECODE_BATCH = 8  # streams decoding together, where nothing else sets the width
+DEFAULT_PREFILL_STEP = 512  # CPU: unfused attention makes the chunk's transient large
+MIN_SHARED_PREFILL_STEP = 64  # the smallest prefill chunk while streams decode
+DEFAULT_REQUEST_S = 5.0  # a request's duration assumed before any has finished
+RETRY_AFTER_RANGE = (2, 60)  # seconds a refused client is told to wait, at least and at most
+
+
+def default_prefill_step() -> int:
+    """Prompt tokens per prefill step: 512 on the CPU, 2048 where attention is fused
+    (Metal, CUDA), so its transient stays small and fewer, larger steps win."""
+    from gmlx.engine.capacity import backend
+
+    return DEFAULT_PREFILL_STEP if backend() == "cpu" else 2048
+
+
+def prefill_step(step_size: int, decoding: bool) -> int:
+    """Prompt tokens one step may prefill. While streams are ``decoding``, a quarter of
+    ``step_size``: every step waits for its prefill chunk, so a long prompt arriving in
+    full chunks would hold each running stream's next token for a whole chunk (a
+    512-token chunk at a 2k context takes ~250 ms on a 2-core CPU). With nobody
+    decoding the whole chunk goes, for the fastest prefill."""
+    if decoding:
+        return max(MIN_SHARED_PREFILL_STEP, step_size // 4)
+    return step_size
+
+
+def prefill_width(prompt_lengths: Iterable[int], step: int) -> int:
+    """How many prompts prefill together in the next step, given the prompt tokens
+    each has left to prefill, in arrival order: as many as keep that step within
+    ``step`` tokens, counting each at the longest one's chunk (the batch is padded to
+    it). A burst of short prompts then prefills in one step instead of one step each,
+    while the memory a prefill step takes stays within what the capacity model prices
+    for one chunk. At least one."""
+    width = longest = 0
+    for length in prompt_lengths:
+        wider = max(longest, min(length, step))
+        if width and (width + 1) * wider > step:
+            break
+        width, longest = width + 1, wider
+    return max(1, width)
+
+
+class Running(Protocol):
+    """A running request, as the shed choice sees it."""
+
+    @property
+    def tokens_held(self) -> int:
+        """Its prompt and generated tokens: the KV it holds."""
+        ...
+
+
+R = TypeVar("R", bound=Running)
+
+
+def shed_victim(running: Iterable[R]) -> R | None:
+    """The request to shed when memory runs out: the one holding the most tokens
+    (the first of equals), which frees the most. None when nothing runs."""
+    return max(running, key=lambda r: r.tokens_held, default=None)
+
+
+def queue_full(waiting: int, queue_cap: int, free_slots: int) -> bool:
+    """Whether one more request must be refused: ``waiting`` requests have no slot
+    yet, the free slots take as many, and the queue holds ``queue_cap`` beyond them."""
+    return waiting >= queue_cap + free_slots
+
+
+def queued(waiting: int, free_slots: int) -> int:
+    """Requests waiting beyond the free slots (those are about to start)."""
+    return max(0, waiting - free_slots)
+
+
+def queue_eta_s(queued: int, decode_batch: int, mean_request_s: float | None) -> float:
+    """Seconds until ``queued`` requests drain, ``decode_batch`` at a time, each taking
+    ``mean_request_s`` (``DEFAULT_REQUEST_S`` before any finished); 0 when none wait."""
+    if queued == 0:
+        return 0.0
+    per_request = mean_request_s or DEFAULT_REQUEST_S
+    return per_request * -(-queued // decode_batch)
+
+
+def retry_after_s(eta_s: float) -> int:
+    """The Retry-After seconds for a refused request: the drain time, rounded, within
+    ``RETRY_AFTER_RANGE``."""
+    low, high = RETRY_AFTER_RANGE
+    return min(max(round(eta_s), low), high)
+
+
+def warm_up_requests(width: int, vocab_size: int, eos_ids: Iterable[int]) -> list[GenerateRequest]:
+    """``width`` short requests that, submitted together, take a batch through every
+    width from ``width`` down to 1: each decodes past the admission of the last
+    (however many prompts prefill together) and each asks for one token more than the
+    one before, so they leave one by one. Greedy, with the end-of-sequence tokens
+    banned: none may leave early."""
+    no_eos = {t: -100.0 for t in eos_ids}
+    greedy = SamplingParams(temperature=0.0, logit_bias=no_eos)
+    return [
+        GenerateRequest(
+            tuple((97 * i + 31 * j + 1) % vocab_size for j in range(8)),
+            max_tokens=2 * width + 2 + i,
+            sampling=greedy,
+            id=f"req-warmup-{i}",
+        )
+        for i in range(width)
+    ]
