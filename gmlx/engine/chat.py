@@ -111,9 +111,9 @@ class Engine:
         """Resolve the request's model (loading it off the loop if needed) and profile,
         and render and tokenize it (off the loop when it is long)."""
         target = self.registry.address(req.model, req.profile)
-        worker = self.registry.running(target.spec.id) or await asyncio.to_thread(
-            self.registry.worker, target.spec.id
-        )
+        worker = self.registry.running(target.spec.id)
+        if worker is None:  # loading blocks for seconds: off the loop
+            worker = await asyncio.to_thread(self.registry.worker, target.spec.id)
         if _content_chars(req) <= INLINE_CHARS and not req.tools:
             return self._render(req, target, worker)
         return await asyncio.to_thread(self._render, req, target, worker)

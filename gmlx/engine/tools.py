@@ -151,7 +151,7 @@ class ToolCallStream:
     whitespace next to a call (the blank lines around and between calls).
     """
 
-    def __init__(self, parser: ToolParser, tools: Tools | None = None) -> None:
+    def __init__(self, parser: ToolParser, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.parser = parser
         self.tools = list(tools) if tools else None
         self.calls: list[ToolCall] = []  # every call produced so far

@@ -52,7 +52,8 @@ class MessageStream:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.index, self.open_kind = -1, None
+        self.index = -1
+        self.open_kind: str | None = None  # the open block's kind
         self.templates: dict[tuple[str, int], sse.Template] = {}
 
     @staticmethod

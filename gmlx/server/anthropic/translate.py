@@ -36,7 +36,7 @@ def messages_request(body: MessagesRequest) -> ChatRequest:
     reasoning controls; ``output_config``'s ``json_schema`` format onto structured
     output (``response_format`` is taken too)."""
     thinking = body.thinking or {}
-    enabled = {"enabled": True, "disabled": False}.get(thinking.get("type"))
+    enabled = {"enabled": True, "disabled": False}.get(str(thinking.get("type")))
     budget = thinking.get("budget_tokens") if enabled else None
     return ChatRequest(
         messages=chat_messages(body),
@@ -81,7 +81,9 @@ def _text(block: dict[str, Any], param: str = "messages") -> str:
 
 
 def _image(block: dict[str, Any]) -> ImagePart:
-    source = block.get("source") if isinstance(block.get("source"), Mapping) else {}
+    source = block.get("source")
+    if not isinstance(source, Mapping):
+        source = {}
     if source.get("type") == "base64":
         return ImagePart(f"data:{source.get('media_type', '')};base64,{source.get('data', '')}")
     return ImagePart(str(source.get("url") or ""))
