@@ -29,14 +29,13 @@ SHAPES = {
 
 
 def build(shape: str, dtype: str):
-    from mlx_lm.utils import _get_classes
-
     from gmlx.engine.loading import load_model
+    from gmlx.engine.mlxlm import model_classes
 
     demo = load_model("demo")  # its tokenizer; prompts use ids it knows
     config = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
                   tie_word_embeddings=False, **SHAPES[shape])
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(config))
     model.set_dtype(getattr(mx, dtype))

@@ -109,9 +109,9 @@ def build_small_model(target: Path, shape: dict[str, int] = SMALL_SHAPE, dtype: 
     """A random qwen2 model of ``shape`` with the demo's tokenizer, in ``target``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
 
     from gmlx.engine.loading import demo
+    from gmlx.engine.mlxlm import model_classes
 
     source = demo.ensure_built()
     target.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def build_small_model(target: Path, shape: dict[str, int] = SMALL_SHAPE, dtype: 
     config = json.loads((source / "config.json").read_text())
     config.update(shape, torch_dtype=dtype)
     mx.random.seed(0)
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))

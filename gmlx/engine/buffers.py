@@ -21,9 +21,7 @@ allocation would pass its memory limit.
 
 from __future__ import annotations
 
-import importlib
 import threading
-import types
 
 import mlx.core as mx
 
@@ -43,10 +41,6 @@ def _clear_cache() -> None:
 
 
 def _install() -> None:
-    module = importlib.import_module("mlx_lm.generate")
-    if getattr(module.mx, "clear_cache", None) is _clear_cache:
-        return
-    view = types.ModuleType(mx.__name__, mx.__doc__)
-    view.__dict__.update(vars(mx))
-    view.clear_cache = _clear_cache  # type: ignore[attr-defined]
-    module.mx = view  # type: ignore[attr-defined]
+    from gmlx.engine.mlxlm import route_clear_cache
+
+    route_clear_cache(_clear_cache)

@@ -28,6 +28,7 @@ from gmlx.engine.types import (
     GenerateRequest,
     ImagePart,
     Message,
+    Tool,
     ToolCall,
     Usage,
 )
@@ -84,7 +85,8 @@ class Rendered:
     model: str  # the name responses report
     ids: list[int]
     forced_tool: bool = False  # the request requires a tool call
-    tools: tuple[Any, ...] = ()  # the engine Tools the template saw
+    tools: tuple[Tool, ...] = ()  # the tools the template showed the model
+    tool_dicts: tuple[Mapping[str, Any], ...] = ()  # the same, as the template took them
 
 
 class Engine:
@@ -139,15 +141,16 @@ class Engine:
         )
         if (choice := template_tool_choice(req.tool_choice)) is not None:
             kwargs["tool_choice"] = choice
+        tool_dicts = template_tools(tools)
         try:
-            ids = tokenizer.encode_chat(messages, tools=template_tools(tools), **kwargs)
+            ids = tokenizer.encode_chat(messages, tools=tool_dicts, **kwargs)
         except GmlxError:
             raise
         except Exception as e:  # jinja raises many types; all mean the messages do not fit
             raise InvalidRequestError(
                 f"The model's chat template cannot render these messages: {e}.", param="messages"
             ) from e
-        return Rendered(worker, profile, model, ids, forced, tools)
+        return Rendered(worker, profile, model, ids, forced, tools, tuple(tool_dicts or ()))
 
     def check(self, req: ChatRequest) -> Target:
         """Address the request and check what can be checked without its model (the
@@ -204,7 +207,7 @@ class Engine:
                 logprobs=req.logprobs,
                 top_logprobs=min(req.top_logprobs, self.top_logprobs_cap) if req.logprobs else 0,
                 grammar=grammar,
-                tools=tuple(template_tools(r.tools) or ()) or None,
+                tools=r.tool_dicts or None,
                 tool_choice_forced=r.forced_tool,
                 split_reasoning=chat,
                 thinking_budget=req.reasoning.budget,

@@ -11,6 +11,7 @@ CLI's ``--help`` never loads MLX).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "kv_used",
     "model_classes",
     "prefill_lengths",
+    "route_clear_cache",
     "set_kv_used",
 ]
 
@@ -121,3 +123,25 @@ def set_kv_used(cache: Any, used: int) -> None:
     """Say that the first ``used`` positions of a ``BatchKVCache`` layer's arrays hold
     keys and values (``BatchKVCache._idx``)."""
     cache._idx = used
+
+
+# -- the generator's buffer-cache clears ------------------------------------------------
+
+
+def route_clear_cache(clear_cache: Callable[[], None]) -> None:
+    """Make mlx-lm's generator call ``clear_cache`` where it calls ``mx.clear_cache()``
+    (after every prefill chunk): the ``mx`` that ``mlx_lm.generate`` imported is replaced
+    by a view of ``mlx.core`` with that one function changed. Calling it again with the
+    same function changes nothing."""
+    import importlib
+    import types
+
+    import mlx.core as mx
+
+    module = importlib.import_module("mlx_lm.generate")
+    if getattr(module.mx, "clear_cache", None) is clear_cache:
+        return
+    view = types.ModuleType(mx.__name__, mx.__doc__)
+    view.__dict__.update(vars(mx))
+    view.clear_cache = clear_cache  # type: ignore[attr-defined]
+    module.mx = view  # type: ignore[attr-defined]
