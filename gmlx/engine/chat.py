@@ -152,9 +152,9 @@ class Engine:
             ) from e
         return Rendered(worker, profile, model, ids, forced, tools, tuple(tool_dicts or ()))
 
-    def check(self, req: ChatRequest) -> Target:
-        """Address the request and check what can be checked without its model (the
-        tool choice), as every route does before anything loads."""
+    def address(self, req: ChatRequest) -> Target:
+        """The model and profile a request addresses, after checking what can be
+        checked without loading the model (the tool choice)."""
         target = self.registry.address(req.model, req.profile)
         select_tools(req.tools, req.tool_choice)
         return target
@@ -225,7 +225,7 @@ class Engine:
         """The admission estimate of a request. Never loads a model: one that is not
         resident answers ``resident: false`` with nothing counted. Raises the
         addressing errors ``start`` raises."""
-        target = self.check(req)
+        target = self.address(req)
         if not self.registry.resident(target.spec.id):
             return admission.not_resident(
                 req.model or target.spec.id, req.max_tokens, target.spec.max_kv_size
