@@ -9,19 +9,26 @@ is the one place that turns them into running parts (the engine's
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gmlx.config import ModelConfig, Settings
+from gmlx.config import ModelConfig, Settings, load_settings
 from gmlx.engine.residency import ModelSpec, Registry
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from gmlx.engine.chat import Engine
+    from gmlx.engine.residency import ReloadResult
 
 
-def model_spec(model_id: str, model: ModelConfig) -> ModelSpec:
-    """The engine's view of one ``models:`` entry."""
+def model_spec(model_id: str, model: ModelConfig, *, at_start: bool = False) -> ModelSpec:
+    """The engine's view of one ``models:`` entry. A model loaded at start (``at_start``:
+    named on the command line, or ``preload``) stays resident until told otherwise: it
+    idles out only when its own entry sets an ``idle_timeout``."""
+    idle_timeout = model.idle_timeout
+    if idle_timeout is None and (at_start or model.preload):
+        idle_timeout = 0.0
     return ModelSpec(
         id=model_id,
         source=model.source,
@@ -30,7 +37,37 @@ def model_spec(model_id: str, model: ModelConfig) -> ModelSpec:
         default=model.default,
         pinned=model.pinned,
         mmproj=model.mmproj,
+        preload=model.preload,
+        idle_timeout=idle_timeout,
     )
+
+
+def served_models(settings: Settings) -> dict[str, ModelConfig]:
+    """The configured models, then those found in ``server.models_dir`` (GGUF files and
+    MLX model folders, by file stem or folder name) that no configured id takes."""
+    models = dict(settings.models)
+    folder = settings.server.models_dir
+    if folder:
+        for model_id, source in discover(Path(folder).expanduser()).items():
+            models.setdefault(model_id, ModelConfig(source=str(source)))
+    return models
+
+
+def discover(folder: Path) -> dict[str, Path]:
+    """Model sources directly inside ``folder``: ``*.gguf`` files (not ``mmproj`` vision
+    projectors) and folders holding an MLX model (``config.json`` and safetensors),
+    by id. A missing or unreadable folder holds none."""
+    found: dict[str, Path] = {}
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.is_file() and entry.suffix == ".gguf" and not entry.name.startswith("mmproj"):
+            found[entry.stem] = entry
+        elif entry.is_dir() and (entry / "config.json").is_file() and any(entry.glob("*.safetensors")):
+            found[entry.name] = entry
+    return found
 
 
 def build_registry(
@@ -53,7 +90,7 @@ def build_registry(
     """
     server = settings.server
     return Registry(
-        [model_spec(mid, m) for mid, m in settings.models.items()],
+        model_specs(settings),
         aliases=settings.aliases,
         profiles=settings.profile_book(),
         decode_batch=decode_batch or server.decode_batch,
@@ -64,7 +101,14 @@ def build_registry(
         overcommit=server.overcommit,
         probe=probe,
         warmup=server.warmup if warmup is None else warmup,
+        idle_timeout=server.idle_timeout,
     )
+
+
+def model_specs(settings: Settings) -> list[ModelSpec]:
+    """Every served model (configured and discovered) as the engine sees it."""
+    at_start = set(settings.preload)
+    return [model_spec(mid, m, at_start=mid in at_start) for mid, m in served_models(settings).items()]
 
 
 def build_app(
@@ -80,7 +124,31 @@ def build_app(
 
     if registry is None:
         registry = build_registry(settings, probe=probe)
-    return create_app(settings, engine=build_engine(settings, registry))
+
+    def reload(current: Settings) -> tuple[Settings, ReloadResult] | None:
+        return reload_config(current, registry)
+
+    return create_app(settings, engine=build_engine(settings, registry), reload=reload)
+
+
+def reload_config(current: Settings, registry: Registry) -> tuple[Settings, ReloadResult] | None:
+    """Re-read the config file ``current`` came from and re-register its models,
+    aliases and profiles (``Registry.reconfigure`` keeps the resident models whose load
+    parameters did not change). Models named on the command line stay served, and the
+    ``server:`` section stays as the server started (an address cannot change live).
+    None when ``current`` came from no file. Raises ConfigError for a bad file, leaving
+    everything as it was."""
+    if current.source_file is None:
+        return None
+    fresh = load_settings(current.source_file)
+    models = dict(fresh.models)
+    for model_id in current.preload:
+        models.setdefault(model_id, current.models[model_id])
+    fresh = fresh.model_copy(
+        update={"models": models, "preload": current.preload, "server": current.server}
+    )
+    result = registry.reconfigure(model_specs(fresh), fresh.aliases, fresh.profile_book())
+    return fresh, result
 
 
 def build_engine(settings: Settings, registry: Registry, *, top_logprobs_cap: int | None = None) -> Engine:

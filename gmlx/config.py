@@ -4,8 +4,9 @@ The file has four sections, all optional::
 
     server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
                prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit,
-               warmup, top_logprobs_k}
-    models:   {id: {source, max_kv_size, profile, default, pinned, mmproj}}  (or id: source;
+               warmup, top_logprobs_k, idle_timeout, models_dir}
+    models:   {id: {source, max_kv_size, profile, default, pinned, mmproj, preload,
+              idle_timeout}}  (or id: source;
               a source is ``demo``, a GGUF file, an MLX folder or ``hf:org/repo[/file]``)
     aliases:  {alias: id or id@profile}
     profiles: {name: {<every sampling field>, max_tokens, system, stop, chat_template_kwargs}}
@@ -71,6 +72,11 @@ class ServerSettings(BaseSettings):
     preflight_mem: bool = True  # GMLX_PREFLIGHT_MEM=0: no memory check before a request
     overcommit: bool = False  # GMLX_OVERCOMMIT=1: no capacity table judges requests
     warmup: bool = True  # GMLX_WARMUP=0: serve a loaded model without first running its batch shapes
+    # Seconds a model loaded on demand stays resident with nothing to do (0: forever).
+    # Models loaded at start (named on the command line, pinned, preload) never idle
+    # out unless their own entry sets an idle_timeout.
+    idle_timeout: float = Field(1800.0, ge=0)
+    models_dir: str | None = None  # a folder whose GGUF files and MLX folders are served too
     # Most alternatives per token that `top_logprobs` may ask for (0: none). The spec
     # names the variable TOP_LOGPROBS_K, without the prefix; GMLX_TOP_LOGPROBS_K works too.
     top_logprobs_k: int = Field(
@@ -143,6 +149,8 @@ class ModelConfig(BaseModel):
     default: bool = False
     pinned: bool = False
     mmproj: str | None = None
+    preload: bool = False  # load at start (like a command-line model), but never pin
+    idle_timeout: float | None = Field(None, ge=0)  # None: server.idle_timeout; 0: never
 
     @model_validator(mode="before")
     @classmethod
@@ -171,12 +179,14 @@ class Settings(BaseModel):
     aliases: dict[str, str] = Field(default_factory=dict)
     profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
     origin: str = "defaults"  # where the config came from, for the startup log
+    source_file: Path | None = None  # the file read, if one was: what a reload re-reads
     preload: list[str] = Field(default_factory=list)  # model ids to load at start
 
     def startup_models(self) -> list[str]:
-        """The ids to load at start: the command-line models, then the pinned ones."""
-        pinned = [mid for mid, m in self.models.items() if m.pinned]
-        return list(dict.fromkeys([*self.preload, *pinned]))
+        """The ids to load at start: the command-line models, then the pinned and
+        preload ones."""
+        marked = [mid for mid, m in self.models.items() if m.pinned or m.preload]
+        return list(dict.fromkeys([*self.preload, *marked]))
 
     def profile_book(self) -> ProfileBook:
         """The profiles these settings know: the built-in intents and the file's."""
@@ -288,6 +298,7 @@ def load_settings(path: Path | str | None = None) -> Settings:
         aliases=parsed.aliases,
         profiles=parsed.profiles,
         origin=str(file),
+        source_file=file,
     )
     _check_references(settings, file)
     _check_sampling(settings, file)

@@ -25,7 +25,7 @@ class LiveServer:
     thread: threading.Thread
 
     @classmethod
-    def start(cls, app: FastAPI, timeout: float = 60.0) -> LiveServer:
+    def start(cls, app: FastAPI, timeout: float = 60.0, *, wait_loaded: bool = True) -> LiveServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -38,6 +38,11 @@ class LiveServer:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
+        if wait_loaded:  # the startup models load in the background: wait for them
+            while (starting := app.state.starting) is None or not starting.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the test server's startup models did not load")
+                time.sleep(0.02)
         return cls(app, f"http://127.0.0.1:{port}", server, thread)
 
     def stop(self) -> None:

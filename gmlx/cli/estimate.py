@@ -10,7 +10,6 @@ free memory. Exit code 0 when it fits, 1 when it does not or cannot be judged.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -18,13 +17,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gmlx.cli.errors import err_console, fail
+from gmlx.cli.client import DEFAULT_URL, call_server
+from gmlx.cli.errors import err_console
+from gmlx.cli.options import ApiKeyOpt, JsonOpt
 
 if TYPE_CHECKING:
     from gmlx.engine.chat import Engine
     from gmlx.engine.worker import ModelWorker
-
-DEFAULT_URL = "http://127.0.0.1:8080"
 
 OptionalModelArg = Annotated[
     str | None,
@@ -42,32 +41,6 @@ ServerUrlOpt = Annotated[
         show_default=False,
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
-
-
-# -- talking to a server ------------------------------------------------------------
-
-
-def call_server(method: str, url: str, path: str, **kwargs: Any) -> dict[str, Any]:
-    """One JSON request to a gmlx server. A server that cannot be reached, or an
-    error answer, ends the command with one red sentence and exit code 1."""
-    import httpx
-
-    headers = {}
-    if key := os.environ.get("GMLX_API_KEY"):
-        headers["Authorization"] = f"Bearer {key}"
-    try:
-        r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=60, **kwargs)
-    except httpx.HTTPError as e:
-        fail(f"Cannot reach a gmlx server at {url}: {e or type(e).__name__}.")
-    try:
-        body = r.json()
-    except ValueError:
-        fail(f"The server at {url} answered {r.status_code} without JSON: is it a gmlx server?")
-    if r.status_code >= 400:
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        fail(err.get("message") or f"The server at {url} answered {r.status_code}.")
-    return body
 
 
 # -- loading a model here -------------------------------------------------------------
@@ -179,6 +152,7 @@ def estimate_command(
         ),
     ] = None,
     url: ServerUrlOpt = None,
+    api_key: ApiKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate whether a prompt fits: its tokens, the cached part, the memory it
@@ -189,7 +163,9 @@ def estimate_command(
         where = "here"
     else:
         url = url or DEFAULT_URL
-        est = call_server("POST", url, "/v1/estimate", json={**body, "model": model or ""})
+        est = call_server(
+            "POST", url, "/v1/estimate", api_key=api_key, json={**body, "model": model or ""}
+        )
         where = url
     fits, why = verdict(est)
     if as_json:

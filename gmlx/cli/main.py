@@ -8,6 +8,7 @@ from gmlx import __version__
 from gmlx.cli.errors import err_console, run_guarded
 from gmlx.cli.estimate import estimate_command
 from gmlx.cli.plan import plan_command
+from gmlx.cli.residency import EXIT_CODES, keep_command, ps_command, unload_command
 from gmlx.cli.run import run_command
 from gmlx.cli.serve import serve_command
 
@@ -26,12 +27,22 @@ app.command("estimate", help="Estimate whether a prompt fits a model's memory an
     estimate_command
 )
 app.command("plan", help="Check whether WIDTH streams of DEPTH tokens each fit a model.")(plan_command)
+# short_help lists them; their docstrings are the full `--help`, the epilog the exit codes.
+app.command("keep", short_help="Keep a model resident on a running server.", epilog=EXIT_CODES)(
+    keep_command
+)
+app.command(
+    "unload",
+    short_help="Unload a model (or every idle model) from a running server.",
+    epilog=EXIT_CODES,
+)(unload_command)
+app.command(
+    "ps", short_help="List a running server's models and what they hold.", epilog=EXIT_CODES
+)(ps_command)
 
 # Commands announced in the CLI before they exist: each says so and exits 2.
 PLANNED = {
     "launch": "Start a coding agent pointed at a gmlx server (starting one if needed).",
-    "keep": "Keep a model resident on a running server.",
-    "unload": "Unload a model (or every idle model) from a running server.",
     "top": "Live dashboard of a running server: requests, queue, memory, rates.",
 }
 

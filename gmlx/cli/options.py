@@ -11,4 +11,20 @@ MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Mo
 TemperatureOpt = Annotated[float | None, typer.Option("--temperature", "-t", min=0.0, help="Sampling temperature (0 = greedy).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed: the same seed and prompt give the same answer.")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")]
-UrlOpt = Annotated[str, typer.Option("--url", help="Base URL of a running gmlx server.")]
+
+# Options of the commands that talk to a running server (default: client.DEFAULT_URL).
+UrlOpt = Annotated[
+    str, typer.Option("--url", envvar="GMLX_URL", help="Base URL of a running gmlx server.")
+]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="GMLX_API_KEY",
+        help="The server's API key (sent as a Bearer token).",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print the JSON answer for scripts instead of text.")
+]

@@ -14,15 +14,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from gmlx.cli.estimate import (
-    DEFAULT_URL,
-    JsonOpt,
-    OptionalModelArg,
-    ServerUrlOpt,
-    call_server,
-    load_here,
-    render_table,
-)
+from gmlx.cli.client import DEFAULT_URL, call_server
+from gmlx.cli.estimate import OptionalModelArg, ServerUrlOpt, load_here, render_table
+from gmlx.cli.options import ApiKeyOpt, JsonOpt
 
 WidthOpt = Annotated[int, typer.Option("--width", "-w", min=1, help="Streams that run together.")]
 DepthOpt = Annotated[int, typer.Option("--depth", "-d", min=1, help="Tokens each stream reaches.")]
@@ -45,6 +39,7 @@ def plan_command(
     depth: DepthOpt,
     model: OptionalModelArg = None,
     url: ServerUrlOpt = None,
+    api_key: ApiKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Check whether WIDTH streams of DEPTH tokens each fit a model's memory."""
@@ -56,7 +51,7 @@ def plan_command(
         params: dict[str, Any] = {"width": width, "depth": depth}
         if model:
             params["model"] = model
-        result = call_server("GET", url, "/v1/capacity/plan", params=params)
+        result = call_server("GET", url, "/v1/capacity/plan", api_key=api_key, params=params)
         where = url
     fits = result.get("ok") is True
     if as_json:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from gmlx.cli.errors import err_console, fail
+from gmlx.cli.errors import fail
 
 ModelsArg = Annotated[
     list[str] | None,
@@ -71,13 +71,13 @@ def serve_command(
     api_key: ApiKeyOpt = None,
     decode_batch: DecodeBatchOpt = None,
 ) -> None:
-    """Load the named models, then serve until Ctrl-C.
+    """Serve until Ctrl-C; the named models load as the server starts.
 
     Flags win over ``GMLX_*`` environment variables, which win over the file.
     """
     import uvicorn
 
-    from gmlx.compose import build_app
+    from gmlx.compose import build_app, served_models
     from gmlx.config import load_settings
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
@@ -89,14 +89,10 @@ def serve_command(
     flags = {"host": host, "port": port, "api_key": api_key, "decode_batch": decode_batch}
     server = settings.server.model_copy(update={k: v for k, v in flags.items() if v is not None})
     settings, _ = settings.model_copy(update={"server": server}).with_models(models or [])
-    if not settings.models:
+    if not served_models(settings):
         fail(
             f"Nothing to serve: name a model (for example `gmlx serve demo`) or list models in {settings.origin}."
         )
-    app = build_app(settings)
-    startup = settings.startup_models()
-    if startup:
-        # Load before binding, so a bad model is one error sentence, not a server traceback.
-        with err_console.status(f"Loading {', '.join(startup)} …", spinner="dots"):
-            app.state.registry.preload(startup)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="info")
+    # The port opens at once; the named, pinned and preload models load in the background
+    # (`/health?ready=1` says `loading` meanwhile, and requests for them wait).
+    uvicorn.run(build_app(settings), host=server.host, port=server.port, log_level="info")

@@ -116,6 +116,8 @@ class Engine:
         worker = self.registry.running(target.spec.id)
         if worker is None:  # loading blocks for seconds: off the loop
             worker = await asyncio.to_thread(self.registry.worker, target.spec.id)
+        else:  # in use from now on: no idle unload or eviction takes it before its submit
+            self.registry.touch(target.spec.id)
         if _content_chars(req) <= INLINE_CHARS and not req.tools:
             return self._render(req, target, worker)
         return await asyncio.to_thread(self._render, req, target, worker)
@@ -190,7 +192,13 @@ class Engine:
 
         return forced_call_grammar(r.worker.tool_parser, r.worker.loaded.tokenizer, r.tools)
 
+    def resident(self, req: ChatRequest) -> bool:
+        """Whether the model the request addresses is loaded now (a request to one that
+        is not waits for its load). Raises the addressing errors."""
+        return self.registry.resident(self.registry.address(req.model, req.profile).spec.id)
+
     def _submit(self, req: ChatRequest, r: Rendered, grammar: Grammar | None) -> Job:
+        self.registry.touch(r.worker.loaded.id)  # a request: the model is in use
         if self.preflight_mem:
             admission.preflight(self.registry, r.worker, r.ids, req.max_tokens)
         max_tokens = req.max_tokens if req.max_tokens is not None else r.profile.max_tokens

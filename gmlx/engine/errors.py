@@ -113,3 +113,23 @@ class EngineError(GmlxError):
     openai_type = "server_error"
     anthropic_type = "api_error"
     code = "engine_error"
+
+
+class ModelLoadDeferredError(GmlxError):
+    """A model cannot load now beside the resident models that are pinned or busy:
+    the load gate's numbers are in the message, and ``Retry-After`` says when to ask
+    again."""
+
+    status = 503
+    openai_type = "model_load_deferred"
+    anthropic_type = "overloaded_error"
+    code = "model_load_deferred"
+
+
+class ModelBusyError(GmlxError):
+    """A model cannot be unloaded while it streams (requests in flight or waiting)."""
+
+    status = 409
+    openai_type = "model_busy"
+    anthropic_type = "invalid_request_error"
+    code = "model_busy"

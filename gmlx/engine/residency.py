@@ -1,35 +1,46 @@
-"""The models a server serves: their ids, aliases, profiles, and the workers of those loaded.
+"""The models a server serves and the workers of those loaded: load, unload, keep.
 
-A :class:`Registry` knows every configured model (:class:`ModelSpec`) and turns the
-``model`` string of a request into a :class:`Target` (which model, which profile),
-following the addressing rules: an exact id or alias first, then ``id@profile``
-split on the last ``@`` when the suffix names a known profile. A model loads on
-first use (or at start, through :meth:`Registry.preload`) and then runs on its own
-:class:`~gmlx.engine.worker.ModelWorker`.
+A :class:`Registry` addresses requests through its :class:`ModelBook` (ids, aliases,
+profiles) and runs one :class:`~gmlx.engine.worker.ModelWorker` per resident model.
+A model loads on first use (or at start, :meth:`Registry.preload`) through the load
+gate: it is priced from its files first (``sizing``), and idle models unload for it,
+least recently used first, when it would not fit the free memory less the
+governor's floor (``load_gate``). A model unloads when it has been idle longer than
+its idle timeout (:meth:`Registry.reap`, on a thread from
+:meth:`Registry.start_reaper`), when asked (:meth:`Registry.unload`), or for another
+model; a pinned one only when asked, a kept one only for another model.
 
 The registry also owns what the workers share: one memory :class:`Governor`, the
 free-memory probe, and the boot capacity table, built for the first model that
-loads (its geometry against the memory free at that moment).
+loads (its geometry against the memory free at that moment); when that model
+unloads, the next model to load builds it again.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gmlx.engine import capacity
-from gmlx.engine.errors import InvalidRequestError, ModelNotFoundError
+from gmlx.engine.addressing import ModelBook, ModelSpec, Target
 from gmlx.engine.governor import Governor, default_floor
+from gmlx.engine.listing import ModelInfo, model_info
+from gmlx.engine.load_gate import LoadGate
+from gmlx.engine.model_start import Loads, WorkerSettings, start_model, warm_up
 from gmlx.engine.profiles import Profile, ProfileBook
-from gmlx.engine.scheduling import DEFAULT_DECODE_BATCH
+from gmlx.engine.residents import Reaper, Residents, release_memory
+from gmlx.engine.sizing import Prices
 
 if TYPE_CHECKING:
     from gmlx.engine.capacity import CapacityTable, Geometry
     from gmlx.engine.loading import LoadedModel
     from gmlx.engine.worker import ModelWorker
+
+__all__ = ["KeepResult", "ModelInfo", "ModelSpec", "Registry", "ReloadResult", "Target"]
 
 log = logging.getLogger("gmlx.engine")
 
@@ -41,45 +52,26 @@ def _total_memory() -> int:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """One configured model: where it comes from and how to load and present it."""
+class KeepResult:
+    """What :meth:`Registry.keep` did: whether this call loaded the model, and the
+    seconds its warm-up took (None: not warmed by this call)."""
 
-    id: str
-    source: str  # ``demo``, a GGUF file, an MLX folder, ``hf:org/repo[/file]`` (cache only)
-    max_kv_size: int | None = None  # lowers the context window, never raises it
-    profile: str | None = None  # the profile used when a request names none
-    default: bool = False  # the model an empty ``model`` field means
-    pinned: bool = False  # loaded at start and kept resident
-    mmproj: str | None = None  # a vision projector: the model is a VLM
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a request addressed: a model and the profile it asked for (None: the model's)."""
-
-    spec: ModelSpec
-    profile: str | None = None
-
-    @property
-    def profile_name(self) -> str | None:
-        """The profile in effect: the requested one, else the model's configured one."""
-        return self.profile or self.spec.profile
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """One row of the model listing: a model id, or an alias with ``alias_of`` set."""
-
-    id: str
+    model: str
+    kept: bool
     resident: bool
-    pinned: bool
-    speculative: bool
-    vlm: bool
-    profile: str | None
-    default: bool
-    context_length: int | None
-    max_context_at_width_1: int | None = None
-    alias_of: str | None = None
+    loaded: bool
+    warmed_s: float | None
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    """Model ids by what a reconfiguration did to them: ``changed`` ones changed their
+    load parameters (they load anew), ``unchanged`` ones kept them (and their worker)."""
+
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    unchanged: list[str]
 
 
 class Registry:
@@ -90,16 +82,22 @@ class Registry:
         aliases: alias -> ``id`` or ``id@profile``; targets must resolve.
         profiles: the known profiles (built-in intents plus user profiles).
         decode_batch: the decode width of every worker (None: each model's from its
-            capacity table, ``capacity.default_decode_batch``).
+            capacity table, ``capacity.default_decode_batch``); the load gate prices
+            KV for this many streams (1 when None).
         queue_cap: most requests waiting per worker (None: the worker's default).
         prompt_cache_bytes: each worker's prompt cache bound (None: the worker's
             default; 0: off).
         governor: True for a governor on ``probe`` (floor ``governor_floor_bytes``, else
             ``default_floor`` of the machine's memory), False for a disabled one, or
-            a ready Governor.
-        overcommit: no capacity table judges requests (``GMLX_OVERCOMMIT=1``); the
-            table is still built and reported in the metrics.
+            a ready Governor. The load gate keeps its floor free (none when disabled).
+        overcommit: no capacity table judges requests and no load gate judges loads
+            (``GMLX_OVERCOMMIT=1``); the table is still built and reported.
         probe: the free working set in bytes (default ``capacity.free_bytes``).
+        warmup: run each model's batch shapes once as it loads.
+        idle_timeout: seconds a model may idle before it unloads, for specs that set
+            none (0: never).
+        clock: seconds, for last use and idle time (tests inject one).
+        gate_wait_s: how long a load waits for memory an unload is still returning.
     """
 
     def __init__(
@@ -116,185 +114,257 @@ class Registry:
         overcommit: bool = False,
         probe: Callable[[], int] | None = None,
         warmup: bool = False,
+        idle_timeout: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        gate_wait_s: float = 3.0,
     ) -> None:
-        self.specs: dict[str, ModelSpec] = {s.id: s for s in specs}
+        self._book = ModelBook(specs, aliases, profiles)
         self.warmup = warmup
-        self.profiles = profiles or ProfileBook()
         self.decode_batch = decode_batch
         self.queue_cap = queue_cap
         self.prompt_cache_bytes = prompt_cache_bytes
         self.overcommit = overcommit
+        self.idle_timeout = idle_timeout
+        self.clock = clock
         self.probe: Callable[[], int] = probe or capacity.free_bytes
         if isinstance(governor, Governor):
             self.governor = governor
         else:
             floor = governor_floor_bytes or default_floor(_total_memory())
             self.governor = Governor(self.probe, floor_bytes=floor, enabled=governor)
-        self.capacity: CapacityTable | None = None  # the boot table, of ``capacity_model``
-        self.capacity_model: str | None = None
-        self._geometry: dict[str, Geometry] = {}
-        self._workers: dict[str, ModelWorker] = {}
-        self._locks: dict[str, threading.Lock] = {i: threading.Lock() for i in self.specs}
-        self.aliases: dict[str, Target] = {}
-        for alias, ref in (aliases or {}).items():
-            target = self._lookup(ref) or self._split(ref)
-            if target is None:
-                raise ValueError(f"alias {alias!r} points to {ref!r}, which is not a served model")
-            self.aliases[alias] = target
+        # ``_lock`` makes a reload one step; ``_gate`` makes loads one at a time (each
+        # is priced against what the one before left).
+        self._lock = threading.Lock()
+        self._gate = threading.Lock()
+        self._residents = Residents(clock)
+        self._load_gate = LoadGate(self._residents, gate_wait_s)
+        self._loads = Loads()
+        self._prices = Prices()
+        self._reaper = Reaper(self.reap)
+
+    @property
+    def capacity(self) -> CapacityTable | None:
+        """The boot capacity table: the first resident model's, as measured when it
+        loaded (None until one loads, and again after it unloads)."""
+        return self._residents.capacity
+
+    @property
+    def capacity_model(self) -> str | None:
+        """The model the boot table was built for."""
+        return self._residents.capacity_model
+
+    # -- addressing (through the current book) -----------------------------------
+
+    @property
+    def specs(self) -> dict[str, ModelSpec]:
+        return self._book.specs
+
+    @property
+    def aliases(self) -> dict[str, Target]:
+        return self._book.aliases
+
+    @property
+    def profiles(self) -> ProfileBook:
+        return self._book.profiles
 
     @property
     def ids(self) -> list[str]:
-        return list(self.specs)
-
-    # -- addressing -------------------------------------------------------------
+        return self._book.ids
 
     def address(self, model: str | None, profile: str | None = None) -> Target:
-        """Resolve a request's ``model`` (and optional ``profile`` field) to a target.
-
-        Raises ModelNotFoundError for an unknown id (``id@suffix`` whose suffix is no
-        known profile is an unknown id), UnknownProfileError for an unknown ``profile``
-        field, InvalidRequestError for an empty model that is ambiguous.
-        """
-        name = (model or "").strip()
-        target = self._default() if not name else self._lookup(name) or self._split(name)
-        if target is None:
-            raise ModelNotFoundError(
-                f"Model {name!r} is not served here; available models: "
-                f"{', '.join(self.ids) or '(none)'}.",
-                param="model",
-                available_models=self.ids,
-            )
-        if profile:
-            self.profiles.check(profile)
-            target = replace(target, profile=profile)
-        return target
-
-    def _lookup(self, name: str) -> Target | None:
-        if name in self.specs:
-            return Target(self.specs[name])
-        return self.aliases.get(name)
-
-    def _split(self, name: str) -> Target | None:
-        """``id@profile`` split on the last ``@``, only when the suffix names a known
-        profile: otherwise ``name`` is one id (None here, so a 404 names all of it)."""
-        head, sep, tail = name.rpartition("@")
-        if not sep or not head or tail not in self.profiles:
-            return None
-        base = self._lookup(head)
-        return replace(base, profile=tail) if base is not None else None
-
-    def _default(self) -> Target:
-        defaults = [s for s in self.specs.values() if s.default]
-        if defaults:
-            return Target(defaults[0])
-        if len(self.specs) == 1:
-            return Target(next(iter(self.specs.values())))
-        raise InvalidRequestError(
-            "The request names no model and this server has no single default; "
-            f"name one of: {', '.join(self.ids) or '(none)'}.",
-            param="model",
-        )
+        """Resolve a request's ``model`` (and optional ``profile`` field) to a target
+        (see :meth:`ModelBook.address` for the rules and errors)."""
+        return self._book.address(model, profile)
 
     def profile(self, target: Target, loaded: LoadedModel) -> Profile:
         """The effective profile of a target on its loaded model (family base included)."""
         return self.profiles.resolve(target.profile_name, loaded.config.get("model_type"))
 
-    # -- residency --------------------------------------------------------------
+    # -- loading -------------------------------------------------------------------
 
     def worker(self, model_id: str) -> ModelWorker:
-        """The running worker of a model, loading it first if needed (blocks meanwhile).
+        """The running worker of a model, loading it first if needed (blocks meanwhile),
+        and marks the model used now (so the load gate leaves it alone for a moment:
+        the caller is about to submit to it).
 
-        Concurrent callers for the same model wait for one load. Errors are
-        ModelSourceError from the loader.
+        Concurrent callers for one model wait for one load; a failed load raises its
+        error to each of them and leaves nothing behind (the next call tries again).
+        Errors: ModelNotFoundError, ModelSourceError from the loader, and
+        ModelLoadDeferredError from the load gate.
         """
-        if (worker := self._workers.get(model_id)) is not None:
-            return worker
-        with self._locks[model_id]:
-            if (worker := self._workers.get(model_id)) is not None:
-                return worker
-            from gmlx.engine.loading import load_model
-            from gmlx.engine.worker import DEFAULT_PROMPT_CACHE_BYTES, ModelWorker
+        return self._acquire(model_id)[0]
 
-            spec = self.specs[model_id]
-            loaded = load_model(spec.source, model_id=spec.id)
-            if spec.max_kv_size:
-                loaded.context_length = min(loaded.context_length, spec.max_kv_size)
-            for note in loaded.notes:
-                log.info("%s: %s", spec.id, note)
-            table = self._measure(loaded)
-            decode_batch = self.decode_batch
-            if decode_batch is None:
-                decode_batch = (
-                    capacity.default_decode_batch(table, loaded.context_length)
-                    if table is not None
-                    else DEFAULT_DECODE_BATCH
-                )
-            cache_bytes = self.prompt_cache_bytes
-            if cache_bytes is None:
-                cache_bytes = DEFAULT_PROMPT_CACHE_BYTES
-            worker = ModelWorker(
-                loaded,
-                decode_batch=decode_batch,
-                queue_cap=self.queue_cap,
-                prompt_cache_bytes=cache_bytes,
-                governor=self.governor,
-                buffer_cache_bytes=self._chunk_transient(loaded),
-            )
+    def _acquire(self, model_id: str) -> tuple[ModelWorker, bool]:
+        """The worker, and whether this call loaded it."""
+
+        def resident() -> ModelWorker | None:
+            entry = self._residents.use(model_id)
+            return entry.worker if entry is not None else None
+
+        spec = self._book.spec(model_id)
+        return self._loads.run(model_id, resident, lambda: self._load(spec))
+
+    def _load(self, spec: ModelSpec) -> ModelWorker:
+        """Gate, load and register one model."""
+        settings = WorkerSettings(
+            self.decode_batch, self.queue_cap, self.prompt_cache_bytes, self.governor, self.warmup
+        )
+        with self._gate:
+            self._admit(spec)
+            try:
+                entry = start_model(spec, settings, free_bytes=self.free_bytes, now=self.clock())
+            except BaseException:
+                release_memory()  # whatever the failed load allocated
+                raise
+            self._residents.register(entry, self._book.specs.get(spec.id))
+        return entry.worker
+
+    def _admit(self, spec: ModelSpec) -> None:
+        """Pass ``spec``'s model through the load gate (none under overcommit; a model
+        that cannot be priced loads ungated)."""
+        if self.overcommit:
+            return
+        size = self._prices.get(spec.source)
+        if size is None:
             log.info(
-                "loaded %s from %s (context %d, decode batch %d)",
-                spec.id,
-                spec.source,
-                loaded.context_length,
-                decode_batch,
+                "%s: %s cannot be priced before it loads; it loads ungated", spec.id, spec.source
             )
-            if self.warmup:
-                try:
-                    seconds = worker.warm_up()
-                except Exception:  # a model that fails here fails its first request the same way
-                    log.warning("warm-up of %s failed", spec.id, exc_info=True)
-                else:
-                    log.info("warmed up %s: batch widths 1..%d in %.1f s", spec.id, decode_batch, seconds)
-            self._workers[model_id] = worker
-            return worker
+            return
+        floor = self.governor.floor_bytes if self.governor.enabled else 0
+        self._load_gate.admit(
+            spec, size, width=self.decode_batch or 1, probe=self.probe, floor=floor
+        )
 
-    def _measure(self, loaded: LoadedModel) -> CapacityTable | None:
-        """Probe a freshly loaded model's geometry and tabulate it against the memory
-        free now; the first model's table is kept as the boot table. None when the
-        model cannot be probed (its requests then run without a memory model).
+    def preload(self, model_ids: Iterable[str] | None = None) -> None:
+        """Load the named models now (default: the pinned ones and those set to preload)."""
+        ids = (
+            list(model_ids)
+            if model_ids is not None
+            else [s.id for s in self.specs.values() if s.pinned or s.preload]
+        )
+        for model_id in ids:
+            self.worker(model_id)
+
+    def loading(self) -> list[str]:
+        """The ids of the models loading right now."""
+        return self._loads.ids()
+
+    # -- residency -------------------------------------------------------------------
+
+    def touch(self, model_id: str) -> None:
+        """Mark a resident model used now (its idle time starts again)."""
+        self._residents.use(model_id)
+
+    def last_used(self, model_id: str) -> float | None:
+        """When a resident model was last used, on the registry's clock (None: not resident)."""
+        entry = self._residents.get(model_id)
+        return entry.last_used if entry is not None else None
+
+    def kept(self, model_id: str) -> bool:
+        """Whether a resident model is kept past its idle timeout."""
+        entry = self._residents.get(model_id)
+        return entry is not None and entry.kept
+
+    def keep(self, model_id: str, keep: bool = True, warm: bool = True) -> KeepResult:
+        """Keep a model resident past its idle timeout (it stays evictable for another
+        model under memory pressure), loading it through the gate if needed and, with
+        ``warm``, compiling its decode shapes unless that was done when it loaded.
+        ``keep=False`` releases it and never loads it. Errors as :meth:`worker`."""
+        if not keep:
+            self._book.spec(model_id)
+            resident = self._residents.release(model_id)
+            return KeepResult(model_id, kept=False, resident=resident, loaded=False, warmed_s=None)
+        worker, loaded = self._acquire(model_id)
+        entry, to_warm = self._residents.hold(worker, warm)
+        if entry is None:  # unloaded or reloaded meanwhile
+            return KeepResult(model_id, kept=False, resident=False, loaded=loaded, warmed_s=None)
+        warmed_s = warm_up(entry) if to_warm else None
+        if to_warm and warmed_s is None:
+            entry.warmed = False
+        return KeepResult(model_id, kept=True, resident=True, loaded=loaded, warmed_s=warmed_s)
+
+    def unload(self, model_id: str) -> bool:
+        """Unload a model now (a pinned one too: it stays pinned and loads again on its
+        next request). True when it was resident. Raises ModelBusyError while it
+        streams, ModelNotFoundError for an id that is neither served nor resident."""
+        entries = self._residents.take_model(model_id)
+        if not entries:
+            self._book.spec(model_id)
+            return False
+        self._residents.close(entries, "on request")
+        return True
+
+    def unload_idle(self) -> list[str]:
+        """Unload every resident model nothing streams on (pinned and kept ones too);
+        returns their ids."""
+        return self._residents.close(self._residents.take_idle(), "on request")
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Unload every model idle longer than its idle timeout (never a pinned or kept
+        model, nor one whose timeout is 0) and every idle model a reload retired;
+        returns their ids. A model seen streaming counts as used now, so idle time
+        runs from the end of its last request (to within the reaper's interval)."""
+        now = self.clock() if now is None else now
+        return self._residents.close(self._residents.take_expired(now, self.idle_timeout), "idle")
+
+    def start_reaper(self, interval_s: float = 1.0) -> None:
+        """Run :meth:`reap` every ``interval_s`` on a daemon thread until :meth:`close`."""
+        self._reaper.start(interval_s)
+
+    def reconfigure(
+        self,
+        specs: Iterable[ModelSpec],
+        aliases: Mapping[str, str] | None = None,
+        profiles: ProfileBook | None = None,
+    ) -> ReloadResult:
+        """Serve ``specs``, ``aliases`` and ``profiles`` from now on (a config reload).
+
+        A model whose load parameters (``ModelSpec.load_parameters``) did not change
+        keeps its worker and residency; its other fields take effect at once. A
+        removed or changed model leaves addressing now and its worker unloads once
+        idle (now, if it is); a changed one loads anew on its next request. Raises
+        ValueError for an alias that does not resolve, changing nothing.
         """
-        from gmlx.engine.worker import default_prefill_step
+        book = ModelBook(specs, aliases, profiles)
+        with self._lock:
+            old, new = self._book.specs, book.specs
+            self._book = book
+            self._prices.clear()  # a reload is also how a replaced file is priced anew
+            idle = self._residents.respec(new)
+        self._residents.close(idle, "reloaded")
+        for spec in new.values():  # here, so the next listing reads no file
+            self._prices.get(spec.source)
+        changed = [i for i in new if i in old and new[i].load_parameters != old[i].load_parameters]
+        return ReloadResult(
+            added=[i for i in new if i not in old],
+            removed=[i for i in old if i not in new],
+            changed=changed,
+            unchanged=[i for i in new if i in old and i not in changed],
+        )
 
-        try:
-            geom = capacity.probe_geometry(loaded)
-            table = capacity.capacity_table(geom, self.free_bytes() or 0, default_prefill_step())
-        except Exception:  # a model the probe does not understand still serves
-            log.warning("cannot measure the memory geometry of %s", loaded.id, exc_info=True)
-            return None
-        self._geometry[loaded.id] = geom
-        if self.capacity is None:
-            self.capacity, self.capacity_model = table, loaded.id
-            log.info(
-                "capacity (%s): budget %s, max context %s by width",
-                loaded.id,
-                capacity.human(table.budget_bytes),
-                ", ".join(f"{w}: {c}" for w, c in table.max_ctx.items()),
-            )
-        return table
+    # -- what is resident (never loads, never counts as use) ------------------------
 
-    def _chunk_transient(self, loaded: LoadedModel) -> int | None:
-        """The transient of one full prefill chunk at the model's context: what the
-        capacity model sets aside for prefill, and so what its worker may keep of
-        MLX's buffer cache between chunks (None when the model was not measured)."""
-        from gmlx.engine.worker import default_prefill_step
+    def resident_worker(self, model_id: str) -> ModelWorker | None:
+        """The worker of a model if it is loaded; never loads it."""
+        entry = self._residents.get(model_id)
+        return entry.worker if entry is not None else None
 
-        geom = self._geometry.get(loaded.id)
-        if geom is None:
-            return None
-        return capacity.prefill_transient(geom, default_prefill_step(), loaded.context_length)
+    def running(self, model_id: str) -> ModelWorker | None:
+        """The worker of a resident model, without waiting (None: not loaded)."""
+        return self.resident_worker(model_id)
+
+    def resident(self, model_id: str) -> bool:
+        return self._residents.get(model_id) is not None
+
+    def workers(self) -> list[ModelWorker]:
+        """The workers of the loaded models (those a reload retired, while they still
+        stream, included)."""
+        return [e.worker for e in self._residents.entries()]
 
     def geometry(self, model_id: str) -> Geometry | None:
         """A resident model's measured geometry (None: not loaded, or not measurable)."""
-        return self._geometry.get(model_id)
+        entry = self._residents.get(model_id)
+        return entry.geometry if entry is not None else None
 
     def free_bytes(self) -> int | None:
         """The memory requests may still use now (None when the probe fails): the free
@@ -313,71 +383,51 @@ class Registry:
         """KV bytes the running requests of every worker hold now: what finishing
         them would give back (the drained working set is free memory plus this)."""
         total = 0
-        for worker in self.workers():
-            geom = self._geometry.get(worker.loaded.id)
-            if geom is None:
+        for entry in self._residents.entries():
+            if entry.geometry is None:
                 continue
-            for row in worker.rows():
+            for row in entry.worker.rows():
                 if row["state"] in ("prefill", "decode"):
-                    total += capacity.kv_bytes(geom, row["prompt_tokens"] + row["generated"])
+                    total += capacity.kv_bytes(
+                        entry.geometry, row["prompt_tokens"] + row["generated"]
+                    )
         return total
 
     def table_for_requests(self) -> CapacityTable | None:
         """The boot table when it may judge requests (None under overcommit)."""
         return None if self.overcommit else self.capacity
 
-    def preload(self, model_ids: Iterable[str] | None = None) -> None:
-        """Load the named models now (default: the pinned ones)."""
-        ids = (
-            list(model_ids)
-            if model_ids is not None
-            else [s.id for s in self.specs.values() if s.pinned]
-        )
-        for model_id in ids:
-            self.worker(model_id)
-
-    def resident_worker(self, model_id: str) -> ModelWorker | None:
-        """The worker of a model if it is loaded; never loads it."""
-        return self._workers.get(model_id)
-
-    def workers(self) -> list[ModelWorker]:
-        """The workers of the loaded models."""
-        return list(self._workers.values())
-
-    def resident(self, model_id: str) -> bool:
-        return model_id in self._workers
-
-    def running(self, model_id: str) -> ModelWorker | None:
-        """The worker of a resident model, without waiting (None: not loaded)."""
-        return self._workers.get(model_id)
+    def context_window(self, spec: ModelSpec) -> int | None:
+        """A model's context window: the loaded one's while resident, else its trained
+        window read off its files, lowered by ``max_kv_size`` (None: unknown)."""
+        if (entry := self._residents.get(spec.id)) is not None:
+            return entry.worker.loaded.context_length
+        size = self._prices.get(spec.source)
+        limits = [c for c in (size.context_length if size else None, spec.max_kv_size) if c]
+        return min(limits) if limits else None
 
     def listing(self) -> list[ModelInfo]:
         """Every model id, then every alias, with their markers."""
-        rows = [self._info(spec.id, Target(spec)) for spec in self.specs.values()]
-        rows += [self._info(alias, t, alias_of=t.spec.id) for alias, t in self.aliases.items()]
+        book = self._book
+        rows = [self._info(spec.id, Target(spec)) for spec in book.specs.values()]
+        rows += [self._info(alias, t, alias_of=t.spec.id) for alias, t in book.aliases.items()]
         return rows
 
     def _info(self, name: str, target: Target, alias_of: str | None = None) -> ModelInfo:
         spec = target.spec
-        worker = self._workers.get(spec.id)
-        context = worker.loaded.context_length if worker is not None else spec.max_kv_size
         table = self.table_for_requests()
-        at_width_1 = table.max_ctx_at(1) if table and spec.id == self.capacity_model else None
-        return ModelInfo(
-            id=name,
-            resident=worker is not None,
-            pinned=spec.pinned,
-            speculative=False,
-            vlm=spec.mmproj is not None,
-            profile=target.profile_name,
-            default=spec.default and alias_of is None,
-            context_length=context,
-            max_context_at_width_1=at_width_1,
+        return model_info(
+            name,
+            target,
+            self._residents.get(spec.id),
+            context_length=self.context_window(spec),
+            at_width_1=table.max_ctx_at(1) if table and spec.id == self.capacity_model else None,
+            now=self.clock(),
             alias_of=alias_of,
         )
 
     def close(self) -> None:
-        """Stop every worker (their requests finish as cancelled)."""
-        for worker in list(self._workers.values()):
-            worker.close()
-        self._workers.clear()
+        """Stop the reaper and every worker (their requests finish as cancelled)."""
+        self._reaper.stop()
+        for entry in self._residents.take_all():
+            entry.worker.close()

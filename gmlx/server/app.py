@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -20,8 +21,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from gmlx import __version__
 from gmlx.config import Settings
 from gmlx.engine.chat import Engine
+from gmlx.engine.residency import Registry
 from gmlx.server import errors
-from gmlx.server.admin import cache, capacity, health, metrics, models, requests, status
+from gmlx.server.admin import cache, capacity, health, metrics, models, requests, residency, status
 from gmlx.server.anthropic import routes as anthropic_routes
 from gmlx.server.auth import require_api_key
 from gmlx.server.openai import responses as openai_responses
@@ -30,24 +32,33 @@ from gmlx.server.openai import routes as openai_routes
 log = logging.getLogger("gmlx.server")
 
 
-def create_app(settings: Settings, *, engine: Engine) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    engine: Engine,
+    reload: Callable[[Settings], tuple[Settings, Any] | None] | None = None,
+) -> FastAPI:
     """The server app over ``engine`` and its registry (built from ``settings`` by
-    :mod:`gmlx.compose`, whose ``build_app`` builds all three). Models in
-    ``settings.startup_models()`` load when it starts; the others on their first
-    request. Stopping the app stops every worker.
+    :mod:`gmlx.compose`, whose ``build_app`` builds all three). It listens at once:
+    models in ``settings.startup_models()`` load in the background as it starts (until
+    they are in, ``/health?ready=1`` answers ``loading`` and requests for them wait),
+    the others on their first request; idle models unload after their timeout.
+    ``reload`` re-reads the config for ``POST /v1/reload`` (None: unsupported).
+    Stopping the app stops every worker.
     """
     registry = engine.registry
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await asyncio.to_thread(registry.preload, settings.startup_models())
         server = settings.server
+        startup = settings.startup_models()
+        app.state.starting = asyncio.ensure_future(asyncio.to_thread(_preload, registry, startup))
+        registry.start_reaper()
         served = ", ".join(
-            f"{i.id}{f' (alias of {i.alias_of})' if i.alias_of else ''}"
-            f"{' [resident]' if i.resident else ''}"
-            for i in registry.listing()
+            f"{i.id}{f' (alias of {i.alias_of})' if i.alias_of else ''}" for i in registry.listing()
         )
-        log.info("serving %s", served or "no models")
+        log.info("serving %s%s", served or "no models",
+                 f"; loading {', '.join(startup)}" if startup else "")
         log.info(
             "listening on http://%s:%d (config: %s)", server.host, server.port, settings.origin
         )
@@ -69,6 +80,8 @@ def create_app(settings: Settings, *, engine: Engine) -> FastAPI:
     app.state.started_at = int(time.time())
     app.state.started_mono = time.monotonic()
     app.state.engine = engine
+    app.state.reload = reload
+    app.state.starting = None  # the startup loads, while the app runs
     errors.install(app)
     if settings.server.cors:
         app.add_middleware(
@@ -86,9 +99,20 @@ def create_app(settings: Settings, *, engine: Engine) -> FastAPI:
         capacity.router,
         cache.router,
         requests.router,
+        residency.router,
         openai_routes.router,
         openai_responses.router,
         anthropic_routes.router,
     ):
         app.include_router(router, dependencies=protected)
     return app
+
+
+def _preload(registry: Registry, model_ids: Iterable[str]) -> None:
+    """Load the startup models one by one; one that fails is logged and stays
+    unloaded (its first request tries again and gets the load error)."""
+    for model_id in model_ids:
+        try:
+            registry.worker(model_id)
+        except Exception:
+            log.exception("cannot load %s at start", model_id)

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from gmlx.engine.chat import Job, Result, collect
+from gmlx.engine.chat import Engine, Job, Result, collect
 from gmlx.engine.errors import GmlxError
-from gmlx.engine.types import Event
+from gmlx.engine.types import ChatRequest, Event
 from gmlx.server import sse
 from gmlx.server.schemas import GenerationBody
 
@@ -93,8 +93,67 @@ async def _frames(job: Job, renderer: Renderer, keepalive_s: float) -> AsyncIter
             job.handle.cancel()
 
 
+async def _frames_after_start(
+    start: Awaitable[Job],
+    renderer_for: Callable[[Job], Renderer],
+    failed: Callable[[GmlxError], str],
+    keepalive_s: float,
+) -> AsyncIterator[str]:
+    task = asyncio.ensure_future(start)
+    try:
+        while not task.done():  # the model loads: keep the connection alive meanwhile
+            await asyncio.wait({task}, timeout=keepalive_s or None)
+            if not task.done():
+                yield sse.KEEPALIVE
+        job = task.result()
+    except GmlxError as e:
+        yield failed(e)
+        return
+    finally:
+        if not task.done():  # the client left during the load: cancel what it started
+            task.add_done_callback(_cancel_started)
+    async for frames in _frames(job, renderer_for(job), keepalive_s):
+        yield frames
+
+
+def _cancel_started(task: asyncio.Future[Job]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().handle.cancel()
+
+
+def stream_after_start(
+    start: Awaitable[Job],
+    renderer_for: Callable[[Job], Renderer],
+    failed: Callable[[GmlxError], str],
+    request: Request,
+) -> StreamingResponse:
+    """The SSE response of a request whose model is still to load: the stream opens at
+    once and sends keep-alive comments until ``start`` has submitted the request, then
+    goes on as :func:`stream` with ``renderer_for(job)``. A failure to start (the load
+    failed, the prompt does not fit) is sent as ``failed(error)``: the status line has
+    gone out already."""
+    keepalive_s = request.app.state.settings.server.sse_keepalive_s
+    return sse.stream_response(_frames_after_start(start, renderer_for, failed, keepalive_s))
+
+
 def stream(job: Job, renderer: Renderer, request: Request) -> StreamingResponse:
     """The SSE response of a request: ``renderer``'s frames, with a keep-alive comment
     after every ``sse_keepalive_s`` of silence (a queued request, a long prefill)."""
     keepalive_s = request.app.state.settings.server.sse_keepalive_s
     return sse.stream_response(_frames(job, renderer, keepalive_s), headers(job))
+
+
+async def start_stream(
+    engine: Engine,
+    req: ChatRequest,
+    renderer_for: Callable[[Job], Renderer],
+    failed: Callable[[GmlxError], str],
+    request: Request,
+) -> StreamingResponse:
+    """Start a streamed request: at once when its model is resident (errors before the
+    stream are plain HTTP errors), else as :func:`stream_after_start`, so the client
+    gets keep-alives while the model loads."""
+    if engine.resident(req):
+        job = await engine.start(req)
+        return stream(job, renderer_for(job), request)
+    return stream_after_start(engine.start(req), renderer_for, failed, request)

@@ -25,5 +25,5 @@ def test_bash_completion_offers_commands_and_options():
         return out.stdout.split()
 
     assert "run" in complete("gmlx r", 1)
-    assert {"serve", "top", "plan"} <= set(complete("gmlx ", 1))
+    assert {"serve", "top", "plan", "keep", "unload", "ps"} <= set(complete("gmlx ", 1))
     assert "--max-tokens" in complete("gmlx run demo --max", 3)

@@ -105,7 +105,7 @@ def test_decode_batch_flag_beats_env_and_file(tmp_path, monkeypatch):
         assert result.exit_code == 0, result.output
         registry = served.pop().state.registry
         try:
-            widths.append(registry.resident_worker("demo").decode_batch)
+            widths.append(registry.worker("demo").decode_batch)  # the app would load it at start
         finally:
             registry.close()
     assert widths == [3, 5]

@@ -13,13 +13,15 @@ from gmlx.engine.residency import Registry
 
 router = APIRouter()
 
-RETRY_AFTER_S = {"pressure": "5", "queue": "1", "busy": "1"}  # memory clears slower than slots
+# Memory clears slower than slots, and a model takes seconds to load.
+RETRY_AFTER_S = {"loading": "5", "pressure": "5", "queue": "1", "busy": "1"}
 
 
 @router.get("/health", response_model=None)
 async def health(request: Request, ready: bool = False) -> dict[str, Any] | JSONResponse:
     """Exactly ``{"status": "healthy", "pid": N}``; ``ready=1`` adds ``ready``, or
-    answers 503 with a one-word ``reason`` (``pressure``: the memory governor is
+    answers 503 with a one-word ``reason`` (``loading``: the startup models, or a
+    model a request asked for, are still loading; ``pressure``: the memory governor is
     orange or red; ``queue``: requests wait; ``busy``: every loaded model decodes at
     full width), the first that holds, and ``Retry-After``.
     """
@@ -30,7 +32,10 @@ async def health(request: Request, ready: bool = False) -> dict[str, Any] | JSON
     workers = registry.workers()
     reason = None
     governor = registry.governor
-    if governor.enabled and governor.update() in (Band.ORANGE, Band.RED):
+    starting = request.app.state.starting
+    if (starting is not None and not starting.done()) or registry.loading():
+        reason = "loading"
+    elif governor.enabled and governor.update() in (Band.ORANGE, Band.RED):
         reason = "pressure"
     elif any(w.waiting for w in workers):
         reason = "queue"

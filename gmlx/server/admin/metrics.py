@@ -28,7 +28,7 @@ def build_snapshot(registry: Registry, started_at: float) -> dict[str, Any]:
         spec = registry.specs.get(worker.loaded.id)
         return {
             "pinned": bool(spec and spec.pinned),
-            "kept": False,  # nothing keeps a model past its idle timeout yet
+            "kept": registry.kept(worker.loaded.id),
             "profile": spec.profile if spec else None,
         }
 

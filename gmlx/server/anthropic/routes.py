@@ -30,9 +30,9 @@ async def messages(body: MessagesBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = translate.messages_request(body)
     streaming.warn_ignored(request, body)
-    job = await engine.start(req)
     if body.stream:
-        return streaming.stream(job, MessageStream(job), request)
+        return await streaming.start_stream(engine, req, MessageStream, failed, request)
+    job = await engine.start(req)
     result = await streaming.answer(job, request)
     return JSONResponse(
         translate.message(
@@ -44,6 +44,11 @@ async def messages(body: MessagesBody, request: Request) -> Response:
         ),
         headers=streaming.headers(job),
     )
+
+
+def failed(error: GmlxError) -> str:
+    """A stream that failed before ``message_start``: the ``error`` event."""
+    return sse.event(error_body(error, "anthropic"), "error")
 
 
 class MessageStream:

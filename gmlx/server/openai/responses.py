@@ -181,15 +181,23 @@ async def responses(body: ResponsesBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = responses_request(body)
     streaming.warn_ignored(request, body)
-    job = await engine.start(req)
     if body.stream:
-        return streaming.stream(job, ResponseStream(job, body), request)
+        return await streaming.start_stream(
+            engine, req, lambda job: ResponseStream(job, body), failed, request)
+    job = await engine.start(req)
     result = await streaming.answer(job, request)
     status = _status(result.finish_reason)
     return JSONResponse(
         response_object(job, body, status=status, output=output_items(job, result), usage=result.usage),
         headers=streaming.headers(job),
     )
+
+
+def failed(error: GmlxError) -> str:
+    """A stream that failed before its response was created: the ``error`` event."""
+    fields = {"type": "error", "sequence_number": 0, "code": error.code,
+              "message": error.message, "param": error.param}
+    return sse.event(fields, "error")
 
 
 class ResponseStream:

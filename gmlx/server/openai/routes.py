@@ -26,14 +26,21 @@ async def chat_completions(body: ChatBody, request: Request) -> Response:
     if (body.model_extra or {}).get("dry_run") is True:  # the estimate, not a generation
         return JSONResponse((await engine.estimate(req)).as_dict())
     streaming.warn_ignored(request, body)
-    job = await engine.start(req)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        renderer = ChatStream(job, include_usage, req.logprobs, bool(body.timings_per_token))
-        return streaming.stream(job, renderer, request)
+        timings = bool(body.timings_per_token)
+        return await streaming.start_stream(
+            engine, req, lambda job: ChatStream(job, include_usage, req.logprobs, timings),
+            failed, request)
+    job = await engine.start(req)
     result = await streaming.answer(job, request)
     return JSONResponse(translate.chat_completion(job, result, req.logprobs),
                         headers=streaming.headers(job))
+
+
+def failed(error: GmlxError) -> str:
+    """A stream that failed before its first chunk: the error, then ``[DONE]``."""
+    return sse.event(error_body(error, "openai")) + sse.DONE
 
 
 class ChatStream:
@@ -109,10 +116,11 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = translate.completion_request(body)
     streaming.warn_ignored(request, body)
-    job = await engine.start(req)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming.stream(job, CompletionStream(job, include_usage), request)
+        return await streaming.start_stream(
+            engine, req, lambda job: CompletionStream(job, include_usage), failed, request)
+    job = await engine.start(req)
     result = await streaming.answer(job, request)
     return JSONResponse(
         translate.completion(job, result.text, result.finish_reason, result.usage),

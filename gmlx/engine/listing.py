@@ -1,0 +1,64 @@
+"""The model listing's rows: each served id and alias with its markers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gmlx.engine.addressing import Target
+    from gmlx.engine.residents import Resident
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One row of the model listing: a model id, or an alias with ``alias_of`` set."""
+
+    id: str
+    resident: bool
+    pinned: bool
+    speculative: bool
+    vlm: bool
+    profile: str | None
+    default: bool
+    context_length: int | None
+    max_context_at_width_1: int | None = None
+    alias_of: str | None = None
+    kept: bool = False
+    in_flight: int = 0
+    waiting: int = 0
+    weight_bytes: int | None = None  # measured, while resident
+    idle_s: float | None = None  # seconds since last use, while resident and idle
+
+
+def model_info(
+    name: str,
+    target: Target,
+    entry: Resident | None,
+    *,
+    context_length: int | None,
+    at_width_1: int | None,
+    now: float,
+    alias_of: str | None = None,
+) -> ModelInfo:
+    """The row of ``name`` (a model id, or an alias of ``alias_of``) addressing
+    ``target``, whose model is resident as ``entry`` (None: not loaded)."""
+    spec = target.spec
+    worker = entry.worker if entry is not None else None
+    return ModelInfo(
+        id=name,
+        resident=entry is not None,
+        pinned=spec.pinned,
+        speculative=False,
+        vlm=spec.mmproj is not None,
+        profile=target.profile_name,
+        default=spec.default and alias_of is None,
+        context_length=context_length,
+        max_context_at_width_1=at_width_1,
+        alias_of=alias_of,
+        kept=entry is not None and entry.kept,
+        in_flight=worker.in_flight if worker else 0,
+        waiting=worker.waiting if worker else 0,
+        weight_bytes=worker.weight_bytes if worker else None,
+        idle_s=entry.idle_s(now) if entry is not None else None,
+    )
