@@ -109,21 +109,23 @@ class Engine:
 
     # -- rendering --------------------------------------------------------------
 
-    async def render(self, req: ChatRequest) -> Rendered:
+    async def render(self, req: ChatRequest, *, use: bool = False) -> Rendered:
         """Resolve the request's model (loading it off the loop if needed) and profile,
-        and render and tokenize it (off the loop when it is long)."""
+        and render and tokenize it (off the loop when it is long). ``use`` marks the
+        model used now (a generation; not an estimate), so no idle unload or eviction
+        takes it before the request is submitted."""
         target = self.registry.address(req.model, req.profile)
         worker = self.registry.running(target.spec.id)
-        if worker is None:  # loading blocks for seconds: off the loop
+        if worker is None:  # loading blocks for seconds: off the loop (a load marks it used)
             worker = await asyncio.to_thread(self.registry.worker, target.spec.id)
-        else:  # in use from now on: no idle unload or eviction takes it before its submit
+        elif use:
             self.registry.touch(target.spec.id)
         if _content_chars(req) <= INLINE_CHARS and not req.tools:
             return self._render(req, target, worker)
         return await asyncio.to_thread(self._render, req, target, worker)
 
     def render_sync(self, req: ChatRequest) -> Rendered:
-        """:meth:`render` for a caller without an event loop (the CLI)."""
+        """:meth:`render` for a caller without an event loop (the CLI); marks the model used."""
         target = self.registry.address(req.model, req.profile)
         return self._render(req, target, self.registry.worker(target.spec.id))
 
@@ -170,7 +172,7 @@ class Engine:
         that fails to load) before anything is streamed.
         """
         grammar = compile_format(req.response_format)  # a bad schema fails before any load
-        r = await self.render(req)
+        r = await self.render(req, use=True)
         grammar = grammar or self._forced_call(r)
         if grammar is not None:  # the first structured request builds the vocabulary index
             from gmlx.engine.structured import llg_tokenizer

@@ -124,6 +124,17 @@ def test_scrapes_never_load_a_model(two):
     assert client.post("/v1/estimate", json={
         "model": "a", "messages": [{"role": "user", "content": "Hi"}]}).json()["resident"] is False
     assert live.app.state.registry.workers() == []
+    assert chat(client, "a").status_code == 200
+    registry = live.app.state.registry
+    used = registry.last_used("a")
+    time.sleep(0.05)
+    for path in ("/health?ready=1", "/v1/models", "/v1/status", "/v1/metrics"):
+        client.get(path)
+    estimate = client.post("/v1/estimate", json={
+        "model": "a", "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert estimate["resident"] is True and estimate["prompt_tokens"] > 0
+    assert registry.last_used("a") == used  # none of them reset its idle timer
+    assert chat(client, "a").status_code == 200 and registry.last_used("a") > used
 
 
 def test_reload_adds_and_removes_and_keeps_unchanged(two, tmp_path):
