@@ -29,3 +29,9 @@ def config_file() -> Path:
         return home / "gmlx.yaml"
     base = os.environ.get("XDG_CONFIG_HOME") or "~/.config"
     return Path(base).expanduser() / "gmlx" / "gmlx.yaml"
+
+
+def launch_dir() -> Path:
+    """Where ``gmlx launch`` keeps what it owns: the server it starts (``server-PORT.log``,
+    ``server-PORT.pid``) and each agent's config folder (``codex/``, ``pi/``, ``opencode/``)."""
+    return cache_dir() / "launch"

@@ -37,7 +37,7 @@ ServerUrlOpt = Annotated[
     str | None,
     typer.Option(
         "--url",
-        help=f"Ask a running gmlx server [default: {DEFAULT_URL} when no MODEL].",
+        help=f"Ask a running gmlx server (default {DEFAULT_URL} when no MODEL).",
         show_default=False,
     ),
 ]

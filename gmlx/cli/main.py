@@ -7,6 +7,8 @@ import typer
 from gmlx import __version__
 from gmlx.cli.errors import err_console, run_guarded
 from gmlx.cli.estimate import estimate_command
+from gmlx.cli.launch import EXIT_CODES as LAUNCH_EXIT_CODES
+from gmlx.cli.launch import launch_command
 from gmlx.cli.plan import plan_command
 from gmlx.cli.residency import EXIT_CODES, keep_command, ps_command, unload_command
 from gmlx.cli.run import run_command
@@ -40,9 +42,14 @@ app.command(
     "ps", short_help="List a running server's models and what they hold.", epilog=EXIT_CODES
 )(ps_command)
 
+app.command(
+    "launch",
+    short_help="Start a coding agent pointed at a gmlx server (starting one if needed).",
+    epilog=LAUNCH_EXIT_CODES,
+)(launch_command)
+
 # Commands announced in the CLI before they exist: each says so and exits 2.
 PLANNED = {
-    "launch": "Start a coding agent pointed at a gmlx server (starting one if needed).",
     "top": "Live dashboard of a running server: requests, queue, memory, rates.",
 }
 

@@ -30,12 +30,12 @@ ConfigOpt = Annotated[
 ]
 HostOpt = Annotated[
     str | None,
-    typer.Option("--host", help="Address to bind [default: 127.0.0.1].", show_default=False),
+    typer.Option("--host", help="Address to bind (default 127.0.0.1).", show_default=False),
 ]
 PortOpt = Annotated[
     int | None,
     typer.Option(
-        "--port", min=0, max=65535, help="Port to bind [default: 8080].", show_default=False
+        "--port", min=0, max=65535, help="Port to bind (default 8080).", show_default=False
     ),
 ]
 ApiKeyOpt = Annotated[
@@ -54,7 +54,7 @@ DecodeBatchOpt = Annotated[
         min=1,
         max=512,
         help="Streams each model decodes together; also the queue cap's base "
-        "[default: from each model's capacity table].",
+        "(default: from each model's capacity table).",
         show_default=False,
     ),
 ]

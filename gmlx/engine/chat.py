@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gmlx.engine import admission
 from gmlx.engine.errors import GmlxError, InvalidRequestError
-from gmlx.engine.reasoning import template_kwargs
+from gmlx.engine.reasoning import detect_open_think, template_kwargs, thinking_markers
 from gmlx.engine.structured import Grammar, compile_format
 from gmlx.engine.tools import select_tools, template_tool_choice, template_tools
 from gmlx.engine.types import (
@@ -137,7 +137,7 @@ class Engine:
             return Rendered(worker, profile, model, tokenizer.encode(req.prompt))
         tools, forced = select_tools(req.tools, req.tool_choice)
         messages = [template_message(m) for m in req.messages]
-        if profile.system and not any(m["role"] == "system" for m in messages):
+        if profile.system and (not messages or messages[0]["role"] != "system"):
             messages.insert(0, {"role": "system", "content": profile.system})
         kwargs = template_kwargs(
             req.reasoning.enabled, req.reasoning.effort, req.template_kwargs,
@@ -147,13 +147,13 @@ class Engine:
             kwargs["tool_choice"] = choice
         tool_dicts = template_tools(tools)
         try:
-            ids = tokenizer.encode_chat(messages, tools=tool_dicts, **kwargs)
-        except GmlxError:
-            raise
-        except Exception as e:  # jinja raises many types; all mean the messages do not fit
-            raise InvalidRequestError(
-                f"The model's chat template cannot render these messages: {e}.", param="messages"
-            ) from e
+            ids = _encode_chat(tokenizer, messages, tool_dicts, kwargs)
+        except InvalidRequestError:
+            # Many templates (Qwen 3's, Gemma's, Mistral's) raise for a system message
+            # that is not first; agents send them mid-conversation (Claude Code does).
+            if (folded := fold_late_system(messages)) is None:
+                raise
+            ids = _encode_chat(tokenizer, folded, tool_dicts, kwargs)
         return Rendered(worker, profile, model, ids, forced, tools, tuple(tool_dicts or ()))
 
     def address(self, req: ChatRequest) -> Target:
@@ -187,12 +187,23 @@ class Engine:
         return self._submit(req, r, grammar or self._forced_call(r))
 
     def _forced_call(self, r: Rendered) -> Grammar | None:
-        """Make a required tool call mean it, where the call syntax allows a grammar."""
+        """Make a required tool call mean it, where the call syntax allows a grammar.
+
+        A prompt that leaves a thinking block open (thinking on) gets a grammar that
+        closes the block first: the call must be the answer, not reasoning text. The
+        prompt is not re-rendered with thinking off instead, because templates such
+        as DeepSeek-R1's open the block whatever the variables say.
+        """
         if not r.forced_tool:
             return None
         from gmlx.engine.tools import forced_call_grammar
 
-        return forced_call_grammar(r.worker.tool_parser, r.worker.loaded.tokenizer, r.tools)
+        tokenizer = r.worker.loaded.tokenizer
+        close = None
+        if (markers := thinking_markers(tokenizer)) is not None:
+            tail = tokenizer.decode(r.ids[-16:])
+            close = markers[1] if detect_open_think(tail, markers[0]) else None
+        return forced_call_grammar(r.worker.tool_parser, tokenizer, r.tools, close)
 
     def resident(self, req: ChatRequest) -> bool:
         """Whether the model the request addresses is loaded now (a request to one that
@@ -290,6 +301,56 @@ def template_message(message: Message) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with every system message after the first turn folded into an
+    adjacent turn, for templates that take a system message only first; None when
+    there is none to fold.
+
+    A system message that only system messages precede joins the first one. Any other
+    joins the next user turn (before its text), else the previous one (after its
+    text), else becomes a user turn itself: the model still reads it, near where it
+    was said. Several that join one turn keep their order.
+    """
+    late = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+    if not late:
+        return None
+    ahead: dict[int, list[str]] = {}  # turn -> texts that go before its own
+    behind: dict[int, list[str]] = {}  # turn -> texts that go after its own
+    users = [j for j, m in enumerate(messages) if m["role"] == "user"]
+    out: list[dict[str, Any] | None] = [dict(m) for m in messages]
+    for i in late:
+        text = messages[i]["content"]
+        if all(m["role"] == "system" for m in messages[:i]):
+            behind.setdefault(0, []).append(text)
+        elif later := [j for j in users if j > i]:
+            ahead.setdefault(later[0], []).append(text)
+        elif users:
+            behind.setdefault(users[-1], []).append(text)
+        else:
+            out[i] = {"role": "user", "content": text}
+            continue
+        out[i] = None
+    for j, m in enumerate(out):
+        if m is not None and (j in ahead or j in behind):
+            texts = [*ahead.get(j, ()), m["content"], *behind.get(j, ())]
+            m["content"] = "\n\n".join(t for t in texts if t)
+    return [m for m in out if m is not None]
+
+
+def _encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any]) -> list[int]:
+    """The conversation rendered and tokenized; InvalidRequestError when the template
+    refuses it."""
+    try:
+        return tokenizer.encode_chat(messages, tools=tools, **kwargs)
+    except GmlxError:
+        raise
+    except Exception as e:  # jinja raises many types; all mean the messages do not fit
+        raise InvalidRequestError(
+            f"The model's chat template cannot render these messages: {e}.", param="messages"
+        ) from e
 
 
 def _template_call(call: ToolCall) -> Mapping[str, Any]:

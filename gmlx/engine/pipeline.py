@@ -1,12 +1,15 @@
 """A request's token-to-text pipeline: the chain that turns generated tokens into events.
 
-    token -+-> Detokenize -> StopStrings -> SplitReasoning -> SplitToolCalls -+-> Event
-           +-> Logprobs -------------------------------------------------------+
+    token -+-> Detokenize -> StopStrings -> SplitReasoning -+-> SplitToolCalls -+-> Event
+           |                                   (reasoning) +-> SplitToolCalls -+
+           +-> Logprobs ---------------------------------------------------------+
 
 As mlx-lm chains its generators (``generate_step`` yields tokens, ``stream_generate``
 wraps them), each step here is small, does one thing and can be fed on its own; the
 work itself is done by the classes the steps wrap (``IncrementalDetokenizer``,
-``StopMatcher``, ``ReasoningSplitter``, ``ToolCallStream``, ``token_logprobs``). A
+``StopMatcher``, ``ReasoningSplitter``, ``ToolCallStream``, ``token_logprobs``). Calls
+are split out of the reasoning too: a model that writes a complete call before it
+closes its thinking block still made a call. A
 request owns its :class:`TextPipeline`; the worker feeds it each token the generator
 returns and emits the :class:`Event` it hands back.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from gmlx.engine.reasoning import ReasoningSplitter
@@ -140,6 +144,7 @@ class TextPipeline:
         request_id: the id the events carry.
         detokenize, stops: the steps every request has.
         reasoning, tools, logprobs: the steps a request may ask for (None: absent).
+        reasoning_tools: tool calls split out of the reasoning (None: absent).
         call_required: a tool call was required: warn when the output ends without one.
     """
 
@@ -151,6 +156,7 @@ class TextPipeline:
         *,
         reasoning: SplitReasoning | None = None,
         tools: SplitToolCalls | None = None,
+        reasoning_tools: SplitToolCalls | None = None,
         logprobs: Logprobs | None = None,
         call_required: bool = False,
     ) -> None:
@@ -159,12 +165,18 @@ class TextPipeline:
         self.stops = stops
         self.reasoning = reasoning
         self.tools = tools
+        self.reasoning_tools = reasoning_tools
         self.logprobs = logprobs
         self.call_required = call_required
         self.finish: FinishReason | None = None  # set when a fed token ended the output
         # Bound once: every generated token passes through these two.
         self._detokenize = detokenize.feed
         self._stop = stops.feed
+
+    @property
+    def called(self) -> bool:
+        """Whether the output has made a tool call so far (in its answer or its reasoning)."""
+        return any(step is not None and step.called for step in (self.tools, self.reasoning_tools))
 
     @property
     def stop_sequence(self) -> str | None:
@@ -204,14 +216,20 @@ class TextPipeline:
                 more_reasoning, more_text = self.reasoning.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
         calls: Calls = ()
+        if self.reasoning_tools is not None and (reasoning or final):
+            reasoning, calls = self.reasoning_tools.feed(reasoning)
+            if final:
+                more_reasoning, more_calls = self.reasoning_tools.finish()
+                reasoning, calls = reasoning + more_reasoning, calls + more_calls
         if self.tools is not None:
-            text, calls = self.tools.feed(text)
+            text, content_calls = self.tools.feed(text)
             if final:
                 more_text, more_calls = self.tools.finish()
-                text, calls = text + more_text, calls + more_calls
-            if finish is FinishReason.STOP and self.tools.called:
+                text, content_calls = text + more_text, content_calls + more_calls
+            calls += content_calls
+            if finish is FinishReason.STOP and self.called:
                 finish = FinishReason.TOOL_CALLS
-        if final and self.call_required and not (self.tools is not None and self.tools.called):
+        if final and self.call_required and not self.called:
             log.warning("%s: a tool call was required but the model made none", self.request_id)
         self.finish = finish
         if token is None:
@@ -235,20 +253,26 @@ def pipeline_for(
 ) -> TextPipeline:
     """The chain ``request`` asks for: reasoning split out when it asks and the model
     has thinking markers (``starts_inside``: the prompt left a thinking block open),
-    tool calls when it passes tools and the model has a call syntax, logprobs when
-    it asks for them."""
+    tool calls (out of the answer and the reasoning) when it passes tools and the
+    model has a call syntax, logprobs when it asks for them."""
     reasoning = None
     if think_markers and request.split_reasoning:
         reasoning = SplitReasoning(ReasoningSplitter(*think_markers, starts_inside=starts_inside))
-    tools = None
+    tools = reasoning_tools = None
     if request.tools and tool_parser is not None:
         tools = SplitToolCalls(ToolCallStream(tool_parser, request.tools))
+        # Only a call with both markers is taken out of reasoning: a syntax that runs
+        # to the end of the output, or a bare answer, cannot be told from thinking.
+        if reasoning is not None and tool_parser.start and tool_parser.end:
+            parser = replace(tool_parser, bare=None)
+            reasoning_tools = SplitToolCalls(ToolCallStream(parser, request.tools))
     return TextPipeline(
         request.id,
         Detokenize(tokenizer.detokenizer()),
         StopStrings(request.stop),
         reasoning=reasoning,
         tools=tools,
+        reasoning_tools=reasoning_tools,
         logprobs=Logprobs(request.top_logprobs) if request.logprobs else None,
         call_required=request.tool_choice_forced,
     )

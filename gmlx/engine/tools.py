@@ -121,8 +121,9 @@ def tool_parser_for(tokenizer: Tokenizer) -> ToolParser | None:
 # -- turning parser output into ToolCalls ------------------------------------------
 
 
-def _to_calls(parsed: Any) -> list[ToolCall]:
-    """ToolCalls from a parser's dict/list; raises TypeError/ValueError for anything else."""
+def _to_calls(parsed: Any, raw: str = "") -> list[ToolCall]:
+    """ToolCalls from a parser's dict/list; raises TypeError/ValueError for anything
+    else. ``raw`` is the call's text as the model wrote it (see :func:`_arguments_text`)."""
     items = parsed if isinstance(parsed, list) else [parsed]
     if not items:
         raise ValueError("no tool call")
@@ -131,13 +132,45 @@ def _to_calls(parsed: Any) -> list[ToolCall]:
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
             raise TypeError(f"not a tool call: {item!r}")
         args = item.get("arguments", item.get("parameters", {}))
+        own = args.strip() if isinstance(args, str) else None
         if isinstance(args, str):
             args = json.loads(args) if args.strip() else {}
         if not isinstance(args, Mapping):
             raise TypeError(f"tool call arguments are not an object: {args!r}")
-        call_id = item.get("id") if isinstance(item.get("id"), str) else new_call_id()
-        calls.append(ToolCall(call_id, item["name"], json.dumps(args, ensure_ascii=False)))
+        call_id = item["id"] if isinstance(item.get("id"), str) else new_call_id()
+        calls.append(ToolCall(call_id, item["name"], _arguments_text(args, own or raw)))
     return calls
+
+
+def _arguments_text(args: Mapping[str, Any], raw: str) -> str:
+    """The arguments as JSON text, never anything JSON does not allow.
+
+    They are written anew (one spelling whatever the syntax), but a number beyond a
+    double's range (``1e999``) parsed to infinity, which JSON cannot write: then the
+    model's own text of the arguments is kept, found in ``raw`` (the call's text, or
+    the arguments string itself), when it is strict JSON of the same value. Raises
+    ValueError when there is none (NaN, or a syntax that is not JSON): the call is
+    not one a client could parse.
+    """
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        pass
+    decoder = json.JSONDecoder(parse_constant=_no_constant)  # NaN / Infinity are not JSON
+    at = raw.find("{")
+    while at >= 0:
+        try:
+            value, end = decoder.raw_decode(raw, at)
+        except ValueError:
+            value, end = None, at
+        if value == args:
+            return raw[at:end]
+        at = raw.find("{", at + 1)
+    raise ValueError("tool call arguments hold a number that JSON cannot write")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 class ToolCallStream:
@@ -214,7 +247,7 @@ class ToolCallStream:
 
     def _complete(self, body: str, raw: str) -> list[Item]:
         try:
-            calls = _to_calls(self.parser.parse(body, self.tools))
+            calls = _to_calls(self.parser.parse(body, self.tools), body)
         except Exception as e:  # noqa: BLE001 - parsers raise many types on bad text
             log.info("unparsable %s tool call kept as text: %s", self.parser.name, e)
             out: list[Item] = []
@@ -292,13 +325,24 @@ def template_tool_choice(choice: ToolChoice) -> Any:
 
 # -- forcing a call -----------------------------------------------------------------
 
-_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Lenient: a keyword llguidance does not implement (``propertyNames``, in Claude Code's
+# tools) is left unenforced rather than failing the whole grammar, which would leave
+# the call unforced; the client checks the arguments against its schema anyway.
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                 "lenient": True}
 
 
-def forced_call_grammar(parser: ToolParser | None, tokenizer: Tokenizer, tools: Tools) -> Any:
+def forced_call_grammar(
+    parser: ToolParser | None, tokenizer: Tokenizer, tools: Tools, close_thinking: str | None = None
+) -> Any:
     """A grammar that makes the model write exactly one call to one of ``tools``, in
     the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` syntax, with the
     arguments following the tool's parameter schema.
+
+    ``close_thinking`` is the end marker of a thinking block the prompt left open
+    (templates such as Qwen 3's and DeepSeek-R1's end the generation prompt with
+    ``<think>\\n``): the grammar writes it first, so the call is the answer and not
+    text inside the reasoning, which no client would run.
 
     Returns None for other call syntaxes, where forcing stays the template's job.
     """
@@ -324,7 +368,11 @@ def forced_call_grammar(parser: ToolParser | None, tokenizer: Tokenizer, tools: 
     def marker(text: str) -> str:  # a special token by name, else the literal text
         return text if text in special and text.startswith("<") else json.dumps(text)
 
-    lark = (f'start: {marker(parser.start)} "\\n" call "\\n" {marker(parser.end)}\n'
+    # The empty block Qwen 3 renders with thinking off is "<think>\n\n</think>\n\n": the
+    # newline before the marker is optional, so a thinking budget that forces the
+    # marker at once agrees with the grammar.
+    head = f'"\\n"? {marker(close_thinking)} "\\n\\n" ' if close_thinking else ""
+    lark = (f'start: {head}{marker(parser.start)} "\\n" call "\\n" {marker(parser.end)}\n'
             f"call: %json {json.dumps(schema)}")
     grammar = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)

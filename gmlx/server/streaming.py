@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from fastapi import Request
@@ -26,9 +26,13 @@ from gmlx.server.schemas import GenerationBody
 log = logging.getLogger("gmlx.server")
 
 
-def warn_ignored(request: Request, body: GenerationBody) -> None:
-    """One warning line naming every field this route accepted but does not honour."""
-    if names := body.ignored():
+def warn_ignored(request: Request, body: GenerationBody, *, dropped_tools: Sequence[str] = ()) -> None:
+    """One warning line naming every field this route accepted but does not honour,
+    and the tools it dropped (hosted tools, which no local model can run)."""
+    names = body.ignored()
+    if dropped_tools:
+        names.append(f"tools ({', '.join(dropped_tools)})")
+    if names:
         log.warning("%s: ignored parameters: %s", request.url.path, ", ".join(names))
 
 

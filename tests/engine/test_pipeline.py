@@ -189,6 +189,41 @@ def test_a_call_at_the_end_of_sequence_finishes_with_tool_calls():
     assert pipeline.finish is FinishReason.TOOL_CALLS
 
 
+def test_a_call_inside_the_reasoning_is_still_a_call():
+    """A thinking model that calls before it closes its block (or never closes it) made
+    a call: the call comes out of the reasoning, the thinking around it stays."""
+    pipeline = pipeline_for(request(split_reasoning=True, tools=(WEATHER,)), TOK,  # type: ignore[arg-type]
+                            think_markers=("<think>", "</think>"), starts_inside=True,
+                            tool_parser=HERMES)
+    text = ('I need the weather.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
+            "\n</tool_call>\nWaiting.")
+    events = run(pipeline, text, end="stop")
+    assert [c.name for e in events for c in e.tool_calls] == ["get_weather"]
+    assert "".join(e.reasoning for e in events) == "I need the weather.Waiting."
+    assert "".join(e.text for e in events) == ""
+    assert pipeline.finish is FinishReason.TOOL_CALLS and pipeline.called
+
+
+def test_a_call_in_the_reasoning_and_one_in_the_answer_both_count():
+    pipeline = pipeline_for(request(split_reasoning=True, tools=(WEATHER,)), TOK,  # type: ignore[arg-type]
+                            think_markers=("<think>", "</think>"), tool_parser=HERMES)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    events = run(pipeline, f"<think>a {call % 'A'} b</think>Sure. {call % 'B'}", end="stop")
+    calls = [json.loads(c.arguments)["city"] for e in events for c in e.tool_calls]
+    assert calls == ["A", "B"]
+    assert "".join(e.reasoning for e in events) == "ab"
+    assert "".join(e.text for e in events) == "Sure."
+
+
+def test_an_unfinished_call_in_the_reasoning_stays_reasoning():
+    pipeline = pipeline_for(request(split_reasoning=True, tools=(WEATHER,)), TOK,  # type: ignore[arg-type]
+                            think_markers=("<think>", "</think>"), starts_inside=True,
+                            tool_parser=HERMES)
+    events = run(pipeline, 'maybe <tool_call>{"name": "get_w')
+    assert "".join(e.reasoning for e in events) == 'maybe <tool_call>{"name": "get_w'
+    assert not pipeline.called and pipeline.finish is FinishReason.LENGTH
+
+
 def test_a_call_cut_by_the_length_still_finishes_with_length():
     pipeline = pipeline_for(request(tools=(WEATHER,)), TOK, tool_parser=HERMES)  # type: ignore[arg-type]
     run(pipeline, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')

@@ -295,3 +295,64 @@ def test_template_forms():
     assert template_tool_choice(ToolChoice(ToolChoiceMode.REQUIRED)) == "required"
     assert template_tool_choice(ToolChoice(ToolChoiceMode.NAMED, "f")) == {
         "type": "function", "function": {"name": "f"}}
+
+
+# -- arguments are always JSON ------------------------------------------------------
+
+
+def test_a_number_beyond_a_double_keeps_the_models_own_text():
+    """1e999 parses to infinity, which JSON cannot write: the model's text stays."""
+    text = '<tool_call>{"name": "get_time", "arguments": {"n": 1e999, "s": "ü"}}</tool_call>'
+    (call,) = run(parser_named("json_tools"), [text])
+    assert call.arguments == '{"n": 1e999, "s": "ü"}'
+    assert json.loads(call.arguments)["n"] == float("inf")  # valid JSON, as clients read it
+    as_string = '<tool_call>{"name": "get_time", "arguments": "{\\"n\\": -2E+400}"}</tool_call>'
+    (call,) = run(parser_named("json_tools"), [as_string])
+    assert call.arguments == '{"n": -2E+400}'
+
+
+@pytest.mark.parametrize("args", ['{"n": NaN}', '{"n": Infinity}', '"{\\"n\\": NaN}"'])
+def test_arguments_json_cannot_hold_make_the_call_text(args):
+    text = f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>'
+    assert run(parser_named("json_tools"), [text]) == [text]
+
+
+def test_arguments_are_written_without_nan_for_every_syntax():
+    text = '[TOOL_CALLS]get_time[ARGS]{"n": 1e400}'
+    (call,) = run(parser_named("mistral"), [text])
+    assert call.arguments == '{"n": 1e400}'
+
+
+# -- a forced call closes an open thinking block first --------------------------------
+
+
+def test_forced_call_grammar_closes_the_thinking_block(demo_model):
+    from llguidance import LLMatcher
+
+    from gmlx.engine.structured import llg_tokenizer
+    from gmlx.engine.tools import forced_call_grammar
+
+    tok = demo_model.tokenizer
+    parser = tool_parser_for(tok)
+    llt = llg_tokenizer(tok)
+
+    def accepts(grammar, text: str) -> bool:
+        matcher = LLMatcher(llt, grammar.text, log_level=0)
+        ok = all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and matcher.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    closing = forced_call_grammar(parser, tok, (T,), "</think>")
+    assert accepts(closing, "\n</think>\n\n" + call) and accepts(closing, "</think>\n\n" + call)
+    assert not accepts(closing, call)  # not inside the block
+    plain = forced_call_grammar(parser, tok, (T,))
+    assert accepts(plain, call) and not accepts(plain, "</think>\n\n" + call)
+
+
+def test_forced_call_grammar_leaves_what_llguidance_lacks_unenforced(demo_model):
+    """Claude Code's TaskCreate schema uses ``propertyNames``: the call is still forced."""
+    from gmlx.engine.tools import forced_call_grammar
+
+    meta = Tool("TaskCreate", parameters={"type": "object", "properties": {"metadata": {
+        "type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {}}}})
+    assert forced_call_grammar(tool_parser_for(demo_model.tokenizer), demo_model.tokenizer, (meta,))

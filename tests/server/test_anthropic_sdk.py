@@ -45,12 +45,17 @@ def test_raw_stream_matches_message(anthropic_client):
     assert text == whole.content[0].text
 
 
+def prompt_tokens(usage) -> int:
+    """The prompt's tokens: Anthropic's input_tokens leave out those read from the cache."""
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
 def test_system_and_stop_sequences(anthropic_client, demo_tokenizer):
     plain = anthropic_client.messages.create(model="demo", max_tokens=1, messages=HI)
     with_system = anthropic_client.messages.create(
         model="demo", max_tokens=1, messages=HI, system="You are terse."
     )
-    assert with_system.usage.input_tokens > plain.usage.input_tokens
+    assert prompt_tokens(with_system.usage) > prompt_tokens(plain.usage)
     (hello,) = demo_tokenizer.encode("hello", add_special_tokens=False)
     m = anthropic_client.messages.create(
         model="demo",
@@ -74,7 +79,7 @@ def test_end_turn(anthropic_client, demo_tokenizer):
 def test_count_tokens(anthropic_client):
     counted = anthropic_client.messages.count_tokens(model="demo", messages=HI)
     m = anthropic_client.messages.create(model="demo", max_tokens=1, messages=HI)
-    assert counted.input_tokens == m.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens(m.usage)  # the whole prompt, cached or not
 
 
 def test_tool_turns_render(anthropic_client):
@@ -100,7 +105,7 @@ def test_tool_turns_render(anthropic_client):
     ]
     m = anthropic_client.messages.create(model="demo", max_tokens=2, messages=turns, tools=tools)
     bare = anthropic_client.messages.count_tokens(model="demo", messages=turns)
-    assert m.usage.input_tokens > bare.input_tokens  # the tools reached the template
+    assert prompt_tokens(m.usage) > bare.input_tokens  # the tools reached the template
 
 
 def test_unknown_model_is_not_found(anthropic_client):

@@ -187,7 +187,8 @@ MESSAGES_CASES: list[Any] = [
     without(MESSAGES, "messages"),
     over(MESSAGES, messages=[]),
     over(MESSAGES, messages="hi"),
-    over(MESSAGES, messages=[{"role": "system", "content": "hi"}]),
+    over(MESSAGES, messages=[{"role": "tool", "content": "hi"}]),  # system is a role here
+    over(MESSAGES, messages=[{"role": "system", "content": [{"type": "image"}]}]),
     over(MESSAGES, messages=[{"role": "user"}]),
     over(MESSAGES, messages=[{"role": "user", "content": 5}]),
     over(MESSAGES, messages=[{"role": "user", "content": [5]}]),

@@ -2,7 +2,7 @@
 
 A stream is Anthropic's typed event sequence: message_start, content_block_start,
 content_block_delta (one per text piece), content_block_stop, message_delta (the
-stop reason and output tokens), message_stop; a failure after the start is an
+stop reason and the final usage), message_stop; a failure after the start is an
 ``error`` event.
 """
 
@@ -96,8 +96,9 @@ class MessageStream:
         for call in ev.tool_calls:
             block = translate.tool_use(call)
             out += self.switch("tool_use", {**block, "input": {}})
+            partial = json.dumps(block["input"], ensure_ascii=False)
             out += self.emit("content_block_delta", index=self.index,
-                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                             delta={"type": "input_json_delta", "partial_json": partial})
         if not ev.final:
             return out
         assert ev.finish_reason is not None and ev.usage is not None
@@ -108,7 +109,9 @@ class MessageStream:
             "stop_reason": translate.stop_reason(ev.finish_reason, ev.stop_sequence),
             "stop_sequence": ev.stop_sequence,
         }
-        out += self.emit("message_delta", delta=delta, usage={"output_tokens": ev.usage.completion_tokens})
+        # The final usage, whole: message_start went out before the cache lookup.
+        usage = translate.message_usage(self.job, ev.usage)
+        out += self.emit("message_delta", delta=delta, usage=usage)
         if ev.error is not None:  # shed: the stream says why, and ends there
             return out + self.error(ev.error)
         return out + self.emit("message_stop")

@@ -17,11 +17,13 @@ from gmlx.server.schemas import (
 
 
 class AnthropicMessage(BaseModel):
-    """One turn; content is a string or a list of typed blocks."""
+    """One turn; content is a string or a list of typed blocks. A ``system`` turn
+    (string or text blocks) is instructions given at that point of the conversation:
+    Claude Code sends one (the top-level ``system`` is the usual place)."""
 
     model_config = REQUEST_CONFIG
 
-    role: Literal["user", "assistant"]  # system text goes in the top-level ``system``
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

@@ -4,7 +4,9 @@ Message objects out."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from gmlx.engine.chat import Job, Result
@@ -93,12 +95,17 @@ def chat_messages(body: MessagesRequest) -> tuple[Message, ...]:
     """``system`` and ``messages`` as engine messages.
 
     ``tool_use`` blocks become assistant tool calls and ``tool_result`` blocks tool
-    messages (before the turn's own text); earlier thinking is not replayed.
+    messages (before the turn's own text); earlier thinking is not replayed. A system
+    turn inside ``messages`` stays a system message at its place (the engine folds it
+    into a user turn where the template takes system text only first).
     """
     out: list[Message] = []
     if body.system:
         out.append(Message.text("system", _block_text(body.system, "system", "system")))
-    for m in body.messages:
+    for i, m in enumerate(body.messages):
+        if m.role == "system":
+            out.append(Message.text("system", _block_text(m.content, f"messages[{i}] (system)")))
+            continue
         if isinstance(m.content, str):
             out.append(Message.text(m.role, m.content))
             continue
@@ -205,12 +212,28 @@ def stop_reason(finish: FinishReason, stop_sequence: str | None) -> str:
 def tool_use(call: ToolCall) -> dict[str, Any]:
     """A ``tool_use`` block; arguments that are not a JSON object pass as ``{"input": ...}``."""
     try:
-        args = json.loads(call.arguments or "{}")
-    except json.JSONDecodeError:
+        args = json.loads(call.arguments or "{}", parse_float=_json_number)
+    except ValueError:  # not JSON, or an integer too long for Python to read
         args = {"input": call.arguments}
     if not isinstance(args, dict):
         args = {"input": args}
     return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": args}
+
+
+def _json_number(text: str) -> float | int:
+    """A JSON number with a fraction or exponent, as a value that JSON can write back.
+
+    Beyond a double's range (``1e999``) a float is infinite, which JSON cannot write;
+    such a number is an integer, and Python writes an integer's every digit. Raises
+    ValueError past the digits Python converts (``sys.get_int_max_str_digits``).
+    """
+    value = float(text)
+    if math.isfinite(value):
+        return value
+    exact = Decimal(text)
+    if exact.adjusted() >= 4000:
+        raise ValueError(f"{text} has too many digits")
+    return int(exact)
 
 
 def thinking(text: str) -> dict[str, Any]:
@@ -241,9 +264,21 @@ def message(
         "content": content,
         "stop_reason": stop,
         "stop_sequence": stop_sequence,
-        "usage": {
-            "input_tokens": job.prompt_tokens,
-            "output_tokens": usage.completion_tokens if usage else 0,
-            "cache_read_input_tokens": usage.cached_tokens if usage else 0,
-        },
+        "usage": message_usage(job, usage),
+    }
+
+
+def message_usage(job: Job, usage: Usage | None) -> dict[str, int]:
+    """Usage as Anthropic counts it: ``input_tokens`` are the prompt tokens not read
+    from the prompt cache, so ``input_tokens + cache_read_input_tokens`` is the prompt
+    (agents track their context by that sum). Nothing is reported as written to the
+    cache: every prompt is cached, at no cost to the client. Without ``usage`` (the
+    ``message_start`` of a stream, sent before the cache lookup) the whole prompt
+    counts as input; ``message_delta`` then carries the split."""
+    prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if usage else (job.prompt_tokens, 0)
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.completion_tokens if usage else 0,
     }

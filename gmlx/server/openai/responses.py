@@ -2,8 +2,10 @@
 
 A stream is: response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta (one per text piece),
-response.output_text.done, response.content_part.done, response.output_item.done,
-then response.completed. Every event carries a ``sequence_number``. A response cut
+response.output_text.done, response.content_part.done, response.output_item.done
+(a call's item: added, response.function_call_arguments.delta and .done, or
+response.custom_tool_call_input.delta and .done for a custom tool, then done), then
+response.completed. Every event carries a ``sequence_number``. A response cut
 by the output cap still ends with response.completed, its status ``incomplete``:
 OpenAI sends response.incomplete there, but the SDK's stream helper and agent
 clients wait for response.completed and fail without it.
@@ -17,15 +19,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gmlx.engine.chat import Engine, Job, Result
-from gmlx.engine.errors import GmlxError, InvalidRequestError
-from gmlx.engine.types import ChatRequest, Event, FinishReason, Message, ToolCall, Usage
+from gmlx.engine.errors import GmlxError
+from gmlx.engine.types import ChatRequest, Event, FinishReason, ToolCall, Usage
 from gmlx.server import sse, streaming
+from gmlx.server.openai import responses_input as items
 from gmlx.server.openai import translate
 from gmlx.server.openai.schemas import ResponsesBody, ResponsesRequest
 
 router = APIRouter()
-
-INPUT_ROLES = ("user", "assistant", "system", "developer")  # of Responses message items
 
 
 def responses_request(body: ResponsesRequest) -> ChatRequest:
@@ -34,59 +35,13 @@ def responses_request(body: ResponsesRequest) -> ChatRequest:
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # flat: name, schema, strict
         fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     return ChatRequest(
-        messages=input_messages(body),
-        tools=translate.tools(function_tools(body.tools)),
-        tool_choice=translate.tool_choice(body.tool_choice),
+        messages=items.input_messages(body.instructions, body.input),
+        tools=translate.tools(items.function_tools(body.tools)),
+        tool_choice=translate.tool_choice(items.tool_choice(body.tool_choice)),
         response_format=translate.response_format(fmt or body.response_format),
         max_tokens=body.max_output_tokens,
         **translate.common.common(body),
     )
-
-
-def input_messages(body: ResponsesRequest) -> tuple[Message, ...]:
-    """Responses ``instructions`` and ``input`` items as messages."""
-    messages: list[Message] = []
-    if body.instructions:
-        messages.append(Message.text("system", body.instructions))
-    if isinstance(body.input, str):
-        return (*messages, Message.text("user", body.input))
-    for item in body.input:
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role", "user")
-            if role not in INPUT_ROLES:
-                raise InvalidRequestError(
-                    f"Unsupported input message role {role!r}; use one of "
-                    f"{', '.join(INPUT_ROLES)}.",
-                    param="input",
-                )
-            role = "system" if role == "developer" else role
-            messages.append(Message(role, translate.parts(item.get("content"), param="input")))
-        elif kind == "function_call":
-            call = ToolCall(str(item.get("call_id") or ""), str(item.get("name") or ""),
-                            item.get("arguments") or "{}")
-            messages.append(Message("assistant", tool_calls=(call,)))
-        elif kind == "function_call_output":
-            messages.append(Message.text("tool", str(item.get("output") or ""),
-                                         tool_call_id=item.get("call_id")))
-        else:
-            raise InvalidRequestError(f"Unsupported input item type {kind!r}.", param="input")
-    return tuple(messages)
-
-
-def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat) in the chat-completions shape; other tool types
-    (the hosted ones) are skipped."""
-    if not tools:
-        return None
-    return [
-        {
-            "type": "function",
-            "function": {k: t[k] for k in ("name", "description", "parameters") if k in t},
-        }
-        for t in tools
-        if t.get("type") == "function"
-    ] or None
 
 
 def _message(job: Job, text: str, status: str) -> dict[str, Any]:
@@ -125,12 +80,24 @@ def _function_call(call: ToolCall, arguments: str | None = None, status: str = "
     }
 
 
-def output_items(job: Job, result: Result) -> list[dict[str, Any]]:
-    """The output of a finished response: reasoning, the message, then function calls."""
-    items = [_reasoning(job, result.reasoning)] if result.reasoning else []
+def _custom_call(call: ToolCall, text: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "custom_tool_call",
+        "id": call.id.replace("call_", "ctc_", 1),
+        "call_id": call.id,
+        "name": call.name,
+        "input": items.custom_input(call.arguments) if text is None else text,
+        "status": status,
+    }
+
+
+def output_items(job: Job, result: Result, custom: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The output of a finished response: reasoning, the message, then the calls
+    (``custom_tool_call`` items for the ``custom`` tools, else ``function_call``)."""
+    out = [_reasoning(job, result.reasoning)] if result.reasoning else []
     if result.text or not result.tool_calls:
-        items.append(_message(job, result.text, "completed"))
-    return items + [_function_call(c) for c in result.tool_calls]
+        out.append(_message(job, result.text, "completed"))
+    return out + [_custom_call(c) if c.name in custom else _function_call(c) for c in result.tool_calls]
 
 
 def response_object(
@@ -180,15 +147,16 @@ def _status(finish: FinishReason | None) -> str:
 async def responses(body: ResponsesBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = responses_request(body)
-    streaming.warn_ignored(request, body)
+    streaming.warn_ignored(request, body, dropped_tools=items.dropped_tools(body.tools))
     if body.stream:
         return await streaming.start_stream(
             engine, req, lambda job: ResponseStream(job, body), failed, request)
     job = await engine.start(req)
     result = await streaming.answer(job, request)
     status = _status(result.finish_reason)
+    output = output_items(job, result, items.custom_tools(body.tools))
     return JSONResponse(
-        response_object(job, body, status=status, output=output_items(job, result), usage=result.usage),
+        response_object(job, body, status=status, output=output, usage=result.usage),
         headers=streaming.headers(job),
     )
 
@@ -201,11 +169,12 @@ def failed(error: GmlxError) -> str:
 
 
 class ResponseStream:
-    """Output items open as their content arrives (reasoning, the message, each function
-    call) and each is done before the next is added. Every event is numbered."""
+    """Output items open as their content arrives (reasoning, the message, each call)
+    and each is done before the next is added. Every event is numbered."""
 
     def __init__(self, job: Job, body: ResponsesRequest) -> None:
         self.job, self.body = job, body
+        self.custom = items.custom_tools(body.tools)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.current: str | None = None  # "reasoning" | "message" while one is open
@@ -245,6 +214,23 @@ class ResponseStream:
         return (out + self.emit("response.output_item.added", output_index=index, item=item)
                 + self.emit("response.content_part.added", **where, part=_part("")))
 
+    def call(self, call: ToolCall) -> str:
+        """A call's item, whole: added, its arguments (or custom input), done."""
+        index = len(self.output)
+        if call.name in self.custom:
+            item, field, kind = _custom_call(call), "input", "response.custom_tool_call_input"
+            added = _custom_call(call, "", "in_progress")
+        else:
+            item, field, kind = _function_call(call), "arguments", "response.function_call_arguments"
+            added = _function_call(call, "", "in_progress")
+        where = {"item_id": item["id"], "output_index": index}
+        out = (self.emit("response.output_item.added", output_index=index, item=added)
+               + self.emit(f"{kind}.delta", **where, delta=item[field])
+               + self.emit(f"{kind}.done", **where, **{field: item[field]})
+               + self.emit("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return out
+
     def opening(self) -> str:
         shell = response_object(self.job, self.body, status="in_progress")
         return self.emit("response.created", response=shell) + self.emit(
@@ -265,16 +251,7 @@ class ResponseStream:
             else:
                 out += self.emit("response.output_text.delta", **where, delta=delta, logprobs=[])
         for call in ev.tool_calls:
-            out += self.close()
-            index, item = len(self.output), _function_call(call)
-            out += self.emit("response.output_item.added", output_index=index,
-                             item=_function_call(call, "", "in_progress"))
-            out += self.emit("response.function_call_arguments.delta", item_id=item["id"],
-                             output_index=index, delta=call.arguments)
-            out += self.emit("response.function_call_arguments.done", item_id=item["id"],
-                             output_index=index, arguments=call.arguments)
-            out += self.emit("response.output_item.done", output_index=index, item=item)
-            self.output.append(item)
+            out += self.close() + self.call(call)
         if not ev.final:
             return out
         if not self.output and self.current is None:  # an empty answer is an empty message
