@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -344,3 +345,37 @@ def test_a_server_that_cannot_start_is_one_sentence(fake_agents, started_port):
     )
     assert str(launch_dir() / f"server-{started_port}.log") in line
     assert not Path(fake_agents["FAKE_AGENT_OUT"]).exists()
+
+
+# -- a real agent, end to end ------------------------------------------------------------
+
+
+def real_agent(binary: str) -> str | None:
+    """Where a real agent is installed: ``$GMLX_TEST_AGENTS/node_modules/.bin`` (what
+    ``.ci/run`` installs) or the PATH."""
+    folder = os.environ.get("GMLX_TEST_AGENTS")
+    if folder and (path := Path(folder) / "node_modules" / ".bin" / binary).exists():
+        return str(path.parent)
+    found = shutil.which(binary)
+    return str(Path(found).parent) if found else None
+
+
+def test_pi_completes_a_turn_through_launch(live, tmp_path):
+    """The real pi agent (`@mariozechner/pi-coding-agent`), started by `gmlx launch`,
+    answers one prompt through the server: the request reaches the model and pi exits 0.
+    `.ci/run` installs pi; elsewhere the test needs pi on PATH or GMLX_TEST_AGENTS."""
+    folder = real_agent("pi")
+    if folder is None:
+        pytest.skip("the pi agent is not installed (npm install @mariozechner/pi-coding-agent; "
+                    ".ci/run installs it and sets GMLX_TEST_AGENTS)")
+    home = tmp_path / "home"
+    home.mkdir()
+    worker = live.app.state.registry.resident_worker("demo")
+    before = worker.stats.requests_finished if worker else 0
+    env = {**os.environ, "HOME": str(home), "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+    done = launch(env, "pi", "--model", "demo", "--url", live.url, "--", "-p", "Say hi",
+                  timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    worker = live.app.state.registry.resident_worker("demo")
+    assert worker is not None and worker.stats.requests_finished > before
+    assert not (home / ".pi").exists()  # the user's own agent folder is left alone
