@@ -15,6 +15,9 @@ from gmlx.engine.errors import GmlxError
 
 T = TypeVar("T")
 
+# Rich writes no colour or markup codes when stderr is not a terminal, and no colour
+# under NO_COLOR, by itself (tests/cli/test_reference.py holds it to that); so do the
+# commands' plain Console() for stdout.
 err_console = Console(stderr=True, highlight=False)
 
 

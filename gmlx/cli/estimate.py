@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from gmlx.engine.chat import Engine
     from gmlx.engine.worker import ModelWorker
 
+EXIT_CODES = (
+    "Exit codes: 0 it fits; 1 it does not fit, cannot be judged, or the estimate failed "
+    "(one sentence on stderr); 2 usage error."
+)
+
 OptionalModelArg = Annotated[
     str | None,
     typer.Argument(

@@ -5,14 +5,20 @@ from __future__ import annotations
 import typer
 
 from gmlx import __version__
-from gmlx.cli.errors import err_console, run_guarded
+from gmlx.cli.errors import run_guarded
+from gmlx.cli.estimate import EXIT_CODES as ESTIMATE_EXIT_CODES
 from gmlx.cli.estimate import estimate_command
 from gmlx.cli.launch import EXIT_CODES as LAUNCH_EXIT_CODES
 from gmlx.cli.launch import launch_command
+from gmlx.cli.plan import EXIT_CODES as PLAN_EXIT_CODES
 from gmlx.cli.plan import plan_command
 from gmlx.cli.residency import EXIT_CODES, keep_command, ps_command, unload_command
+from gmlx.cli.run import EXIT_CODES as RUN_EXIT_CODES
 from gmlx.cli.run import run_command
+from gmlx.cli.serve import EXIT_CODES as SERVE_EXIT_CODES
 from gmlx.cli.serve import serve_command
+from gmlx.cli.top import EXIT_CODES as TOP_EXIT_CODES
+from gmlx.cli.top import top_command
 
 app = typer.Typer(
     name="gmlx",
@@ -23,12 +29,27 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-app.command("run", help="Chat with a model in the terminal, or answer one prompt with -p.")(run_command)
-app.command("serve", help="Serve models over the OpenAI and Anthropic HTTP protocols.")(serve_command)
-app.command("estimate", help="Estimate whether a prompt fits a model's memory and context.")(
-    estimate_command
-)
-app.command("plan", help="Check whether WIDTH streams of DEPTH tokens each fit a model.")(plan_command)
+# Every command's epilog states its exit codes ("Exit codes: 0 ...; 1 ..."); docs/cli.md lists them.
+app.command(
+    "run",
+    help="Chat with a model in the terminal, or answer one prompt with -p.",
+    epilog=RUN_EXIT_CODES,
+)(run_command)
+app.command(
+    "serve",
+    help="Serve models over the OpenAI and Anthropic HTTP protocols.",
+    epilog=SERVE_EXIT_CODES,
+)(serve_command)
+app.command(
+    "estimate",
+    help="Estimate whether a prompt fits a model's memory and context.",
+    epilog=ESTIMATE_EXIT_CODES,
+)(estimate_command)
+app.command(
+    "plan",
+    help="Check whether WIDTH streams of DEPTH tokens each fit a model.",
+    epilog=PLAN_EXIT_CODES,
+)(plan_command)
 # short_help lists them; their docstrings are the full `--help`, the epilog the exit codes.
 app.command("keep", short_help="Keep a model resident on a running server.", epilog=EXIT_CODES)(
     keep_command
@@ -48,26 +69,11 @@ app.command(
     epilog=LAUNCH_EXIT_CODES,
 )(launch_command)
 
-# Commands announced in the CLI before they exist: each says so and exits 2.
-PLANNED = {
-    "top": "Live dashboard of a running server: requests, queue, memory, rates.",
-}
-
-
-def _planned(name: str, help_text: str) -> None:
-    @app.command(
-        name,
-        help=f"{help_text} (not built yet)",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    )
-    def _cmd(ctx: typer.Context) -> None:
-        err_console.print(f"[bold red]error:[/] `gmlx {name}` is not built yet.")
-        raise typer.Exit(2)
-
-
-for _name, _help in PLANNED.items():
-    _planned(_name, _help)
-
+app.command(
+    "top",
+    short_help="Live dashboard of a running server: requests, queue, memory, rates.",
+    epilog=TOP_EXIT_CODES,
+)(top_command)
 
 def _version(value: bool) -> None:
     if value:

@@ -18,6 +18,11 @@ from gmlx.cli.client import DEFAULT_URL, call_server
 from gmlx.cli.estimate import OptionalModelArg, ServerUrlOpt, load_here, render_table
 from gmlx.cli.options import ApiKeyOpt, JsonOpt
 
+EXIT_CODES = (
+    "Exit codes: 0 the streams fit; 1 they do not fit, cannot be judged, or the plan failed "
+    "(one sentence on stderr); 2 usage error."
+)
+
 WidthOpt = Annotated[int, typer.Option("--width", "-w", min=1, help="Streams that run together.")]
 DepthOpt = Annotated[int, typer.Option("--depth", "-d", min=1, help="Tokens each stream reaches.")]
 

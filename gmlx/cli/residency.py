@@ -21,7 +21,7 @@ from gmlx.cli.client import DEFAULT_URL, call_server
 from gmlx.cli.errors import fail
 from gmlx.cli.options import ApiKeyOpt, JsonOpt, UrlOpt
 
-EXIT_CODES = "Exit codes: 0 done, 1 failed or refused by the server, 2 usage error."
+EXIT_CODES = "Exit codes: 0 done; 1 failed or refused by the server; 2 usage error."
 
 ServedModelArg = Annotated[
     str,

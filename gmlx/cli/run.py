@@ -28,6 +28,10 @@ from gmlx.engine.types import (
 if TYPE_CHECKING:
     from gmlx.engine.chat import Engine, Job
 
+EXIT_CODES = (
+    "Exit codes: 0 answered, or the chat ended (/exit, Ctrl-D); 1 failed (one sentence on "
+    "stderr); 2 usage error; 130 stopped with Ctrl-C while -p answered or while the model loaded."
+)
 HELP_LINE = "Type a message; /reset clears the conversation, /exit (or Ctrl-D) leaves. Ctrl-C stops an answer."
 
 # The alternatives `--logprobs` shows per token (the table prints all but the token itself).

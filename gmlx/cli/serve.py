@@ -60,6 +60,12 @@ DecodeBatchOpt = Annotated[
 ]
 
 
+# 3 is uvicorn's own startup failure (it exits so when the address cannot be bound).
+EXIT_CODES = (
+    "Exit codes: 0 stopped (Ctrl-C or SIGTERM); 1 could not start (a bad config file, "
+    "nothing to serve); 2 usage error; 3 could not listen (the port taken, an address "
+    "not this machine's)."
+)
 SWITCH_INTERVAL_S = 0.0005
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gmlx.engine import admission
+from gmlx.engine import admission, threads
 from gmlx.engine.errors import GmlxError, InvalidRequestError
 from gmlx.engine.reasoning import detect_open_think, template_kwargs, thinking_markers
 from gmlx.engine.structured import Grammar, compile_format
@@ -117,7 +117,7 @@ class Engine:
         target = self.registry.address(req.model, req.profile)
         worker = self.registry.running(target.spec.id)
         if worker is None:  # loading blocks for seconds: off the loop (a load marks it used)
-            worker = await asyncio.to_thread(self.registry.worker, target.spec.id)
+            worker = await threads.run(self.registry.worker, target.spec.id)
         elif use:
             self.registry.touch(target.spec.id)
         if _content_chars(req) <= INLINE_CHARS and not req.tools:

@@ -20,6 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from gmlx import __version__
 from gmlx.config import Settings
+from gmlx.engine import threads
 from gmlx.engine.chat import Engine
 from gmlx.engine.residency import Registry
 from gmlx.server import errors
@@ -52,7 +53,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server = settings.server
         startup = settings.startup_models()
-        app.state.starting = asyncio.ensure_future(asyncio.to_thread(_preload, registry, startup))
+        app.state.starting = asyncio.wrap_future(threads.submit(_preload, registry, startup))
         registry.start_reaper()
         served = ", ".join(
             f"{i.id}{f' (alias of {i.alias_of})' if i.alias_of else ''}" for i in registry.listing()
@@ -65,7 +66,7 @@ def create_app(
         try:
             yield
         finally:
-            await asyncio.to_thread(registry.close)
+            await threads.run(registry.close)
 
     app = FastAPI(
         title="gmlx",

@@ -51,7 +51,7 @@ def test_help_names_the_flags_and_the_exit_codes(command, flags):
     assert r.exit_code == 0
     for flag in flags:
         assert flag in r.stdout
-    assert "Exit codes: 0 done, 1 failed or refused by the server, 2 usage error." in r.stdout
+    assert "Exit codes: 0 done; 1 failed or refused by the server; 2 usage error." in r.stdout
     assert "http://127.0.0.1:8080" in r.stdout
 
 

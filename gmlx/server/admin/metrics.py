@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from gmlx.engine import metrics
+from gmlx.engine import metrics, threads
 
 if TYPE_CHECKING:
     from gmlx.engine.residency import Registry
@@ -58,7 +57,7 @@ async def get_metrics(
     """The snapshot as JSON, or with ``?format=prometheus`` as Prometheus gauges."""
     registry: Registry = request.app.state.registry
     # Off the loop: the memory probes call into MLX and psutil.
-    snap = await asyncio.to_thread(build_snapshot, registry, request.app.state.started_mono)
+    snap = await threads.run(build_snapshot, registry, request.app.state.started_mono)
     if format == "prometheus":
         return Response(metrics.render_prometheus(snap), media_type=PROMETHEUS_TYPE)
     return JSONResponse(snap)

@@ -7,13 +7,13 @@ one resident past its idle timeout and warm it, and re-read the config file.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
+from gmlx.engine import threads
 from gmlx.engine.errors import ConfigError, InvalidRequestError
 from gmlx.server.schemas import REQUEST_CONFIG, json_body
 
@@ -46,9 +46,9 @@ async def unload(
     registry: Registry = request.app.state.registry
     if body.model:
         model_id = registry.address(body.model).spec.id
-        unloaded = [model_id] if await asyncio.to_thread(registry.unload, model_id) else []
+        unloaded = [model_id] if await threads.run(registry.unload, model_id) else []
     else:
-        unloaded = await asyncio.to_thread(registry.unload_idle)
+        unloaded = await threads.run(registry.unload_idle)
     return {"object": "unload", "unloaded": unloaded}
 
 
@@ -60,7 +60,7 @@ async def keep(
     and warming it; ``keep: false`` releases it and never loads."""
     registry: Registry = request.app.state.registry
     model_id = registry.address(body.model).spec.id
-    result = await asyncio.to_thread(registry.keep, model_id, keep=body.keep, warm=body.warm)
+    result = await threads.run(registry.keep, model_id, body.keep, body.warm)
     return {"object": "keep", **asdict(result)}
 
 
@@ -73,7 +73,7 @@ async def reload(request: Request) -> dict[str, Any]:
     outcome = None
     if state.reload is not None:
         try:
-            outcome = await asyncio.to_thread(state.reload, state.settings)
+            outcome = await threads.run(state.reload, state.settings)
         except ConfigError as e:
             raise InvalidRequestError(
                 f"{e.message} The running configuration is unchanged.", param=None
