@@ -2,8 +2,9 @@
 
 The document is one object, ``server``: the process (``pid``, ``uptime_s``) and the
 spec's sections beside them (``concurrency``, ``queue``, ``requests``,
-``resident_models``, ``governor``, ``memory``, ``capacity``, ``rates``), so a client
-reads ``server.concurrency.in_flight``. Each section is computed on its own: a probe
+``resident_models``, ``governor``, ``memory``, ``capacity``, ``rates``) and
+``counters`` (requests finished by outcome, and refused), so a client reads
+``server.concurrency.in_flight``. Each section is computed on its own: a probe
 that fails leaves that section's live fields null and the rest of the snapshot intact.
 """
 
@@ -31,7 +32,11 @@ EMPTY_SECTIONS: dict[str, dict[str, Any]] = {
     "rates": dict.fromkeys(
         ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent", "decode_tok_s_lifetime")
     ),
+    "counters": dict.fromkeys(("finished", "completed", "cancelled", "shed", "errors", "refused")),
 }
+
+# Finish reasons that mean the request got its answer (to its end, its cap, or its calls).
+_COMPLETED = ("stop", "length", "tool_calls")
 
 
 def _section(name: str, probe: Callable[[], Any]) -> Any:
@@ -142,7 +147,26 @@ def snapshot(
             "memory": _section("memory", memory),
             "capacity": _section("capacity", capacity or (lambda: None)),
             "rates": _section("rates", lambda: rates(workers)),
+            "counters": _section("counters", lambda: counters(workers)),
         }
+    }
+
+
+def counters(workers: Sequence[ModelWorker]) -> dict[str, int]:
+    """Requests the resident models finished since they loaded, by outcome, and the
+    requests the queue refused: ``completed`` (answered to the end, the cap or a tool
+    call), ``cancelled``, ``shed`` by the governor, ``errors``."""
+    reasons: dict[str, int] = {}
+    for w in workers:
+        for reason, n in dict(w.stats.finish_reasons).items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    return {
+        "finished": sum(reasons.values()),
+        "completed": sum(reasons.get(r, 0) for r in _COMPLETED),
+        "cancelled": reasons.get("cancelled", 0),
+        "shed": reasons.get("shed", 0),
+        "errors": reasons.get("error", 0),
+        "refused": sum(w.stats.rejections for w in workers),
     }
 
 
@@ -163,7 +187,7 @@ def _families(snap: dict[str, Any]) -> Iterable[Any]:
     # Gauges are named for the section alone (gmlx_concurrency_in_flight): every
     # section lives under ``server``, so the prefix would add nothing.
     snap = snap.get("server") or {}
-    for section in ("concurrency", "queue", "memory", "rates"):
+    for section in ("concurrency", "queue", "memory", "rates", "counters"):
         for key, value in (snap.get(section) or {}).items():
             if (num := _number(value)) is not None:
                 yield GaugeMetricFamily(f"gmlx_{section}_{key}", f"{section}.{key}", value=num)

@@ -67,3 +67,29 @@ def test_prometheus_text_parses_and_names_the_gauges(demo_worker):
     assert widths == {"1": 8192.0, "2": 4096.0}
     (sample,) = families["gmlx_model_in_flight"].samples
     assert sample.labels == {"model": "demo", "profile": "coding"}
+
+
+def test_counters_count_outcomes(demo_model):
+    """`counters`: requests finished by outcome since the model loaded (completed to the
+    end or the cap, cancelled), and the queue's refusals."""
+    from gmlx.engine.worker import ModelWorker
+
+    worker = ModelWorker(demo_model, decode_batch=1, queue_cap=0)
+    try:
+        tokens = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "count"}]))
+        greedy = SamplingParams(temperature=0)
+        list(worker.generate(GenerateRequest(tokens, max_tokens=3, sampling=greedy)))
+        long = worker.submit(GenerateRequest(tokens, max_tokens=500, sampling=greedy))
+        events = iter(long)
+        next(events)
+        try:
+            worker.submit(GenerateRequest(tokens, max_tokens=3, sampling=greedy))
+        except Exception as e:  # the queue cap is 0 and the only slot is taken
+            assert type(e).__name__ == "ServerOverloadedError"
+        long.cancel()
+        list(events)
+        counted = metrics.snapshot([worker], started_at=time.monotonic())["server"]["counters"]
+        assert counted == {"finished": 2, "completed": 1, "cancelled": 1, "shed": 0,
+                           "errors": 0, "refused": 1}
+    finally:
+        worker.close()

@@ -12,7 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-# Everything sits under ``server``: the process, then the spec's sections.
+# Everything sits under ``server``: the process, the spec's sections, and gmlx's
+# outcome counters.
 SERVER_KEYS = {
     "pid",
     "uptime_s",
@@ -24,6 +25,7 @@ SERVER_KEYS = {
     "memory",
     "capacity",
     "rates",
+    "counters",
 }
 
 

@@ -11,10 +11,11 @@ from gmlx.tui import view
 
 
 class Counters(Static):
-    """Requests seen to finish, cancelled from here, shed by the governor and refused
-    by the queue. The snapshot counts no completions, so ``finished`` counts the
-    request ids that left ``requests[]`` between two polls (a request shorter than the
-    poll interval is missed) and ``cancelled`` only this dashboard's cancels."""
+    """Requests completed, cancelled, shed by the governor and refused by the queue,
+    as the snapshot's ``counters`` section gives them. A server without that section
+    is counted from here: ``finished`` is the request ids that left ``requests[]``
+    between two polls (a request shorter than the poll interval is missed) and
+    ``cancelled`` only this dashboard's cancels."""
 
     finished: reactive[int] = reactive(0)
     cancelled: reactive[int] = reactive(0)
@@ -37,6 +38,15 @@ class Counters(Static):
         self._live = None
 
     def render(self) -> str:
+        counted = self.server.get("counters")
+        if counted:  # the server counts outcomes itself (since each model loaded)
+            return (
+                f"completed {view.count(counted.get('completed'))}  "
+                f"cancelled {view.count(counted.get('cancelled'))}  "
+                f"shed {view.count(counted.get('shed'))}  "
+                f"refused {view.count(counted.get('refused'))}  "
+                f"errors {view.count(counted.get('errors'))}"
+            )
         gov = self.server.get("governor") or {}
         queue = self.server.get("queue") or {}
         return (
