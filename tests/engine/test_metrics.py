@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gmlx.engine import metrics
+from gmlx.engine.errors import ServerOverloadedError
 from gmlx.engine.types import GenerateRequest, SamplingParams
 
 
@@ -82,10 +84,8 @@ def test_counters_count_outcomes(demo_model):
         long = worker.submit(GenerateRequest(tokens, max_tokens=500, sampling=greedy))
         events = iter(long)
         next(events)
-        try:
+        with pytest.raises(ServerOverloadedError):  # the queue cap is 0, the one slot taken
             worker.submit(GenerateRequest(tokens, max_tokens=3, sampling=greedy))
-        except Exception as e:  # the queue cap is 0 and the only slot is taken
-            assert type(e).__name__ == "ServerOverloadedError"
         long.cancel()
         list(events)
         counted = metrics.snapshot([worker], started_at=time.monotonic())["server"]["counters"]
