@@ -16,25 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cli_runner import gmlx, one_error_line
 from live_server import LiveServer, serve_config
-from typer.testing import CliRunner, Result
 
 from gmlx.cli.agents import AGENTS, output_cap
-from gmlx.cli.main import app
 from gmlx.paths import launch_dir
 
-runner = CliRunner()
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
-def gmlx(*args: str, env: dict[str, str] | None = None) -> Result:
-    return runner.invoke(app, list(args), env=env)
-
-
-def one_error_line(r: Result) -> str:
-    assert r.exit_code == 1, r.output
-    assert r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
-    return r.stderr
 
 
 def parse_script(text: str) -> tuple[dict[str, str], dict[str, str], list[str], list[str]]:

@@ -11,28 +11,17 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from cli_runner import gmlx, one_error_line
 from live_server import LiveServer, serve_config
-from typer.testing import CliRunner, Result
 
 from gmlx.cli.client import refusal
-from gmlx.cli.main import app
 from gmlx.cli.residency import human_idle, keep_line, summary, unload_line
 
-runner = CliRunner()
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
 KEY = "sk-residency"
 RESIDENCY_FIELDS = {"resident", "pinned", "kept", "in_flight", "waiting", "weight_bytes", "idle_s"}
 
 
-def gmlx(*args: str, env: dict[str, str] | None = None) -> Result:
-    return runner.invoke(app, list(args), env=env)
-
-
-def one_error_line(r: Result) -> str:
-    """The failure's sentence, after checking it is one line on stderr with exit code 1."""
-    assert r.exit_code == 1, r.output
-    assert r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
-    return r.stderr
 
 
 # -- without a server ------------------------------------------------------------------
