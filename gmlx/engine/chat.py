@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gmlx.engine import admission, threads
 from gmlx.engine.errors import GmlxError, InvalidRequestError
 from gmlx.engine.reasoning import detect_open_think, template_kwargs, thinking_markers
-from gmlx.engine.structured import Grammar, compile_format
+from gmlx.engine.structured import Grammar, compile_format, lark_literal
 from gmlx.engine.tools import select_tools, template_tool_choice, template_tools
 from gmlx.engine.types import (
     ChatRequest,
@@ -173,7 +173,7 @@ class Engine:
         """
         grammar = compile_format(req.response_format)  # a bad schema fails before any load
         r = await self.render(req, use=True)
-        grammar = grammar or self._forced_call(r)
+        grammar = self._answer_grammar(req, r, grammar)
         if grammar is not None:  # the first structured request builds the vocabulary index
             from gmlx.engine.structured import llg_tokenizer
 
@@ -184,26 +184,37 @@ class Engine:
         """:meth:`start` for a caller without an event loop (the CLI)."""
         grammar = compile_format(req.response_format)
         r = self.render_sync(req)
-        return self._submit(req, r, grammar or self._forced_call(r))
+        return self._submit(req, r, self._answer_grammar(req, r, grammar))
 
-    def _forced_call(self, r: Rendered) -> Grammar | None:
-        """Make a required tool call mean it, where the call syntax allows a grammar.
+    def _answer_grammar(self, req: ChatRequest, r: Rendered, grammar: Grammar | None) -> Grammar | None:
+        """The grammar the answer follows: the response format's, else a required tool
+        call's where the call syntax allows a grammar.
 
         A prompt that leaves a thinking block open (thinking on) gets a grammar that
-        closes the block first: the call must be the answer, not reasoning text. The
-        prompt is not re-rendered with thinking off instead, because templates such
-        as DeepSeek-R1's open the block whatever the variables say.
+        closes the block first: the JSON or the call must be the answer, not reasoning
+        text. The prompt is not re-rendered with thinking off instead, because templates
+        such as DeepSeek-R1's open the block whatever the variables say.
         """
+        close = self._open_thinking(r) if grammar is not None or r.forced_tool else None
+        if grammar is not None:
+            if close is None:
+                return grammar
+            tokenizer = r.worker.loaded.tokenizer
+            return compile_format(req.response_format, lark_literal(tokenizer, close))
         if not r.forced_tool:
             return None
         from gmlx.engine.tools import forced_call_grammar
 
+        return forced_call_grammar(r.worker.tool_parser, r.worker.loaded.tokenizer, r.tools, close)
+
+    @staticmethod
+    def _open_thinking(r: Rendered) -> str | None:
+        """The end marker of the thinking block the rendered prompt leaves open, if any."""
         tokenizer = r.worker.loaded.tokenizer
-        close = None
-        if (markers := thinking_markers(tokenizer)) is not None:
-            tail = tokenizer.decode(r.ids[-16:])
-            close = markers[1] if detect_open_think(tail, markers[0]) else None
-        return forced_call_grammar(r.worker.tool_parser, tokenizer, r.tools, close)
+        if (markers := thinking_markers(tokenizer)) is None:
+            return None
+        tail = tokenizer.decode(r.ids[-16:])
+        return markers[1] if detect_open_think(tail, markers[0]) else None
 
     def resident(self, req: ChatRequest) -> bool:
         """Whether the model the request addresses is loaded now (a request to one that

@@ -38,17 +38,37 @@ _JSON_OPTIONS: dict[str, Any] = {
     "lenient": True,
 }
 
-def compile_format(fmt: ResponseFormat | None) -> Grammar | None:
+def compile_format(fmt: ResponseFormat | None, close_thinking: str | None = None) -> Grammar | None:
     """Compile a request's response format into a grammar (None: unconstrained).
 
-    Raises InvalidRequestError (its param the format's ``field``) for a missing or
-    malformed schema, or one llguidance rejects.
+    ``close_thinking`` is the end marker of a thinking block the prompt left open, as a
+    lark literal (:func:`lark_literal`): the grammar then writes it first, so the JSON is
+    the answer and not reasoning text. Raises InvalidRequestError (its param the
+    format's ``field``) for a missing or malformed schema, or one llguidance rejects.
     """
     if fmt is None:
         return None
-    if fmt.kind == "json_object":
-        return Grammar(_compile({"type": "object"}, fmt.field), "json_object")
-    return Grammar(_compile(fmt.schema, fmt.field), "json_schema", fmt.name)
+    schema = {"type": "object"} if fmt.kind == "json_object" else fmt.schema
+    name = fmt.name if fmt.kind == "json_schema" else None
+    text = _compile(schema, fmt.field)  # validates the schema either way
+    if close_thinking is not None:
+        options = {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}
+        # As for a forced tool call: the newline before the marker is optional, so a
+        # thinking budget that forces the marker at once agrees with the grammar.
+        lark = (f'start: "\\n"? {close_thinking} "\\n\\n" answer\n'
+                f"answer: %json {json.dumps({**schema, 'x-guidance': options})}")
+        text = LLMatcher.grammar_from_lark(lark)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text)
+        if is_error:
+            raise InvalidRequestError(f"Invalid JSON schema: {messages[0]}", param=fmt.field)
+    return Grammar(text, fmt.kind, name)
+
+
+def lark_literal(tokenizer: Tokenizer, text: str) -> str:
+    """``text`` in a lark grammar: a special token by its name (``<think>``), else the
+    quoted text."""
+    special = tokenizer.hf.get_added_vocab()
+    return text if text in special and text.startswith("<") else json.dumps(text)
 
 
 def _compile(schema: Any, param: str) -> str:

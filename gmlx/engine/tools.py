@@ -363,10 +363,10 @@ def forced_call_grammar(
         })
     schema: dict[str, Any] = {"anyOf": variants} if len(variants) > 1 else dict(variants[0])
     schema["x-guidance"] = _COMPACT_JSON
-    special = tokenizer.hf.get_added_vocab()
+    from gmlx.engine.structured import lark_literal
 
-    def marker(text: str) -> str:  # a special token by name, else the literal text
-        return text if text in special and text.startswith("<") else json.dumps(text)
+    def marker(text: str) -> str:
+        return lark_literal(tokenizer, text)
 
     # The empty block Qwen 3 renders with thinking off is "<think>\n\n</think>\n\n": the
     # newline before the marker is optional, so a thinking budget that forces the

@@ -343,3 +343,48 @@ def test_cached_turn_reports_input_and_cache_read_apart(anthropic_client):
     assert delta.usage.input_tokens + delta.usage.cache_read_input_tokens == prompt
     assert final.usage.input_tokens == delta.usage.input_tokens
     assert final.usage.cache_read_input_tokens == delta.usage.cache_read_input_tokens
+
+
+# -- structured output on a thinking model is the answer, not reasoning --------------------
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_with_thinking_on_is_the_answer(openai_client, stream):
+    """With thinking on, the demo template ends the prompt inside ``<think>``; the
+    response format's grammar closes the block first, so the JSON comes back as the
+    content (before, it was written inside the block and came back as reasoning)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    kwargs = {"model": "demo", "messages": USER, "response_format": fmt, "max_tokens": 40,
+                  "temperature": 1.0, "seed": 3, "extra_body": {"enable_thinking": True}}
+    if stream:
+        content, reasoning = "", ""
+        for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+    else:
+        message = openai_client.chat.completions.create(**kwargs).choices[0].message
+        content = message.content or ""
+        reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+    assert json.loads(content) in ({"ok": True}, {"ok": False})
+    assert not reasoning.strip()
+
+
+def test_the_format_grammar_closes_the_block_only_when_open(server):
+    from gmlx.engine.types import ChatRequest, Message, Reasoning, ResponseFormat
+
+    engine = server.app.state.engine
+
+    def grammar(thinking: bool) -> str:
+        job = engine.start_sync(ChatRequest(
+            model="demo", messages=(Message.text("user", "hi"),), max_tokens=40,
+            response_format=ResponseFormat("json_schema", VERDICT), reasoning=Reasoning(enabled=thinking)))
+        list(job.handle)
+        return job.handle.request.grammar.text
+
+    assert "</think>" in grammar(True)
+    assert "</think>" not in grammar(False)
