@@ -154,8 +154,18 @@ def reload_config(current: Settings, registry: Registry) -> tuple[Settings, Relo
 def build_engine(settings: Settings, registry: Registry, *, top_logprobs_cap: int | None = None) -> Engine:
     """The engine every front end submits through, over ``registry``: the memory
     preflight as ``server.preflight_mem`` says, logprob alternatives capped at
-    ``top_logprobs_cap`` (default: ``server.top_logprobs_k``, ``TOP_LOGPROBS_K``)."""
+    ``top_logprobs_cap`` (default: ``server.top_logprobs_k``, ``TOP_LOGPROBS_K``), image
+    URLs fetched as the ``server.image_*`` settings say."""
     from gmlx.engine.chat import Engine
+    from gmlx.engine.media import FetchPolicy
 
-    cap = settings.server.top_logprobs_k if top_logprobs_cap is None else top_logprobs_cap
-    return Engine(registry, preflight_mem=settings.server.preflight_mem, top_logprobs_cap=cap)
+    server = settings.server
+    cap = server.top_logprobs_k if top_logprobs_cap is None else top_logprobs_cap
+    policy = FetchPolicy(
+        remote=server.image_fetch,
+        allow_private=server.image_fetch_private,
+        max_bytes=server.image_max_bytes,
+        timeout_s=server.image_fetch_timeout_s,
+    )
+    return Engine(registry, preflight_mem=server.preflight_mem, top_logprobs_cap=cap,
+                  fetch_policy=policy)

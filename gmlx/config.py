@@ -4,7 +4,8 @@ The file has four sections, all optional::
 
     server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
                prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit,
-               warmup, top_logprobs_k, idle_timeout, models_dir}
+               warmup, top_logprobs_k, idle_timeout, models_dir, image_fetch, image_fetch_private,
+               image_max_bytes, image_fetch_timeout_s}
     models:   {id: {source, max_kv_size, profile, default, pinned, mmproj, preload,
               idle_timeout}}  (or id: source;
               a source is ``demo``, a GGUF file, an MLX folder or ``hf:org/repo[/file]``)
@@ -77,6 +78,12 @@ class ServerSettings(BaseSettings):
     # out unless their own entry sets an idle_timeout.
     idle_timeout: float = Field(1800.0, ge=0)
     models_dir: str | None = None  # a folder whose GGUF files and MLX folders are served too
+    # Image URLs in requests: fetched at all (GMLX_IMAGE_FETCH=0: data: URIs only), from
+    # loopback, link-local and private addresses too, up to this size, within this time.
+    image_fetch: bool = True
+    image_fetch_private: bool = False
+    image_max_bytes: int = Field(20 << 20, ge=1)
+    image_fetch_timeout_s: float = Field(10.0, gt=0)
     # Most alternatives per token that `top_logprobs` may ask for (0: none). The spec
     # names the variable TOP_LOGPROBS_K, without the prefix; GMLX_TOP_LOGPROBS_K works too.
     top_logprobs_k: int = Field(

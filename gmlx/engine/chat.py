@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gmlx.engine import admission, threads
+from gmlx.engine import admission, media, threads
 from gmlx.engine.errors import GmlxError, InvalidRequestError
+from gmlx.engine.media import FetchPolicy
 from gmlx.engine.reasoning import detect_open_think, template_kwargs, thinking_markers
 from gmlx.engine.structured import Grammar, compile_format, lark_literal
 from gmlx.engine.tools import select_tools, template_tool_choice, template_tools
@@ -26,7 +27,6 @@ from gmlx.engine.types import (
     Event,
     FinishReason,
     GenerateRequest,
-    ImagePart,
     Message,
     Tool,
     ToolCall,
@@ -98,14 +98,17 @@ class Engine:
         registry: the served models.
         preflight_mem: refuse before submitting a request that cannot fit in memory.
         top_logprobs_cap: most ``top_logprobs`` alternatives a request gets (0..20).
+        fetch_policy: how far the server goes to read a request's image URLs.
     """
 
     def __init__(
-        self, registry: Registry, *, preflight_mem: bool = True, top_logprobs_cap: int = 0
+        self, registry: Registry, *, preflight_mem: bool = True, top_logprobs_cap: int = 0,
+        fetch_policy: FetchPolicy = media.DEFAULT_POLICY,
     ) -> None:
         self.registry = registry
         self.preflight_mem = preflight_mem
         self.top_logprobs_cap = top_logprobs_cap
+        self.fetch_policy = fetch_policy
 
     # -- rendering --------------------------------------------------------------
 
@@ -115,6 +118,8 @@ class Engine:
         model used now (a generation; not an estimate), so no idle unload or eviction
         takes it before the request is submitted."""
         target = self.registry.address(req.model, req.profile)
+        if media.image_parts(req.messages):  # fetching blocks on the network: off the loop
+            await asyncio.to_thread(self._images, req, target)
         worker = self.registry.running(target.spec.id)
         if worker is None:  # loading blocks for seconds: off the loop (a load marks it used)
             worker = await threads.run(self.registry.worker, target.spec.id)
@@ -127,7 +132,15 @@ class Engine:
     def render_sync(self, req: ChatRequest) -> Rendered:
         """:meth:`render` for a caller without an event loop (the CLI); marks the model used."""
         target = self.registry.address(req.model, req.profile)
+        self._images(req, target)
         return self._render(req, target, self.registry.worker(target.spec.id))
+
+    def _images(self, req: ChatRequest, target: Target) -> None:
+        """Load and check every image of the request before its model loads, so a bad
+        one is a 400 naming its part whatever the model; then refuse the first, since no
+        served model takes images yet. The one place the engine refuses an image."""
+        if loaded := media.load_images(req.messages, self.fetch_policy):
+            raise media.text_only(loaded[0][0], req.model or target.spec.id)
 
     def _render(self, req: ChatRequest, target: Target, worker: ModelWorker) -> Rendered:
         profile = self.registry.profile(target, worker.loaded)
@@ -258,6 +271,8 @@ class Engine:
         resident answers ``resident: false`` with nothing counted. Raises the
         addressing errors ``start`` raises."""
         target = self.address(req)
+        if media.image_parts(req.messages):  # refused whether or not the model is resident
+            await asyncio.to_thread(self._images, req, target)
         if not self.registry.resident(target.spec.id):
             return admission.not_resident(
                 req.model or target.spec.id, req.max_tokens, target.spec.max_kv_size
@@ -294,14 +309,8 @@ async def collect(job: Job) -> Result:
 
 
 def template_message(message: Message) -> dict[str, Any]:
-    """A message as the plain dict chat templates expect. Raises InvalidRequestError
-    for an image: no served model takes one yet."""
-    if any(isinstance(p, ImagePart) for p in message.parts):
-        raise InvalidRequestError(
-            "Image input needs a vision model (one configured with mmproj:), "
-            "and gmlx does not serve vision models yet.",
-            param="messages",
-        )
+    """A message as the plain dict chat templates expect (its text; images are checked
+    and refused before rendering, by ``Engine._images``)."""
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.name is not None:
         out["name"] = message.name

@@ -133,3 +133,12 @@ class ModelBusyError(GmlxError):
     openai_type = "model_busy"
     anthropic_type = "invalid_request_error"
     code = "model_busy"
+
+
+class PayloadTooLargeError(GmlxError):
+    """Part of a request (an image) is larger than the server's cap for it."""
+
+    status = 413
+    openai_type = "payload_too_large"
+    anthropic_type = "request_too_large"
+    code = "payload_too_large"
