@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from gmlx.cli.client import DEFAULT_URL, call_server
-from gmlx.cli.errors import err_console
+from gmlx.cli.local import load_here
 from gmlx.cli.options import ApiKeyOpt, JsonOpt
-
-if TYPE_CHECKING:
-    from gmlx.engine.chat import Engine
-    from gmlx.engine.worker import ModelWorker
 
 EXIT_CODES = (
     "Exit codes: 0 it fits; 1 it does not fit, cannot be judged, or the estimate failed "
@@ -49,21 +45,6 @@ ServerUrlOpt = Annotated[
 
 
 # -- loading a model here -------------------------------------------------------------
-
-
-def load_here(ref: str) -> tuple[Engine, ModelWorker, str]:
-    """Resolve MODEL as the server does and load it into a one-model engine (whose
-    registry measures it and builds its capacity table); returns the engine, the
-    worker and the model string that addresses it."""
-    from gmlx.compose import build_engine, build_registry
-    from gmlx.config import load_settings
-
-    settings, (name,) = load_settings().with_models([ref])
-    registry = build_registry(settings, decode_batch=1, warmup=False)
-    target = registry.address(name)
-    with err_console.status(f"Loading {ref} …", spinner="dots"):
-        worker = registry.worker(target.spec.id)
-    return build_engine(settings, registry), worker, name
 
 
 def estimate_here(ref: str, body: dict[str, Any]) -> dict[str, Any]:

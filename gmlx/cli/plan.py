@@ -15,7 +15,8 @@ import typer
 from rich.console import Console
 
 from gmlx.cli.client import DEFAULT_URL, call_server
-from gmlx.cli.estimate import OptionalModelArg, ServerUrlOpt, load_here, render_table
+from gmlx.cli.estimate import OptionalModelArg, ServerUrlOpt, render_table
+from gmlx.cli.local import load_here
 from gmlx.cli.options import ApiKeyOpt, JsonOpt
 
 EXIT_CODES = (

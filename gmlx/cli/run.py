@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from gmlx.cli.errors import err_console, fail
+from gmlx.cli.local import load_here
 from gmlx.cli.options import MaxTokensOpt, ModelArg, SeedOpt, SystemOpt, TemperatureOpt
 from gmlx.engine.errors import GmlxError
 from gmlx.engine.types import (
@@ -36,23 +37,6 @@ HELP_LINE = "Type a message; /reset clears the conversation, /exit (or Ctrl-D) l
 
 # The alternatives `--logprobs` shows per token (the table prints all but the token itself).
 LOGPROB_ALTERNATIVES = 5
-
-
-def load_engine(ref: str) -> tuple[Engine, str]:
-    """An engine over ``MODEL[@profile]`` resolved as the server resolves it
-    (configured ids and aliases first, else ``demo`` or a path), loaded now with a
-    spinner; returns the engine and the model string that addresses the model."""
-    from gmlx.compose import build_engine, build_registry
-    from gmlx.config import load_settings
-
-    settings, (name,) = load_settings().with_models([ref])
-    registry = build_registry(settings, decode_batch=1, warmup=False)
-    engine = build_engine(settings, registry, top_logprobs_cap=LOGPROB_ALTERNATIVES)
-    with err_console.status(f"Loading {ref} …", spinner="dots"):
-        worker = registry.worker(registry.address(name).spec.id)
-    for note in worker.loaded.notes:
-        err_console.print(f"[dim]{note}[/]")
-    return engine, name
 
 
 def stream_answer(
@@ -144,7 +128,7 @@ def run_command(
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")
     fmt = response_format(json_schema, json_object)
-    engine, name = load_engine(model)
+    engine, _, name = load_here(model, top_logprobs_cap=LOGPROB_ALTERNATIVES)
     # Explicit flags win over the profile, as request fields do on the server.
     explicit = {"temperature": temperature, "seed": seed, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "repetition_penalty": repetition_penalty}
