@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gmlx.engine import admission, media, threads
 from gmlx.engine.errors import GmlxError, InvalidRequestError
 from gmlx.engine.media import FetchPolicy
-from gmlx.engine.reasoning import detect_open_think, template_kwargs, thinking_markers
+from gmlx.engine.reasoning import prompt_opens_thinking, template_kwargs
 from gmlx.engine.structured import Grammar, compile_format, lark_literal
 from gmlx.engine.tools import select_tools, template_tool_choice, template_tools
 from gmlx.engine.types import (
@@ -223,11 +223,10 @@ class Engine:
     @staticmethod
     def _open_thinking(r: Rendered) -> str | None:
         """The end marker of the thinking block the rendered prompt leaves open, if any."""
-        tokenizer = r.worker.loaded.tokenizer
-        if (markers := thinking_markers(tokenizer)) is None:
+        if (markers := r.worker.think_markers) is None:
             return None
-        tail = tokenizer.decode(r.ids[-16:])
-        return markers[1] if detect_open_think(tail, markers[0]) else None
+        opened = prompt_opens_thinking(r.worker.loaded.tokenizer, r.ids, markers[0])
+        return markers[1] if opened else None
 
     def resident(self, req: ChatRequest) -> bool:
         """Whether the model the request addresses is loaded now (a request to one that

@@ -52,6 +52,12 @@ def detect_open_think(prompt_text: str, start: str) -> bool:
     return prompt_text.rstrip().endswith(start)
 
 
+def prompt_opens_thinking(tokenizer: Tokenizer, prompt_ids: Sequence[int], start: str) -> bool:
+    """:func:`detect_open_think` on the end of a tokenized prompt (its last 16 tokens,
+    decoded: enough for any family's start marker and the blank after it)."""
+    return detect_open_think(tokenizer.decode(list(prompt_ids[-16:])), start)
+
+
 class ReasoningSplitter:
     """Splits streamed text into reasoning and content at the thinking markers.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gmlx.engine import sampling
 from gmlx.engine.errors import InvalidRequestError, PromptTooLongError
 from gmlx.engine.pipeline import TextPipeline, pipeline_for
-from gmlx.engine.reasoning import detect_open_think, make_thinking_budget_processor
+from gmlx.engine.reasoning import make_thinking_budget_processor, prompt_opens_thinking
 from gmlx.engine.structured import make_grammar_processor
 from gmlx.engine.types import Event, FinishReason, GenerateRequest, Usage
 
@@ -196,8 +196,7 @@ class ActiveRequest:
         req = handle.request
         inside = False
         if think_markers and (req.split_reasoning or req.thinking_budget is not None):
-            tail = tokenizer.decode(list(req.prompt_tokens[-16:]))
-            inside = detect_open_think(tail, think_markers[0])
+            inside = prompt_opens_thinking(tokenizer, req.prompt_tokens, think_markers[0])
         pipeline = pipeline_for(req, tokenizer, think_markers=think_markers,
                                 starts_inside=inside, tool_parser=tool_parser)
         processors = sampling.make_processors(req.sampling)

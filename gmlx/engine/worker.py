@@ -137,7 +137,7 @@ class ModelWorker:
         self._waiting = 0  # submitted, not yet given a slot (guarded by _admission)
         self.vocab_size = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
         self.tool_parser = tool_parser_for(loaded.tokenizer)
-        self._think_markers = thinking_markers(loaded.tokenizer)
+        self.think_markers = thinking_markers(loaded.tokenizer)  # (start, end), or None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._cancel_request = _canceller(self._inbox)
         self._pending: deque[ActiveRequest] = deque()
@@ -172,7 +172,7 @@ class ModelWorker:
             self._waiting += 1
         handle = RequestHandle(request, self._cancel_request)
         active = ActiveRequest.prepare(handle, self.loaded.tokenizer,
-                                       think_markers=self._think_markers, tool_parser=self.tool_parser)
+                                       think_markers=self.think_markers, tool_parser=self.tool_parser)
         self._requests[handle.id] = active  # visible to has_request/cancel at once
         self._inbox.put(("submit", active))
         return handle
