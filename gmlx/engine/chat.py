@@ -117,9 +117,19 @@ class Engine:
         and render and tokenize it (off the loop when it is long). ``use`` marks the
         model used now (a generation; not an estimate), so no idle unload or eviction
         takes it before the request is submitted."""
+        return await self._render_for(req, await self.address(req), use)
+
+    async def address(self, req: ChatRequest) -> Target:
+        """The model and profile a request addresses, after checking what can be
+        checked without loading the model: the tool choice, and its images (read off
+        the loop: fetching one blocks on the network)."""
         target = self.registry.address(req.model, req.profile)
-        if media.image_parts(req.messages):  # fetching blocks on the network: off the loop
+        select_tools(req.tools, req.tool_choice)
+        if media.image_parts(req.messages):
             await asyncio.to_thread(self._images, req, target)
+        return target
+
+    async def _render_for(self, req: ChatRequest, target: Target, use: bool) -> Rendered:
         worker = self.registry.running(target.spec.id)
         if worker is None:  # loading blocks for seconds: off the loop (a load marks it used)
             worker = await threads.run(self.registry.worker, target.spec.id)
@@ -168,13 +178,6 @@ class Engine:
                 raise
             ids = _encode_chat(tokenizer, folded, tool_dicts, kwargs)
         return Rendered(worker, profile, model, ids, forced, tools, tuple(tool_dicts or ()))
-
-    def address(self, req: ChatRequest) -> Target:
-        """The model and profile a request addresses, after checking what can be
-        checked without loading the model (the tool choice)."""
-        target = self.registry.address(req.model, req.profile)
-        select_tools(req.tools, req.tool_choice)
-        return target
 
     # -- starting -----------------------------------------------------------------
 
@@ -269,14 +272,12 @@ class Engine:
         """The admission estimate of a request. Never loads a model: one that is not
         resident answers ``resident: false`` with nothing counted. Raises the
         addressing errors ``start`` raises."""
-        target = self.address(req)
-        if media.image_parts(req.messages):  # refused whether or not the model is resident
-            await asyncio.to_thread(self._images, req, target)
+        target = await self.address(req)  # a bad tool choice or image is refused either way
         if not self.registry.resident(target.spec.id):
             return admission.not_resident(
                 req.model or target.spec.id, req.max_tokens, target.spec.max_kv_size
             )
-        r = await self.render(req)
+        r = await self._render_for(req, target, use=False)
         return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model)
 
     def estimate_sync(self, req: ChatRequest) -> admission.Estimate:
