@@ -43,7 +43,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gmlx.engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from gmlx.engine.loading import DEMO_ID, source_kind
+from gmlx.engine.loading import DEMOS, source_kind
 from gmlx.engine.loading.hf_cache import PREFIX as HF_PREFIX
 from gmlx.engine.profiles import Profile, ProfileBook
 from gmlx.engine.types import SamplingParams
@@ -248,12 +248,12 @@ class Settings(BaseModel):
 
 
 def _is_source(ref: str) -> bool:
-    return ref == DEMO_ID or ref.startswith(HF_PREFIX) or Path(ref).expanduser().exists()
+    return ref in DEMOS or ref.startswith(HF_PREFIX) or Path(ref).expanduser().exists()
 
 
 def _id_for(source: str) -> str:
-    if source == DEMO_ID:
-        return DEMO_ID
+    if source in DEMOS:
+        return source
     path = Path(source).expanduser()
     return path.stem if path.suffix == ".gguf" else path.name
 

@@ -88,29 +88,56 @@ class Batch:
         req = active.request
         prompt = list(req.prompt_tokens)
         sampler = active.guarded_sampler(self._protected_ids)
-        lookup = self.prompt_cache.fetch(prompt)
-        cache = lookup.cache
+        if req.images:
+            cache, warm, tier, reused = self._prefill_images(active, prompt)
+        else:
+            lookup = self.prompt_cache.fetch(prompt)
+            cache, warm, tier, reused = lookup.cache, lookup.warm_tokens, lookup.tier, lookup.warm_tokens
+        rest = prompt[warm:]
         if cache is None:  # a miss merges like a hit (whole-step arrays, `with_room`)
-            cache = with_room(make_prompt_cache(self.loaded.model), len(lookup.rest))
+            cache = with_room(make_prompt_cache(self.loaded.model), len(rest))
         (uid,) = self._gen.insert(
-            [lookup.rest],
+            [rest],
             max_tokens=[req.max_tokens],
             caches=[cache],
-            all_tokens=[prompt[: lookup.warm_tokens]],
+            all_tokens=[prompt[:warm]],
             samplers=[sampler],
             logits_processors=[active.guarded_processors()],
         )
         active.uid = uid
         active.state = RequestState.PREFILL
         active.admitted_at = time.monotonic()
-        active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
+        active.cache_tier, active.warm_tokens = tier, reused
         self.running[uid] = active
+
+    def _prefill_images(self, active: ActiveRequest,
+                        prompt: list[int]) -> tuple[Any, int, str, int]:
+        """Start an image request: its longest cached prefix (keyed by its images'
+        digests), then the prompt up to its last image prefilled from embeddings here,
+        between decode steps (``gmlx.engine.vision.prefill``). Returns the KV (with
+        room for the rest), the tokens it holds, and the tier and warm tokens of the
+        lookup."""
+        from gmlx.engine.vision import prefill
+
+        vision = self.loaded.vision
+        if vision is None:  # the engine refuses images to a text model before this
+            raise EngineError(f"{self.loaded.id} has no vision part to read the request's images.")
+        images = active.request.images
+        active.image_key = key = prefill.cache_key(vision, prompt, images)
+        lookup = self.prompt_cache.fetch(key)
+        warm, end = lookup.warm_tokens, prefill.images_end(vision, prompt)
+        if warm >= end:
+            return lookup.cache, warm, lookup.tier, warm
+        cache = lookup.cache or make_prompt_cache(self.loaded.model)
+        prefill.prefill(self.loaded.model, vision, prompt, images, cache, warm, end,
+                        self.prefill_step_size)
+        return with_room(cache, len(prompt) - end), end, lookup.tier, warm
 
     def remove(self, active: ActiveRequest, keep_kv: bool = True) -> None:
         """Take a running request out of the generator, keeping its KV in the prompt
         cache (unless not ``keep_kv``). It stays in ``running`` until finished."""
         for cache, tokens in self._gen.remove([active.uid], return_prompt_caches=keep_kv).values():
-            self.prompt_cache.insert(tokens, cache)
+            self.prompt_cache.insert(active.cache_tokens(tokens), cache)
 
     def step(self, stats: WorkerStats) -> list[Ended]:
         """One generation step: a prefill chunk for the prompts in progress and a
@@ -160,7 +187,7 @@ class Batch:
             return
         finish = active.take(r.token, r.logprobs, r.finish_reason)
         if r.finish_reason is not None and r.prompt_cache is not None:
-            self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
+            self.prompt_cache.insert(active.cache_tokens(r.all_tokens), r.prompt_cache)
         if finish is not None:
             if r.finish_reason is None:  # a stop string ended it: mlx-lm would go on
                 self.remove(active)

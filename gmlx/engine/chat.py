@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gmlx.engine import admission, media, threads
 from gmlx.engine.errors import GmlxError, InvalidRequestError
-from gmlx.engine.media import FetchPolicy
+from gmlx.engine.media import FetchPolicy, LoadedImage
 from gmlx.engine.reasoning import prompt_opens_thinking, template_kwargs
 from gmlx.engine.structured import Grammar, compile_format, lark_literal
 from gmlx.engine.tools import select_tools, template_tool_choice, template_tools
@@ -27,7 +27,9 @@ from gmlx.engine.types import (
     Event,
     FinishReason,
     GenerateRequest,
+    ImagePart,
     Message,
+    PromptImage,
     Tool,
     ToolCall,
     Usage,
@@ -87,6 +89,10 @@ class Rendered:
     forced_tool: bool = False  # the request requires a tool call
     tools: tuple[Tool, ...] = ()  # the tools the template showed the model
     tool_dicts: tuple[Mapping[str, Any], ...] = ()  # the same, as the template took them
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, one per image run
+
+
+Images = list[tuple[str, LoadedImage]]  # a request's images, read, with where each was
 
 
 class Engine:
@@ -117,49 +123,49 @@ class Engine:
         and render and tokenize it (off the loop when it is long). ``use`` marks the
         model used now (a generation; not an estimate), so no idle unload or eviction
         takes it before the request is submitted."""
-        return await self._render_for(req, await self.address(req), use)
+        return await self._render_for(req, *await self.address(req), use)
 
-    async def address(self, req: ChatRequest) -> Target:
-        """The model and profile a request addresses, after checking what can be
-        checked without loading the model: the tool choice, and its images (read off
-        the loop: fetching one blocks on the network)."""
+    async def address(self, req: ChatRequest) -> tuple[Target, Images]:
+        """The model and profile a request addresses and its images, after checking
+        what can be checked without loading the model: the tool choice, and the images
+        (read off the loop: fetching one blocks on the network)."""
         target = self.registry.address(req.model, req.profile)
         select_tools(req.tools, req.tool_choice)
+        images: Images = []
         if media.image_parts(req.messages):
-            await asyncio.to_thread(self._images, req, target)
-        return target
+            images = await asyncio.to_thread(media.load_images, req.messages, self.fetch_policy)
+        return target, images
 
-    async def _render_for(self, req: ChatRequest, target: Target, use: bool) -> Rendered:
+    async def _render_for(self, req: ChatRequest, target: Target, images: Images,
+                          use: bool) -> Rendered:
         worker = self.registry.running(target.spec.id)
         if worker is None:  # loading blocks for seconds: off the loop (a load marks it used)
             worker = await threads.run(self.registry.worker, target.spec.id)
         elif use:
             self.registry.touch(target.spec.id)
-        if _content_chars(req) <= INLINE_CHARS and not req.tools:
-            return self._render(req, target, worker)
-        return await asyncio.to_thread(self._render, req, target, worker)
+        if _content_chars(req) <= INLINE_CHARS and not req.tools and not images:
+            return self._render(req, target, worker, images)
+        return await asyncio.to_thread(self._render, req, target, worker, images)
 
     def render_sync(self, req: ChatRequest) -> Rendered:
         """:meth:`render` for a caller without an event loop (the CLI); marks the model used."""
         target = self.registry.address(req.model, req.profile)
-        self._images(req, target)
-        return self._render(req, target, self.registry.worker(target.spec.id))
+        select_tools(req.tools, req.tool_choice)
+        images = media.load_images(req.messages, self.fetch_policy)
+        return self._render(req, target, self.registry.worker(target.spec.id), images)
 
-    def _images(self, req: ChatRequest, target: Target) -> None:
-        """Load and check every image of the request before its model loads, so a bad
-        one is a 400 naming its part whatever the model; then refuse the first, since no
-        served model takes images yet. The one place the engine refuses an image."""
-        if loaded := media.load_images(req.messages, self.fetch_policy):
-            raise media.text_only(loaded[0][0], req.model or target.spec.id)
-
-    def _render(self, req: ChatRequest, target: Target, worker: ModelWorker) -> Rendered:
+    def _render(self, req: ChatRequest, target: Target, worker: ModelWorker,
+                images: Images) -> Rendered:
         profile = self.registry.profile(target, worker.loaded)
         tokenizer = worker.loaded.tokenizer
         model = req.model or target.spec.id
         if req.prompt is not None:
             return Rendered(worker, profile, model, tokenizer.encode(req.prompt))
+        vision = worker.loaded.vision
+        if images and vision is None:  # the one place the engine refuses an image
+            raise media.text_only(images[0][0], model)
         tools, forced = select_tools(req.tools, req.tool_choice)
-        messages = [template_message(m) for m in req.messages]
+        messages = [template_message(m, with_images=vision is not None) for m in req.messages]
         if profile.system and (not messages or messages[0]["role"] != "system"):
             messages.insert(0, {"role": "system", "content": profile.system})
         kwargs = template_kwargs(
@@ -177,7 +183,14 @@ class Engine:
             if (folded := fold_late_system(messages)) is None:
                 raise
             ids = _encode_chat(tokenizer, folded, tool_dicts, kwargs)
-        return Rendered(worker, profile, model, ids, forced, tools, tuple(tool_dicts or ()))
+        prompt_images: tuple[PromptImage, ...] = ()
+        if images:
+            assert vision is not None
+            ids = vision.expand(ids, len(images))
+            prompt_images = tuple(PromptImage(image.sha256, vision.pixels(image))
+                                  for _, image in images)
+        return Rendered(worker, profile, model, ids, forced, tools, tuple(tool_dicts or ()),
+                        prompt_images)
 
     # -- starting -----------------------------------------------------------------
 
@@ -258,6 +271,7 @@ class Engine:
                 tool_choice_forced=r.forced_tool,
                 split_reasoning=chat,
                 thinking_budget=req.reasoning.budget,
+                images=r.images,
             )
         )
         return Job(handle, r.model, len(r.ids), int(time.time()), r.worker.loaded.tokenizer)
@@ -272,12 +286,12 @@ class Engine:
         """The admission estimate of a request. Never loads a model: one that is not
         resident answers ``resident: false`` with nothing counted. Raises the
         addressing errors ``start`` raises."""
-        target = await self.address(req)  # a bad tool choice or image is refused either way
+        target, images = await self.address(req)  # a bad tool choice or image: refused either way
         if not self.registry.resident(target.spec.id):
             return admission.not_resident(
                 req.model or target.spec.id, req.max_tokens, target.spec.max_kv_size
             )
-        r = await self._render_for(req, target, use=False)
+        r = await self._render_for(req, target, images, use=False)
         return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model)
 
     def estimate_sync(self, req: ChatRequest) -> admission.Estimate:
@@ -308,10 +322,16 @@ async def collect(job: Job) -> Result:
     raise AssertionError("a request stream ended without a final event")
 
 
-def template_message(message: Message) -> dict[str, Any]:
-    """A message as the plain dict chat templates expect (its text; images are checked
-    and refused before rendering, by ``Engine._images``)."""
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
+def template_message(message: Message, *, with_images: bool = False) -> dict[str, Any]:
+    """A message as the plain dict chat templates expect: its text, or, for a model
+    that reads images (``with_images``) and a message that has some, its parts
+    (``{"type": "image"}`` and ``{"type": "text", "text": ...}``, as vision templates
+    take them)."""
+    content: Any = message.content
+    if with_images and any(isinstance(p, ImagePart) for p in message.parts):
+        content = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                   for p in message.parts]
+    out: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         out["name"] = message.name
     if message.reasoning:
@@ -354,6 +374,11 @@ def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | N
         out[i] = None
     for j, m in enumerate(out):
         if m is not None and (j in ahead or j in behind):
+            if isinstance(m["content"], list):  # a turn with images: the texts join as parts
+                m["content"] = [*({"type": "text", "text": t + "\n\n"} for t in ahead.get(j, ())),
+                                *m["content"],
+                                *({"type": "text", "text": "\n\n" + t} for t in behind.get(j, ()))]
+                continue
             texts = [*ahead.get(j, ()), m["content"], *behind.get(j, ())]
             m["content"] = "\n\n".join(t for t in texts if t)
     return [m for m in out if m is not None]

@@ -99,7 +99,7 @@ def start_model(
     from gmlx.engine.loading import load_model
     from gmlx.engine.worker import DEFAULT_PROMPT_CACHE_BYTES, ModelWorker
 
-    loaded = load_model(spec.source, model_id=spec.id)
+    loaded = load_model(spec.source, model_id=spec.id, mmproj=spec.mmproj)
     if spec.max_kv_size:
         loaded.context_length = min(loaded.context_length, spec.max_kv_size)
     for note in loaded.notes:

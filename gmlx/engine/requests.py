@@ -181,6 +181,7 @@ class ActiveRequest:
     warm_tokens: int = 0
     failure: Exception | None = None  # raised by this request's own sampler or processors
     handed_out: int | None = None  # the first token, handed out before mlx-lm returns it
+    image_key: list[int] | None = None  # an image prompt's prompt-cache key (images by digest)
 
     @classmethod
     def prepare(
@@ -209,6 +210,13 @@ class ActiveRequest:
     @property
     def request(self) -> GenerateRequest:
         return self.handle.request
+
+    def cache_tokens(self, tokens: list[int]) -> list[int]:
+        """What the prompt cache files ``tokens`` (this request's prompt and output)
+        under: an image prompt's key in place of its prompt."""
+        if self.image_key is None:
+            return tokens
+        return [*self.image_key, *tokens[len(self.image_key):]]
 
     @property
     def tokens_held(self) -> int:

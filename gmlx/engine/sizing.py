@@ -72,9 +72,10 @@ def source_size(source: str) -> SourceSize:
     """
     kind = source_kind(source)
     if kind == "demo":
-        from gmlx.engine.loading import demo
+        from gmlx.engine.loading import DEMO_VISION_ID, demo, demo_vision
 
-        return _folder_size(demo.ensure_built())
+        built = demo_vision.ensure_built() if source == DEMO_VISION_ID else demo.ensure_built()
+        return _folder_size(built)
     path = local_path(source)
     if kind == "gguf":
         return _gguf_size(path if path.is_file() else min(path.glob("*.gguf")))

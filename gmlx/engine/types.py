@@ -71,6 +71,16 @@ def new_request_id() -> str:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image of a tokenized prompt, ready for its model's vision tower: the digest
+    of its bytes (what the prompt cache keys it by) and its pixels as the tower reads
+    them (a float32 array, channels first)."""
+
+    sha256: str
+    pixels: Any = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation: a tokenized prompt and how to continue it."""
 
@@ -86,6 +96,7 @@ class GenerateRequest:
     tool_choice_forced: bool = False  # a call was required: warn when none comes
     split_reasoning: bool = False  # separate <think> blocks into Event.reasoning
     thinking_budget: int | None = None  # close the thinking block after this many tokens
+    images: tuple[PromptImage, ...] = ()  # one per image run of the prompt, in order
 
 
 @dataclass(frozen=True)

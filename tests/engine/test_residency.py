@@ -248,11 +248,11 @@ def test_concurrent_first_requests_load_once(need, closing, monkeypatch):
     real = loading.load_model
     started = threading.Event()
 
-    def slow_load(source: str, *, model_id: str | None = None):
+    def slow_load(source: str, *, model_id: str | None = None, mmproj: str | None = None):
         calls.append(model_id or source)
         started.set()
         time.sleep(0.3)
-        return real(source, model_id=model_id)
+        return real(source, model_id=model_id, mmproj=mmproj)
 
     monkeypatch.setattr(loading, "load_model", slow_load)
     reg, _, _ = make_registry(need, demo("a"))
@@ -274,7 +274,7 @@ def test_a_failed_load_fails_every_waiter_and_leaves_nothing(need, closing, monk
 
     calls: list[str] = []
 
-    def broken(source: str, *, model_id: str | None = None):
+    def broken(source: str, *, model_id: str | None = None, mmproj: str | None = None):
         calls.append(source)
         time.sleep(0.2)
         raise ModelSourceError(f"Model path {source} does not exist.")

@@ -48,9 +48,9 @@ def test_the_server_listens_while_its_model_loads(tmp_path, gmlx_home, monkeypat
     release = threading.Event()
     real = loading.load_model
 
-    def slow(source: str, *, model_id: str | None = None):
+    def slow(source: str, *, model_id: str | None = None, mmproj: str | None = None):
         release.wait(30)
-        return real(source, model_id=model_id)
+        return real(source, model_id=model_id, mmproj=mmproj)
 
     monkeypatch.setattr(loading, "load_model", slow)
     (tmp_path / "gmlx.yaml").write_text(TWO)

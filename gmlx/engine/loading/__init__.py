@@ -13,21 +13,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gmlx.engine.errors import ModelSourceError
-from gmlx.engine.loading.model import DEMO_ID, LoadedModel
+from gmlx.engine.loading.model import DEMO_ID, DEMO_VISION_ID, DEMOS, LoadedModel
 
 if TYPE_CHECKING:
     from gmlx.engine.tokenizer import Tokenizer
 
-__all__ = ["DEMO_ID", "LoadedModel", "load_model", "load_tokenizer", "local_path", "source_kind"]
+__all__ = ["DEMOS", "DEMO_ID", "DEMO_VISION_ID", "LoadedModel", "load_model", "load_tokenizer", "local_path", "source_kind"]
 
 
 def source_kind(ref: str | Path) -> str:
-    """Which source a reference names: ``demo``, ``gguf`` or ``mlx``.
+    """Which source a reference names: ``demo`` (``demo`` or ``demo-vision``), ``gguf``
+    or ``mlx``.
 
     Raises ModelSourceError when the path is missing or is not a model, or when an
     ``hf:`` reference is not in the local cache.
     """
-    if str(ref) == DEMO_ID:
+    if str(ref) in DEMOS:
         return "demo"
     path = local_path(ref)
     if not path.exists():
@@ -71,21 +72,41 @@ def _gguf_file(path: Path) -> Path:
     return path if path.is_file() else min(path.glob("*.gguf"))
 
 
-def load_model(ref: str | Path, *, model_id: str | None = None) -> LoadedModel:
-    """Load the model a reference names. Errors are ModelSourceError."""
-    kind = source_kind(ref)
-    if kind == "demo":
-        from gmlx.engine.loading import demo
+def load_model(ref: str | Path, *, model_id: str | None = None,
+               mmproj: str | Path | None = None) -> LoadedModel:
+    """Load the model a reference names, with its vision part: an mlx-vlm folder's own,
+    or the llama.cpp projector file ``mmproj`` beside a GGUF. Errors are
+    ModelSourceError."""
+    from gmlx.engine.vision import attach
 
-        loaded = demo.load()
+    kind = source_kind(ref)
+    if mmproj is not None and kind != "gguf":
+        raise ModelSourceError(
+            f"mmproj {mmproj} is for a GGUF language model, and {ref} is not one "
+            "(an mlx-vlm folder carries its own vision part)."
+        )
+    if kind == "demo":
+        from gmlx.engine.loading import demo, demo_vision
+
+        if str(ref) == DEMO_VISION_ID:
+            loaded = demo_vision.load()
+            attach.from_folder(loaded, demo_vision.ensure_built())
+        else:
+            loaded = demo.load()
     elif kind == "gguf":
         from gmlx.engine.loading import gguf
 
         loaded = gguf.load(_gguf_file(local_path(ref)))
+        if mmproj is not None:
+            projector = local_path(mmproj)
+            if not projector.is_file():
+                raise ModelSourceError(f"mmproj {projector} does not exist.")
+            attach.from_mmproj(loaded, projector)
     else:
         from gmlx.engine.loading import mlx_dir
 
         loaded = mlx_dir.load(local_path(ref))
+        attach.from_folder(loaded, local_path(ref))
     if model_id:
         loaded.id = model_id
     return loaded
@@ -95,9 +116,9 @@ def load_tokenizer(ref: str | Path) -> Tokenizer:
     """Load only the tokenizer of a model reference (vocab-only GGUFs included)."""
     kind = source_kind(ref)
     if kind == "demo":
-        from gmlx.engine.loading import demo
+        from gmlx.engine.loading import demo, demo_vision
 
-        return demo.load_tokenizer()
+        return demo_vision.load_tokenizer() if str(ref) == DEMO_VISION_ID else demo.load_tokenizer()
     if kind == "gguf":
         from gmlx.engine.loading import gguf
 

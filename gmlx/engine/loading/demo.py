@@ -118,8 +118,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer():
-    """Train the demo's byte-level BPE tokenizer (deterministic for a given corpus)."""
+def build_tokenizer(specials: list[str] = SPECIAL_TOKENS):
+    """Train the demo's byte-level BPE tokenizer (deterministic for a given corpus),
+    with ``specials`` as its special tokens (ids 0, 1, ... in order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -129,7 +130,7 @@ def build_tokenizer():
     trainer = trainers.BpeTrainer(
         vocab_size=1024,
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

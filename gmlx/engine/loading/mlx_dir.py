@@ -67,8 +67,10 @@ def load(path: Path) -> LoadedModel:
         model, config = load_model(path, lazy=False)
     except Exception as e:
         raise ModelSourceError(f"{path} cannot be loaded: {e}.") from e
+    text = config.get("text_config") or {}  # a vision model's text part
     context = int(
         config.get("max_position_embeddings")
+        or text.get("max_position_embeddings")
         or config.get("max_sequence_length")
         or config.get("n_ctx")
         or DEFAULT_CONTEXT

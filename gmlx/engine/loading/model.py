@@ -10,8 +10,11 @@ if TYPE_CHECKING:
     from mlx import nn
 
     from gmlx.engine.tokenizer import Tokenizer
+    from gmlx.engine.vision import Vision
 
 DEMO_ID = "demo"
+DEMO_VISION_ID = "demo-vision"
+DEMOS = (DEMO_ID, DEMO_VISION_ID)
 
 
 @dataclass
@@ -26,3 +29,4 @@ class LoadedModel:
     kind: str  # "mlx", "gguf" or "demo"
     context_length: int
     notes: list[str] = field(default_factory=list)  # load-log lines (e.g. requantized tensors)
+    vision: Vision | None = None  # the vision tower and projector, when they loaded

@@ -1,0 +1,199 @@
+"""The built-in ``demo-vision`` model: the ``demo`` model's vision twin.
+
+A tiny random Gemma 3 vision-language model (a SigLIP vision tower, hidden 64, two
+layers, 64-pixel images in 8-pixel patches pooled to 16 tokens; a Gemma 3 text model,
+hidden 128, two layers) saved as an mlx-vlm model folder, with the demo's byte-level
+BPE tokenizer plus Gemma 3's image tokens and a ChatML template that writes
+``<start_of_image>`` where a message has an image. Built on first use into the gmlx
+cache, with no download, so ``gmlx serve demo-vision`` exercises every image path on
+any machine. Its text is meaningless, but it conditions on the image: different
+images give different greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gmlx.engine.loading.demo import CHAT_TEMPLATE, EOS_TOKEN, SPECIAL_TOKENS, build_tokenizer
+from gmlx.engine.loading.model import LoadedModel
+from gmlx.paths import cache_dir
+
+DEMO_VISION_ID = "demo-vision"
+VERSION = 1  # bump whenever the built files change
+SEED = 20261201
+
+BOI_TOKEN, IMAGE_TOKEN, EOI_TOKEN = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+VISION_SPECIALS = [*SPECIAL_TOKENS, BOI_TOKEN, IMAGE_TOKEN, EOI_TOKEN]
+
+TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_global_base_freq": 10000.0,
+    "rope_local_base_freq": 10000.0,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 2,
+    "max_position_embeddings": 8192,
+    "mm_tokens_per_image": 16,
+}
+
+VISION_CONFIG: dict[str, Any] = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "patch_size": 8,
+    "image_size": 64,
+    "layer_norm_eps": 1e-6,
+}
+
+# Gemma 3's preprocessing: resize to the square input, scale to [0, 1], normalize.
+PREPROCESSOR_CONFIG = {
+    "image_processor_type": "Gemma3ImageProcessor",
+    "size": {"height": VISION_CONFIG["image_size"], "width": VISION_CONFIG["image_size"]},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "rescale_factor": 1 / 255,
+    "resample": 2,
+    "image_seq_length": TEXT_CONFIG["mm_tokens_per_image"],
+}
+
+# The demo's ChatML template, with images: a message's content may be a list of
+# parts, where an image part becomes the image marker.
+VISION_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- for message in messages %}",
+    "{%- for message in messages %}\n"
+    "{%- if message.content is not string and message.content is not none %}"
+    "{%- set parts = namespace(text='') %}"
+    "{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{%- set parts.text = parts.text + '" + BOI_TOKEN + "' %}"
+    "{%- else %}{%- set parts.text = parts.text + part.text %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- set message = dict(message, content=parts.text) %}"
+    "{%- endif %}",
+    1,
+)
+
+
+def demo_vision_dir() -> Path:
+    return cache_dir() / "models" / f"demo-vision-v{VERSION}"
+
+
+def model_config(vocab_size: int, ids: dict[str, int], eos_id: int, pad_id: int) -> dict[str, Any]:
+    """The mlx-vlm ``config.json`` of a tiny Gemma 3 vision model (tests build their
+    own variants from it)."""
+    return {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "hidden_size": TEXT_CONFIG["hidden_size"],
+        "vocab_size": vocab_size,
+        "image_token_index": ids[IMAGE_TOKEN],
+        "boi_token_index": ids[BOI_TOKEN],
+        "eoi_token_index": ids[EOI_TOKEN],
+        "mm_tokens_per_image": TEXT_CONFIG["mm_tokens_per_image"],
+        "pad_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "text_config": dict(TEXT_CONFIG, vocab_size=vocab_size),
+        "vision_config": dict(VISION_CONFIG),
+    }
+
+
+def random_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Seeded random weights for an mlx-vlm Gemma 3 model of ``config``, scaled so the
+    model's greedy output depends on its context and its images."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from gmlx.engine.vision.classes import vlm_model
+
+    mx.random.seed(seed)
+    model = vlm_model(config)
+    weights = dict(tree_flatten(model.parameters()))
+    text_hidden = config["text_config"]["hidden_size"]
+    vision_hidden = config["vision_config"]["hidden_size"]
+    # mlx-vlm starts the projection at all ones, which maps every image to nearly the
+    # same vector: a random projection keeps images apart.
+    weights["multi_modal_projector.mm_input_projection_weight"] = mx.random.normal(
+        (vision_hidden, text_hidden)
+    ) * (vision_hidden**-0.5)
+    weights["language_model.model.embed_tokens.weight"] = (
+        weights["language_model.model.embed_tokens.weight"] * 0.25
+    )
+    weights["language_model.lm_head.weight"] = weights["language_model.lm_head.weight"] * 8.0
+    mx.eval(weights)
+    return weights
+
+
+def build(target: Path) -> None:
+    """Write the demo-vision model folder (config, weights, tokenizer) to ``target``."""
+    import mlx.core as mx
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tokenizer(VISION_SPECIALS)
+    ids = {t: tok.token_to_id(t) for t in VISION_SPECIALS}
+    config = model_config(tok.get_vocab_size(), ids, ids[EOS_TOKEN], ids["<|endoftext|>"])
+    weights = random_weights(config, SEED)
+
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-vision-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token=EOS_TOKEN,
+            pad_token="<|endoftext|>",
+            clean_up_tokenization_spaces=False,
+            model_max_length=TEXT_CONFIG["max_position_embeddings"],
+        )
+        hf.chat_template = VISION_TEMPLATE
+        hf.save_pretrained(str(tmp))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[EOS_TOKEN]}))
+        os.replace(tmp, target)  # atomic: a concurrent builder's result wins intact
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_built() -> Path:
+    """The demo-vision model folder, building it first if it is not in the cache yet."""
+    target = demo_vision_dir()
+    if not (target / "model.safetensors").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # a half-written folder from an interrupted build
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            build(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    return target
+
+
+def load() -> LoadedModel:
+    from gmlx.engine.loading.mlx_dir import load as load_folder
+
+    loaded = load_folder(ensure_built())
+    loaded.id = DEMO_VISION_ID
+    loaded.kind = "demo"
+    return loaded
+
+
+def load_tokenizer():
+    from gmlx.engine.loading.mlx_dir import load_tokenizer as load_folder_tokenizer
+
+    return load_folder_tokenizer(ensure_built())
