@@ -20,9 +20,11 @@ from gmlx.engine.types import (
     ChatRequest,
     Event,
     FinishReason,
+    ImagePart,
     Message,
     Reasoning,
     ResponseFormat,
+    TextPart,
     new_request_id,
 )
 
@@ -33,7 +35,8 @@ EXIT_CODES = (
     "Exit codes: 0 answered, or the chat ended (/exit, Ctrl-D); 1 failed (one sentence on "
     "stderr); 2 usage error; 130 stopped with Ctrl-C while -p answered or while the model loaded."
 )
-HELP_LINE = "Type a message; /reset clears the conversation, /exit (or Ctrl-D) leaves. Ctrl-C stops an answer."
+HELP_LINE = ("Type a message; /image FILE attaches an image to the next one, /reset clears the "
+             "conversation, /exit (or Ctrl-D) leaves. Ctrl-C stops an answer.")
 
 # The alternatives `--logprobs` shows per token (the table prints all but the token itself).
 LOGPROB_ALTERNATIVES = 5
@@ -124,9 +127,11 @@ def run_command(
     logprobs: Annotated[bool, typer.Option("--logprobs", help="After each answer, print every token's log-probability and top alternatives (stderr).")] = False,
     think: Annotated[bool | None, typer.Option("--think/--no-think", help="Ask a reasoning model to think first (or not); reasoning shows dimmed on stderr.")] = None,
     thinking_budget: Annotated[int | None, typer.Option("--thinking-budget", min=0, help="Close the thinking block after this many tokens.")] = None,
+    image: Annotated[list[Path] | None, typer.Option("--image", help="Attach this image file to the prompt (repeat for several); needs a vision model.", dir_okay=False)] = None,
 ) -> None:
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")
+    images = tuple(image_part(path) for path in image or ())
     fmt = response_format(json_schema, json_object)
     engine, _, name = load_here(model, top_logprobs_cap=LOGPROB_ALTERNATIVES)
     # Explicit flags win over the profile, as request fields do on the server.
@@ -145,11 +150,32 @@ def run_command(
     try:
         base = (Message.text("system", system),) if system else ()
         if prompt is not None:
-            _one_shot(engine, replace(turn, messages=(*base, Message.text("user", prompt))))
+            _one_shot(engine, replace(turn, messages=(*base, user_message(prompt, images))))
         else:
-            _chat(engine, turn, base)
+            _chat(engine, turn, base, images)
     finally:
         engine.registry.close()
+
+
+def image_part(path: Path) -> ImagePart:
+    """An image file as a message part (a ``data:`` URI; the engine checks the image)."""
+    import base64
+    import mimetypes
+
+    try:
+        data = path.expanduser().read_bytes()
+    except OSError as e:
+        fail(f"Cannot read the image {path}: {e.strerror or e}.")
+    kind = mimetypes.guess_type(path.name)[0] or ""
+    kind = kind if kind.startswith("image/") else "image/unknown"  # Pillow reads the real type
+    return ImagePart(f"data:{kind};base64," + base64.b64encode(data).decode())
+
+
+def user_message(text: str, images: tuple[ImagePart, ...] = ()) -> Message:
+    """A user turn: its images first, then its text."""
+    if not images:
+        return Message.text("user", text)
+    return Message("user", (*images, TextPart(text)))
 
 
 def _reasoning_writer() -> Callable[[str], None]:
@@ -174,10 +200,12 @@ def _one_shot(engine: Engine, req: ChatRequest) -> None:
         raise SystemExit(130)
 
 
-def _chat(engine: Engine, turn: ChatRequest, base: tuple[Message, ...]) -> None:
+def _chat(engine: Engine, turn: ChatRequest, base: tuple[Message, ...],
+          images: tuple[ImagePart, ...] = ()) -> None:
     console = Console(highlight=False)
     console.print(f"[dim]{turn.model} · {HELP_LINE}[/]")
     history = base
+    pending = images  # attached to the next message
     while True:
         try:
             line = console.input("[bold green]>>> [/]")
@@ -192,6 +220,17 @@ def _chat(engine: Engine, turn: ChatRequest, base: tuple[Message, ...]) -> None:
             continue
         if text in ("/exit", "/quit", "/bye"):
             return
+        if text.startswith("/image"):
+            path = text.removeprefix("/image").strip()
+            if not path:
+                console.print("[dim]Usage: /image FILE[/]")
+                continue
+            try:
+                pending = (*pending, image_part(Path(path)))
+            except typer.Exit:  # fail() already said why
+                continue
+            console.print(f"[dim]{len(pending)} image(s) attached to your next message.[/]")
+            continue
         if text == "/reset":
             history = base
             console.print("[dim]Conversation cleared.[/]")
@@ -199,7 +238,7 @@ def _chat(engine: Engine, turn: ChatRequest, base: tuple[Message, ...]) -> None:
         if text.startswith("/"):
             console.print(f"[dim]Unknown command {text.split()[0]}. {HELP_LINE}[/]")
             continue
-        messages = (*history, Message.text("user", text))
+        messages = (*history, user_message(text, pending))
         tokens: list[Event] = []
         try:
             job = engine.start_sync(replace(turn, messages=messages, id=new_request_id()))
@@ -220,3 +259,4 @@ def _chat(engine: Engine, turn: ChatRequest, base: tuple[Message, ...]) -> None:
         elif finish is FinishReason.LENGTH:
             console.print(f"[dim](stopped at --max-tokens {turn.max_tokens})[/]")
         history = (*messages, Message.text("assistant", answer))
+        pending = ()

@@ -18,7 +18,7 @@ class ModelInfo:
     resident: bool
     pinned: bool
     speculative: bool
-    vlm: bool
+    vlm: bool  # the model's vision part is loaded: it takes images now
     profile: str | None
     default: bool
     context_length: int | None
@@ -50,7 +50,7 @@ def model_info(
         resident=entry is not None,
         pinned=spec.pinned,
         speculative=False,
-        vlm=spec.mmproj is not None,
+        vlm=worker is not None and worker.loaded.vision is not None,
         profile=target.profile_name,
         default=spec.default and alias_of is None,
         context_length=context_length,

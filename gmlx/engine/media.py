@@ -118,7 +118,7 @@ def text_only(where: str, model: str) -> InvalidRequestError:
     """The refusal of an image to a model that takes none, naming the part (and the
     vision extra, where it is not installed)."""
     message = (f"{where}: model {model!r} is text-only and cannot take an image "
-               "(gmlx serves no vision models yet).")
+               "(serve a vision model: an mlx-vlm folder, a GGUF with mmproj, or demo-vision).")
     if not vision_installed():
         message += f" Vision models need the vision extra: {VISION_EXTRA}."
     return InvalidRequestError(message, param=where)
@@ -262,6 +262,10 @@ def _decode(data: bytes, where: str) -> tuple[str, int, int]:
         with Image.open(io.BytesIO(data)) as image:
             kind, (width, height) = image.format, image.size
             image.verify()  # reads the whole file: a truncated or corrupt one fails here
+    except Image.UnidentifiedImageError as e:
+        raise InvalidRequestError(f"{where}: the data is not a readable image (not a format "
+                                  "Pillow recognises).",
+                                  param=where) from e
     except Exception as e:  # Pillow raises many types (and a bomb warning as an error)
         raise InvalidRequestError(f"{where}: the data is not a readable image ({e}).",
                                   param=where) from e

@@ -100,5 +100,6 @@ def test_listing_markers():
         aliases={"c": "m@mine"},
     )
     m, c = reg.listing()
-    assert (m.id, m.resident, m.pinned, m.vlm, m.context_length) == ("m", False, True, True, 512)
+    # vlm: only once a vision part really loaded (a configured mmproj is not enough)
+    assert (m.id, m.resident, m.pinned, m.vlm, m.context_length) == ("m", False, True, False, 512)
     assert (c.id, c.alias_of, c.profile, c.default) == ("c", "m", "mine", False)
