@@ -204,3 +204,50 @@ def test_think_flag_shows_reasoning_on_stderr():
     assert result.returncode == 0, result.stderr
     assert plain.stderr == "" and result.stderr.strip()  # the reasoning, dimmed on stderr
     assert "<think>" not in result.stdout and "</think>" not in result.stdout
+
+
+def _image(path, color: str) -> str:
+    from PIL import Image
+
+    Image.new("RGB", (48, 40), color).save(path)
+    return str(path)
+
+
+def test_one_shot_with_an_image_conditions_on_it(tmp_path):
+    red, blue = _image(tmp_path / "red.png", "red"), _image(tmp_path / "blue.jpg", "blue")
+
+    def answer(*images: str) -> str:
+        flags = [a for image in images for a in ("--image", image)]
+        result = runner.invoke(app, ["run", "demo-vision", "-p", "What is this?", "-n", "8",
+                                     "-t", "0", *flags])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    assert answer(red) == answer(red)
+    assert answer(red) != answer(blue)
+    assert answer(red, blue) not in (answer(red), answer(blue))  # two images, both read
+
+
+def test_image_errors_are_one_sentence(tmp_path):
+    missing = gmlx("run", "demo-vision", "-p", "x", "--image", str(tmp_path / "no.png"))
+    assert missing.returncode == 1 and "Cannot read the image" in missing.stderr
+    text = tmp_path / "notes.png"
+    text.write_text("not pixels")
+    bad = gmlx("run", "demo-vision", "-p", "x", "--image", str(text))
+    assert bad.returncode == 1 and "not a readable image" in bad.stderr
+    text_only = gmlx("run", "demo", "-p", "x", "--image", _image(tmp_path / "r.png", "red"))
+    assert text_only.returncode == 1 and "text-only" in text_only.stderr
+    assert "Traceback" not in missing.stderr + bad.stderr + text_only.stderr
+
+
+def test_chat_attaches_an_image_to_the_next_message(tmp_path):
+    red = _image(tmp_path / "red.png", "red")
+    with_image = runner.invoke(app, ["run", "demo-vision", "-n", "6", "-t", "0"],
+                               input=f"/image {red}\nWhat is this?\n/exit\n")
+    plain = runner.invoke(app, ["run", "demo-vision", "-n", "6", "-t", "0"],
+                          input="What is this?\n/exit\n")
+    one_shot = runner.invoke(app, ["run", "demo-vision", "-p", "What is this?", "-n", "6", "-t", "0",
+                                   "--image", red])
+    assert "1 image(s) attached" in with_image.output
+    assert one_shot.stdout.strip() in with_image.output
+    assert one_shot.stdout.strip() not in plain.output
