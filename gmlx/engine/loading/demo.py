@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from gmlx.engine.loading.model import DEMO_ID, LoadedModel
@@ -164,11 +165,9 @@ def build(target: Path) -> None:
     weights["lm_head.weight"] = weights["lm_head.weight"] * 8.0
     mx.eval(weights)
 
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    tmp.chmod(0o755)
-    try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    def write(folder: Path) -> None:
+        mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
         hf = PreTrainedTokenizerFast(
             tokenizer_object=tok,
             eos_token=EOS_TOKEN,
@@ -177,16 +176,26 @@ def build(target: Path) -> None:
             model_max_length=MODEL_CONFIG["max_position_embeddings"],
         )
         hf.chat_template = CHAT_TEMPLATE
-        hf.save_pretrained(str(tmp))
-        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
-        os.replace(tmp, target)  # atomic: a concurrent builder's result wins intact
+        hf.save_pretrained(str(folder))
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+
+    write_folder(target, write)
+
+
+def write_folder(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a model folder at ``target`` through ``write`` (given an empty folder),
+    atomically: a concurrent builder's complete result wins, never a half-written one."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_built() -> Path:
-    """The demo model folder, building it first if it is not in the cache yet."""
-    target = demo_dir()
+def ensure(target: Path, build: Callable[[Path], None]) -> Path:
+    """The model folder ``target``, built first with ``build`` if it is not complete."""
     if not (target / "model.safetensors").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():  # a half-written folder from an older, interrupted gmlx
@@ -197,6 +206,11 @@ def ensure_built() -> Path:
             if not (target / "model.safetensors").is_file():
                 raise
     return target
+
+
+def ensure_built() -> Path:
+    """The demo model folder, building it first if it is not in the cache yet."""
+    return ensure(demo_dir(), build)
 
 
 def load() -> LoadedModel:

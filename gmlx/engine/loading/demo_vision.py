@@ -13,18 +13,22 @@ images give different greedy tokens.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from gmlx.engine.loading.demo import CHAT_TEMPLATE, EOS_TOKEN, SPECIAL_TOKENS, build_tokenizer
+from gmlx.engine.loading.demo import (
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    ensure,
+    write_folder,
+)
 from gmlx.engine.loading.model import LoadedModel
 from gmlx.paths import cache_dir
 
 DEMO_VISION_ID = "demo-vision"
-VERSION = 1  # bump whenever the built files change
+VERSION = 2  # bump whenever the built files change
 SEED = 20261201
 
 BOI_TOKEN, IMAGE_TOKEN, EOI_TOKEN = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -138,50 +142,50 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
     return weights
 
 
-def build(target: Path) -> None:
-    """Write the demo-vision model folder (config, weights, tokenizer) to ``target``."""
+def build(target: Path, *, text: dict[str, Any] | None = None,
+          vision: dict[str, Any] | None = None, seed: int = SEED) -> None:
+    """Write the demo-vision model folder (config, weights, tokenizer) to ``target``;
+    ``text`` and ``vision`` override entries of its text and vision configs (a
+    benchmark's larger shape, a test's variant)."""
     import mlx.core as mx
     from transformers import PreTrainedTokenizerFast
 
     tok = build_tokenizer(VISION_SPECIALS)
     ids = {t: tok.token_to_id(t) for t in VISION_SPECIALS}
     config = model_config(tok.get_vocab_size(), ids, ids[EOS_TOKEN], ids["<|endoftext|>"])
-    weights = random_weights(config, SEED)
+    config["text_config"].update(text or {})
+    config["vision_config"].update(vision or {})
+    config["hidden_size"] = config["text_config"]["hidden_size"]
+    config["mm_tokens_per_image"] = config["text_config"]["mm_tokens_per_image"]
+    weights = random_weights(config, seed)
+    preprocessor = dict(PREPROCESSOR_CONFIG, image_seq_length=config["mm_tokens_per_image"])
+    size = config["vision_config"]["image_size"]
+    preprocessor["size"] = {"height": size, "width": size}
 
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-vision-", dir=target.parent))
-    tmp.chmod(0o755)
-    try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
+    def write(folder: Path) -> None:
+        mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
         hf = PreTrainedTokenizerFast(
             tokenizer_object=tok,
             eos_token=EOS_TOKEN,
             pad_token="<|endoftext|>",
             clean_up_tokenization_spaces=False,
             model_max_length=TEXT_CONFIG["max_position_embeddings"],
+            # Gemma 3's processor finds its image tokens by these names.
+            extra_special_tokens={"boi_token": BOI_TOKEN, "image_token": IMAGE_TOKEN,
+                                  "eoi_token": EOI_TOKEN},
         )
         hf.chat_template = VISION_TEMPLATE
-        hf.save_pretrained(str(tmp))
-        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[EOS_TOKEN]}))
-        os.replace(tmp, target)  # atomic: a concurrent builder's result wins intact
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        hf.save_pretrained(str(folder))
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[EOS_TOKEN]}))
+
+    write_folder(target, write)
 
 
 def ensure_built() -> Path:
     """The demo-vision model folder, building it first if it is not in the cache yet."""
-    target = demo_vision_dir()
-    if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # a half-written folder from an interrupted build
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            build(target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    return target
+    return ensure(demo_vision_dir(), build)
 
 
 def load() -> LoadedModel:
