@@ -72,7 +72,7 @@ class LoadedImage:
 def image_parts(messages: Iterable[Message]) -> list[tuple[str, ImagePart]]:
     """Every image of a conversation with where it is (``messages[1].content[2]``)."""
     return [
-        (f"messages[{i}].content[{j}]", part)
+        (part.where or f"messages[{i}].content[{j}]", part)
         for i, message in enumerate(messages)
         for j, part in enumerate(message.parts)
         if isinstance(part, ImagePart)

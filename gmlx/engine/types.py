@@ -157,11 +157,12 @@ class TextPart:
 
 @dataclass(frozen=True)
 class ImagePart:
-    """An image in a message: a ``data:`` URI or an ``http(s)://`` URL. The engine
-    refuses it until a vision model can take it."""
+    """An image in a message: a ``data:`` URI or an ``http(s)://`` URL. A vision model
+    reads it where it stands among the message's parts; a text-only one refuses it."""
 
     url: str
     detail: str | None = None
+    where: str | None = None  # where the client put it (an error names it), if not messages[i].content[j]
 
 
 Part = TextPart | ImagePart

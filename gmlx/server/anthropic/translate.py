@@ -82,13 +82,14 @@ def _text(block: dict[str, Any], param: str = "messages") -> str:
     return text
 
 
-def _image(block: dict[str, Any]) -> ImagePart:
+def _image(block: dict[str, Any], where: str) -> ImagePart:
     source = block.get("source")
     if not isinstance(source, Mapping):
         source = {}
     if source.get("type") == "base64":
-        return ImagePart(f"data:{source.get('media_type', '')};base64,{source.get('data', '')}")
-    return ImagePart(str(source.get("url") or ""))
+        url = f"data:{source.get('media_type', '')};base64,{source.get('data', '')}"
+        return ImagePart(url, where=where)
+    return ImagePart(str(source.get("url") or ""), where=where)
 
 
 def chat_messages(body: MessagesRequest) -> tuple[Message, ...]:
@@ -112,7 +113,7 @@ def chat_messages(body: MessagesRequest) -> tuple[Message, ...]:
         parts: list[Part] = []
         calls: list[ToolCall] = []
         results: list[Message] = []
-        for block in m.content:
+        for k, block in enumerate(m.content):
             kind = block.get("type")
             if kind == "text":
                 parts.append(TextPart(_text(block)))
@@ -126,11 +127,12 @@ def chat_messages(body: MessagesRequest) -> tuple[Message, ...]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not replayed to the model
             elif kind == "image":
-                parts.append(_image(block))
+                parts.append(_image(block, f"messages[{i}].content[{k}]"))
             elif kind == "document":
                 raise InvalidRequestError(
-                    "document blocks need a vision model, and gmlx does not serve one yet.",
-                    param="messages",
+                    f"messages[{i}].content[{k}]: document blocks are not supported; send "
+                    "a document's pages as image blocks, or its text as a text block.",
+                    param=f"messages[{i}].content[{k}]",
                 )
             else:
                 raise InvalidRequestError(
@@ -138,10 +140,19 @@ def chat_messages(body: MessagesRequest) -> tuple[Message, ...]:
                 )
         out.extend(results)
         if parts or calls or not results:
-            text = "".join(p.text for p in parts if isinstance(p, TextPart))
-            others = tuple(p for p in parts if not isinstance(p, TextPart))
-            joined: tuple[Part, ...] = ((TextPart(text),) if text else ()) + others
-            out.append(Message(m.role, joined, tool_calls=tuple(calls)))
+            out.append(Message(m.role, _joined(parts), tool_calls=tuple(calls)))
+    return tuple(out)
+
+
+def _joined(parts: list[Part]) -> tuple[Part, ...]:
+    """The blocks in their order, adjacent text blocks joined into one part (images
+    stay where the client put them: before the text is Anthropic's advice)."""
+    out: list[Part] = []
+    for part in parts:
+        if isinstance(part, TextPart) and out and isinstance(out[-1], TextPart):
+            out[-1] = TextPart(out[-1].text + part.text)
+        elif not isinstance(part, TextPart) or part.text:
+            out.append(part)
     return tuple(out)
 
 

@@ -45,7 +45,7 @@ def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) 
     if isinstance(items, str):
         return (*messages, Message.text("user", items))
     reasoning: list[str] = []  # reasoning items waiting for the turn they began
-    for item in items:
+    for n, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "reasoning":
             reasoning.append(_reasoning_text(item))
@@ -57,7 +57,7 @@ def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) 
                     f"{', '.join(INPUT_ROLES)}.",
                     param="input",
                 )
-            parts = translate.parts(item.get("content"), param="input")
+            parts = translate.parts(item.get("content"), param="input", at=f"input[{n}].content")
             if role == "assistant":
                 messages.append(Message("assistant", parts, reasoning=_take(reasoning)))
             else:

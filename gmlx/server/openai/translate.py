@@ -38,7 +38,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     """A chat-completions body as the engine's request."""
     logprobs = bool(body.logprobs)
     return ChatRequest(
-        messages=tuple(chat_message(m) for m in body.messages),
+        messages=tuple(chat_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)),
         tools=tools(body.tools),
         tool_choice=tool_choice(body.tool_choice),
         response_format=response_format(body.response_format),
@@ -67,15 +67,16 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...] | None:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def chat_message(m: ChatMessage) -> Message:
-    """One chat message; ``developer`` is a system message, ``function`` a tool result."""
+def chat_message(m: ChatMessage, where: str = "messages") -> Message:
+    """One chat message (at ``where`` in the request); ``developer`` is a system
+    message, ``function`` a tool result."""
     extra = m.model_extra or {}
     role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
     calls = tuple(_call(c, i) for i, c in enumerate(extra.get("tool_calls") or ()))
     name, call_id, reasoning = (extra.get(k) for k in ("name", "tool_call_id", "reasoning_content"))
     return Message(
         role,
-        parts(m.content),
+        parts(m.content, at=f"{where}.content"),
         tool_calls=calls,
         tool_call_id=call_id if isinstance(call_id, str) else None,
         name=name if isinstance(name, str) else None,
@@ -98,8 +99,9 @@ def _call(call: Any, i: int) -> ToolCall:
     return ToolCall(str(call.get("id") or ""), function["name"], arguments)
 
 
-def parts(content: Any, param: str = "messages") -> tuple[Part, ...]:
-    """Message content given as a string or a list of typed parts.
+def parts(content: Any, param: str = "messages", at: str | None = None) -> tuple[Part, ...]:
+    """Message content given as a string or a list of typed parts; ``at`` is where the
+    list is in the request (``messages[2].content``), which an image's errors name.
 
     Raises InvalidRequestError for parts of unknown types and for content of any other
     shape (Responses input items are not schema-typed, so their content arrives here as
@@ -113,7 +115,7 @@ def parts(content: Any, param: str = "messages") -> tuple[Part, ...]:
             param=param,
         )
     out: list[Part] = []
-    for part in content:
+    for k, part in enumerate(content):
         if not isinstance(part, dict):
             raise InvalidRequestError(
                 f"A content part must be an object, not {common.json_type(part)}.", param=param
@@ -131,7 +133,8 @@ def parts(content: Any, param: str = "messages") -> tuple[Part, ...]:
             url = part.get("image_url")
             if isinstance(url, Mapping):
                 url = url.get("url")
-            out.append(ImagePart(url if isinstance(url, str) else ""))
+            out.append(ImagePart(url if isinstance(url, str) else "",
+                                 where=f"{at}[{k}]" if at else None))
         else:
             raise InvalidRequestError(f"Unsupported content part type {kind!r}.", param=param)
     return tuple(out)
