@@ -60,15 +60,17 @@ class Estimate:
 
 
 def estimate(
-    registry: Registry, worker: ModelWorker, ids: Sequence[int], max_tokens: int | None, model: str
+    registry: Registry, worker: ModelWorker, ids: Sequence[int], max_tokens: int | None, model: str,
+    cache_ids: Sequence[int] | None = None,
 ) -> Estimate:
     """The estimate of a prompt (``ids``, rendered for ``worker``'s model).
 
     ``max_tokens`` is the output cap the request pins (None: unpinned, so only the
-    prompt's KV is priced); ``model`` is the name the answer reports.
+    prompt's KV is priced); ``model`` is the name the answer reports; ``cache_ids``
+    what the prompt cache knows the prompt by, where not ``ids`` (images by digest).
     """
     n = len(ids)
-    tier, warm = worker.prompt_cache.peek(list(ids))
+    tier, warm = worker.prompt_cache.peek(list(cache_ids or ids))
     limit = worker.loaded.context_length
     geom = registry.geometry(worker.loaded.id)
     need = (
@@ -131,7 +133,8 @@ def ttft_s(worker: ModelWorker, cold_tokens: int) -> float:
 
 
 def preflight(
-    registry: Registry, worker: ModelWorker, ids: Sequence[int], max_tokens: int | None
+    registry: Registry, worker: ModelWorker, ids: Sequence[int], max_tokens: int | None,
+    cache_ids: Sequence[int] | None = None,
 ) -> None:
     """Refuse a request that cannot fit in memory even once the running requests
     finish: PromptTooLongError (a 400) whose message starts ``prompt is too long`` and
@@ -154,7 +157,7 @@ def preflight(
 
     need = need_bytes(0)
     if need > budget:  # too big as a miss: a cached prefix may still make it fit
-        need = need_bytes(worker.prompt_cache.peek(list(ids))[1])
+        need = need_bytes(worker.prompt_cache.peek(list(cache_ids or ids))[1])
     if need > budget:
         output = f" + {max_tokens} max_tokens" if max_tokens else ""
         raise PromptTooLongError(

@@ -91,6 +91,16 @@ class Rendered:
     tool_dicts: tuple[Mapping[str, Any], ...] = ()  # the same, as the template took them
     images: tuple[PromptImage, ...] = ()  # the prompt's images, one per image run
 
+    @property
+    def cache_ids(self) -> list[int]:
+        """What the prompt cache files this prompt under: its ids, with image runs
+        keyed by their images' digests."""
+        if not self.images or self.worker.loaded.vision is None:
+            return self.ids
+        from gmlx.engine.vision.prefill import cache_key
+
+        return cache_key(self.worker.loaded.vision, self.ids, self.images)
+
 
 Images = list[tuple[str, LoadedImage]]  # a request's images, read, with where each was
 
@@ -252,7 +262,7 @@ class Engine:
     def _submit(self, req: ChatRequest, r: Rendered, grammar: Grammar | None) -> Job:
         self.registry.touch(r.worker.loaded.id)  # a request: the model is in use
         if self.preflight_mem:
-            admission.preflight(self.registry, r.worker, r.ids, req.max_tokens)
+            admission.preflight(self.registry, r.worker, r.ids, req.max_tokens, r.cache_ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else r.profile.max_tokens
         if max_tokens is None:  # unset everywhere: whatever the context window leaves
             max_tokens = max(1, r.worker.loaded.context_length - len(r.ids))
@@ -292,12 +302,14 @@ class Engine:
                 req.model or target.spec.id, req.max_tokens, target.spec.max_kv_size
             )
         r = await self._render_for(req, target, images, use=False)
-        return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model)
+        return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model,
+                                  r.cache_ids)
 
     def estimate_sync(self, req: ChatRequest) -> admission.Estimate:
         """:meth:`estimate` for a caller without an event loop, loading the model."""
         r = self.render_sync(req)
-        return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model)
+        return admission.estimate(self.registry, r.worker, r.ids, req.max_tokens, r.model,
+                                  r.cache_ids)
 
 
 async def collect(job: Job) -> Result:

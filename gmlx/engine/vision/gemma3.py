@@ -33,6 +33,9 @@ def vision(encoder: Any, config: dict[str, Any], tokenizer: Any, source: Path) -
         if ids[name] is None:
             raise ModelSourceError(f"{source}: the tokenizer has no {token} token, so images "
                                    "cannot be placed in a prompt.")
+    # mlx-vlm puts image features where its config's image_token_index is; a projector
+    # file cannot say it, so it is the tokenizer's image token (not Gemma 3's default id).
+    encoder.config.image_token_index = int(ids[IMAGE])
     return Vision(
         encoder=encoder,
         family="gemma3",
