@@ -60,8 +60,10 @@ class Stream:
         from gmlx.engine.types import ChatRequest, Message
 
         self.times: list[float] = []
-        req = ChatRequest(model=model, messages=(Message.text("user", text),), max_tokens=tokens,
-                          sampling={"temperature": 0})
+        req = ChatRequest(model=model, messages=(Message.text("user", text),), max_tokens=tokens)
+        eos = engine.render_sync(req).worker.loaded.tokenizer.eos_token_ids
+        no_end = {"temperature": 0, "logit_bias": dict.fromkeys(eos, -100.0)}  # decode on
+        req = ChatRequest(model=model, messages=req.messages, max_tokens=tokens, sampling=no_end)
         self.job = engine.start_sync(req)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -114,7 +116,9 @@ def measure(engine, model: str, width: int, image: bytes, words: int) -> dict[st
     out: dict[str, float] = {"prompt_tokens": n_prompt}
     for label, req in (("image", image_req), ("text", text_req)):
         streams = [Stream(engine, model, f"Stream {i} tells a long story.", 4000) for i in range(width)]
-        time.sleep(1.0)  # decoding steadily
+        deadline = time.monotonic() + 120
+        while min(len(s.times) for s in streams) < 24 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until every stream decodes steadily
         if label == "image":  # a fresh image: no cached prefix
             req = ChatRequest(model=model, max_tokens=4, sampling={"temperature": 0},
                               messages=(Message("user", (ImagePart(data_uri(png((9, 99, 199)))),
@@ -122,11 +126,13 @@ def measure(engine, model: str, width: int, image: bytes, words: int) -> dict[st
         start = time.perf_counter()
         first = ttft(engine, req)
         end = time.perf_counter()
-        time.sleep(0.5)
+        time.sleep(max(0.5, 6 * out.get("gap_p50_ms", 100) / 1e3))
         for s in streams:
             s.job.handle.cancel()
             s.thread.join(30)
         gaps = [g for s in streams for g in s.gaps(end=start)]
+        if not gaps:
+            raise SystemExit(f"the text streams did not decode: {[len(s.times) for s in streams]} tokens, {[s.job.handle for s in streams]}")
         during = [g for s in streams for g in s.gaps(start, end + 0.2)]
         out["gap_p50_ms"] = statistics.median(gaps[len(gaps) // 4:]) * 1e3
         out[f"{label}_stall_ms"] = max(during, default=0.0) * 1e3
