@@ -214,15 +214,24 @@ def ensure_built() -> Path:
 
 
 def load() -> LoadedModel:
+    return load_built(ensure_built(), DEMO_ID)
+
+
+def load_tokenizer():
+    return load_built_tokenizer(ensure_built())
+
+
+def load_built(folder: Path, model_id: str) -> LoadedModel:
+    """A built-in model's folder, loaded as an MLX folder under its built-in id."""
     from gmlx.engine.loading.mlx_dir import load as load_folder
 
-    loaded = load_folder(ensure_built())
-    loaded.id = DEMO_ID
+    loaded = load_folder(folder)
+    loaded.id = model_id
     loaded.kind = "demo"
     return loaded
 
 
-def load_tokenizer():
+def load_built_tokenizer(folder: Path):
     from gmlx.engine.loading.mlx_dir import load_tokenizer as load_folder_tokenizer
 
-    return load_folder_tokenizer(ensure_built())
+    return load_folder_tokenizer(folder)

@@ -22,6 +22,8 @@ from gmlx.engine.loading.demo import (
     SPECIAL_TOKENS,
     build_tokenizer,
     ensure,
+    load_built,
+    load_built_tokenizer,
     write_folder,
 )
 from gmlx.engine.loading.model import LoadedModel
@@ -189,15 +191,8 @@ def ensure_built() -> Path:
 
 
 def load() -> LoadedModel:
-    from gmlx.engine.loading.mlx_dir import load as load_folder
-
-    loaded = load_folder(ensure_built())
-    loaded.id = DEMO_VISION_ID
-    loaded.kind = "demo"
-    return loaded
+    return load_built(ensure_built(), DEMO_VISION_ID)
 
 
 def load_tokenizer():
-    from gmlx.engine.loading.mlx_dir import load_tokenizer as load_folder_tokenizer
-
-    return load_folder_tokenizer(ensure_built())
+    return load_built_tokenizer(ensure_built())

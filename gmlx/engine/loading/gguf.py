@@ -41,7 +41,7 @@ def load(path: Path) -> LoadedModel:
     f = GGUFFile(path)
     arch = gguf_arch.architecture(path, f.metadata)
     config = gguf_arch.model_config(path, f.metadata, {n: t.shape for n, t in f.tensors.items()})
-    _check_types(path, f)
+    check_types(path, f)
     tokenizer = build_tokenizer(path, f.metadata)
 
     from gmlx.engine.mlxlm import model_classes
@@ -92,7 +92,7 @@ def load(path: Path) -> LoadedModel:
     )
 
 
-def _check_types(path: Path, f: GGUFFile) -> None:
+def check_types(path: Path, f: GGUFFile) -> None:
     unsupported = sorted(
         {t.qtype.name for t in f.tensors.values() if t.qtype not in gguf_quant.SUPPORTED_TYPES}
     )

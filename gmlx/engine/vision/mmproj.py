@@ -29,6 +29,7 @@ from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType, get_tensor_name
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
 from gmlx.engine.loading import gguf_quant
+from gmlx.engine.loading.gguf import check_types
 from gmlx.engine.loading.gguf_file import GGUFFile
 
 Q = GGMLQuantizationType
@@ -72,7 +73,7 @@ def read(path: Path, text_config: dict[str, Any]) -> Projector:
     meta = _Metadata(path, f.metadata)
     _check_kind(path, meta)
     config = _config(path, meta, text_config)
-    _check_types(path, f)
+    check_types(path, f)
 
     from mlx.utils import tree_flatten
 
@@ -236,17 +237,6 @@ def _hf_name(param: str) -> str:
     """The Hugging Face name of an mlx-vlm parameter, the one the name map knows: the
     projection is a bare ``..._weight`` parameter there, a ``.weight`` in the map."""
     return param[: -len("_weight")] + ".weight" if param.endswith("_weight") else param
-
-
-def _check_types(path: Path, f: GGUFFile) -> None:
-    unsupported = sorted(
-        {t.qtype.name for t in f.tensors.values() if t.qtype not in gguf_quant.SUPPORTED_TYPES}
-    )
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{path}: tensor type(s) {', '.join(unsupported)} are not supported (supported: "
-            f"{', '.join(t.name for t in gguf_quant.SUPPORTED_TYPES)})."
-        )
 
 
 def _model_dtype(f: GGUFFile) -> mx.Dtype:
