@@ -58,6 +58,9 @@ class Batch:
         # Tokens XTC never excludes: ending or breaking a line must stay possible.
         self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
         self._gen: Any = None
+        # image requests being prefilled from embeddings, by their (negative) uid
+        self._staged: dict[int, tuple[Any, Any]] = {}
+        self._staged_uid = 0
 
     @property
     def free(self) -> int:
@@ -78,21 +81,29 @@ class Batch:
         import mlx.core as mx
 
         self.running.clear()
+        self._staged.clear()
         gen, self._gen = self._gen, None
         gen.close()
         mx.synchronize(gen.stream)
 
     def admit(self, active: ActiveRequest) -> None:
-        """Start ``active`` from the longest cached prefix of its prompt. Raises what
-        building its sampler or inserting it raises; the batch is unchanged then."""
+        """Start ``active`` from the longest cached prefix of its prompt; an image
+        request whose images are not all cached is staged first (``_stage``). Raises
+        what building its sampler or inserting it raises; the batch is unchanged then."""
         req = active.request
         prompt = list(req.prompt_tokens)
         sampler = active.guarded_sampler(self._protected_ids)
         if req.images:
-            cache, warm, tier, reused = self._prefill_images(active, prompt)
-        else:
-            lookup = self.prompt_cache.fetch(prompt)
-            cache, warm, tier, reused = lookup.cache, lookup.warm_tokens, lookup.tier, lookup.warm_tokens
+            self._stage(active, prompt, sampler)
+            return
+        lookup = self.prompt_cache.fetch(prompt)
+        self._insert(active, prompt, sampler, lookup.cache, lookup.warm_tokens)
+        active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
+
+    def _insert(self, active: ActiveRequest, prompt: list[int], sampler: Any,
+                cache: list[Any] | None, warm: int) -> None:
+        """Hand ``active`` to the generator with the KV of ``prompt[:warm]`` (None: none)."""
+        req = active.request
         rest = prompt[warm:]
         if cache is None:  # a miss merges like a hit (whole-step arrays, `with_room`)
             cache = with_room(make_prompt_cache(self.loaded.model), len(rest))
@@ -106,17 +117,15 @@ class Batch:
         )
         active.uid = uid
         active.state = RequestState.PREFILL
-        active.admitted_at = time.monotonic()
-        active.cache_tier, active.warm_tokens = tier, reused
+        active.admitted_at = active.admitted_at or time.monotonic()
         self.running[uid] = active
 
-    def _prefill_images(self, active: ActiveRequest,
-                        prompt: list[int]) -> tuple[Any, int, str, int]:
+    def _stage(self, active: ActiveRequest, prompt: list[int], sampler: Any) -> None:
         """Start an image request: its longest cached prefix (keyed by its images'
-        digests), then the prompt up to its last image prefilled from embeddings here,
-        between decode steps (``gmlx.engine.vision.prefill``). Returns the KV (with
-        room for the rest), the tokens it holds, and the tier and warm tokens of the
-        lookup."""
+        digests); if that ends before its last image, the rest up to it is staged, to
+        be prefilled from embeddings a piece per step (``_advance_staged``) while the
+        batch decodes. A staged request holds a slot in ``running`` under a negative
+        uid of its own until it joins the generator."""
         from gmlx.engine.vision import prefill
 
         vision = self.loaded.vision
@@ -125,17 +134,42 @@ class Batch:
         images = active.request.images
         active.image_key = key = prefill.cache_key(vision, prompt, images)
         lookup = self.prompt_cache.fetch(key)
-        warm, end = lookup.warm_tokens, prefill.images_end(vision, prompt)
-        if warm >= end:
-            return lookup.cache, warm, lookup.tier, warm
+        active.cache_tier, active.warm_tokens = lookup.tier, lookup.warm_tokens
+        end = prefill.images_end(vision, prompt)
+        if lookup.warm_tokens >= end:
+            self._insert(active, prompt, sampler, lookup.cache, lookup.warm_tokens)
+            return
         cache = lookup.cache or make_prompt_cache(self.loaded.model)
-        prefill.prefill(self.loaded.model, vision, prompt, images, cache, warm, end,
-                        self.prefill_step_size)
-        return with_room(cache, len(prompt) - end), end, lookup.tier, warm
+        self._staged_uid -= 1
+        active.uid = self._staged_uid
+        active.state = RequestState.PREFILL
+        active.admitted_at = time.monotonic()
+        self.running[active.uid] = active
+        self._staged[active.uid] = (prefill.stage(prompt, images, cache, lookup.warm_tokens, end),
+                                    sampler)
+
+    def _advance_staged(self, chunk: int) -> None:
+        """One piece of the oldest staged image request's prefill; once its images are
+        in its KV it joins the generator. A failure ends that request alone."""
+        uid, (staged, sampler) = next(iter(self._staged.items()))
+        active = self.running[uid]
+        try:
+            staged.advance(self.loaded.model, self.loaded.vision, chunk)
+            if not staged.done:
+                return
+            del self._staged[uid], self.running[uid]
+            cache = with_room(staged.cache, len(staged.prompt) - staged.end)
+            self._insert(active, staged.prompt, sampler, cache, staged.end)
+        except Exception as e:  # this request's images or prefill: not the batch's
+            log.exception("prefilling the images of %s failed", active.request.id)
+            self._staged.pop(uid, None)
+            self._end(active, FinishReason.ERROR, EngineError(f"Prefilling the images failed: {e}."))
 
     def remove(self, active: ActiveRequest, keep_kv: bool = True) -> None:
         """Take a running request out of the generator, keeping its KV in the prompt
         cache (unless not ``keep_kv``). It stays in ``running`` until finished."""
+        if self._staged.pop(active.uid, None) is not None:  # type: ignore[arg-type]
+            return  # staged: not in the generator yet, and its partial KV is not kept
         for cache, tokens in self._gen.remove([active.uid], return_prompt_caches=keep_kv).values():
             self.prompt_cache.insert(active.cache_tokens(tokens), cache)
 
@@ -150,6 +184,8 @@ class Batch:
         gen = self._gen
         decoding = any(a.state is RequestState.DECODE for a in self.running.values())
         gen.prefill_step_size = chunk = scheduling.prefill_step(self.prefill_step_size, decoding)
+        if self._staged:
+            self._advance_staged(chunk)
         gen.prefill_batch_size = scheduling.prefill_width(mlxlm.prefill_lengths(gen), chunk)
         try:
             prompt_responses, responses = gen.next()
@@ -158,6 +194,7 @@ class Batch:
             error = EngineError(f"Generation failed: {e}.")
             for failed in list(self.running.values()):
                 self._end(failed, FinishReason.ERROR, error)
+            self._staged.clear()
             gen.close()
             self.open()
             return self._ended

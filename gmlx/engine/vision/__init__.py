@@ -20,7 +20,7 @@ model continues it as any other; families whose positions depend on the image gr
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,18 +119,42 @@ class Vision:
         a = (a - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
         return np.ascontiguousarray(a.transpose(2, 0, 1))
 
-    def embed(self, ids: Sequence[int], pixels: Sequence[np.ndarray]) -> mx.array:
+    def embed(self, ids: Sequence[int], pixels: Sequence[np.ndarray],
+              features: mx.array | None = None) -> mx.array:
         """The input embeddings of ``ids`` (a prompt whose image runs hold one image of
         ``pixels`` each, in order), shape [1, len(ids), hidden], as mlx-vlm computes
         them: the text tokens' embeddings with each image's projected features in its
-        run. The text model scales them as it scales its own."""
+        run (``features``, from :meth:`tower`, or computed here). The text model scales
+        them as it scales its own."""
         import mlx.core as mx
 
         input_ids = mx.array([list(ids)], dtype=mx.int32)
+        extra = {} if features is None else {"cached_image_features": features}
         out = self.encoder.get_input_embeddings(
-            input_ids, mx.array(np.stack(pixels)), mask=mx.ones(input_ids.shape, dtype=mx.int32)
+            input_ids, mx.array(np.stack(pixels)), mask=mx.ones(input_ids.shape, dtype=mx.int32),
+            **extra,
         )
         return out.inputs_embeds
+
+    def tower(self, pixels: Sequence[np.ndarray]) -> Iterator[mx.array | None]:
+        """The images' projected features, computed a piece at a time: yields None after
+        each piece (the patch embedding, each encoder layer, evaluated), and the
+        features [images, tokens_per_image, hidden] last. The same arithmetic as
+        mlx-vlm's tower, cut where a caller may let other work run in between."""
+        import mlx.core as mx
+
+        vm = self.encoder.vision_tower.vision_model
+        dtype = self.encoder.language_model.model.embed_tokens(mx.array([0])).dtype
+        x = vm.embeddings(mx.array(np.stack(pixels)).transpose(0, 2, 3, 1).astype(dtype))
+        mx.eval(x)
+        yield None
+        for layer in vm.encoder.layers:
+            x = layer(x, mask=None)
+            mx.eval(x)
+            yield None
+        features = self.encoder.multi_modal_projector(vm.post_layernorm(x))
+        mx.eval(features)
+        yield features
 
 
 def text_model(model: nn.Module) -> nn.Module:

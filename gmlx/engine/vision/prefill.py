@@ -2,10 +2,11 @@
 
 mlx-lm's batch generator prefills token ids; an image token's input is its image's
 projected features instead of a row of the embedding table. So a request with images
-is prefilled here first, from embeddings, on the worker's thread between two decode
-steps (the running streams wait for it: one image's tower and prefill), from the
-longest cached prefix of its prompt; then it joins the batch as a prompt-cache hit
-whose rest (the text after its last image) the batch prefills as any other.
+is prefilled here first, from embeddings, from the longest cached prefix of its
+prompt, in pieces on the worker's thread between decode steps (:class:`Staged`: the
+tower, then a prefill chunk per step), so the running streams pause for one piece at
+a time; then it joins the batch as a prompt-cache hit whose rest (the text after its
+last image) the batch prefills as any other.
 
 The prompt cache keys an image request by :func:`cache_key`: its tokens with each
 image's run replaced by ids derived from the image's digest, so a prefix holding a
@@ -15,7 +16,8 @@ different image is never reused, and the same image in a follow-up turn is.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gmlx.engine.types import PromptImage
@@ -41,33 +43,60 @@ def images_end(vision: Vision, prompt: Sequence[int]) -> int:
     return spans[-1][1] if spans else 0
 
 
-def prefill(
-    model: Any,
-    vision: Vision,
-    prompt: Sequence[int],
-    images: Sequence[PromptImage],
-    cache: list[Any],
-    warm: int,
-    end: int,
-    step: int,
-) -> None:
-    """Fill ``cache`` (holding the KV of ``prompt[:warm]``) with ``prompt[warm:end]``,
-    computed from embeddings in chunks of ``step`` tokens. The embeddings of the whole
-    ``prompt[:end]`` are built (each image through the tower once), then the warm ones
-    are dropped: a cached prefix that ends inside an image's run still needs that
-    image's features for the rest of its run."""
-    import mlx.core as mx
+@dataclass(eq=False)
+class Staged:
+    """An image request's prompt on its way into a KV cache, one piece per decode step:
+    first its images through the tower (their embeddings), then ``chunk`` prompt tokens
+    at a time up to ``end``. ``cache`` holds the KV of ``prompt[:warm]``; it is the
+    request's own (``detach``ed from any cached entry it started from)."""
 
-    _detach(cache)
-    embeddings = vision.embed(prompt[:end], [image.pixels for image in images])
-    ids = mx.array([list(prompt[:end])], dtype=mx.int32)
-    for start in range(warm, end, step):
-        stop = min(end, start + step)
-        model(ids[:, start:stop], cache=cache, input_embeddings=embeddings[:, start:stop])
-        mx.eval([layer.state for layer in cache])
+    prompt: list[int]
+    images: tuple[PromptImage, ...]
+    cache: list[Any]
+    warm: int
+    end: int
+    embeddings: Any = None
+    _tower: Iterator[Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.warm >= self.end
+
+    def advance(self, model: Any, vision: Vision, chunk: int) -> None:
+        """One piece of the work: a piece of the tower (``Vision.tower``), else the next
+        ``chunk`` tokens. The embeddings of the whole ``prompt[:end]`` are built (each
+        image through the tower once) and the warm ones skipped: a cached prefix that
+        ends inside an image's run still needs that image's features."""
+        import mlx.core as mx
+
+        if self.embeddings is None:
+            pixels = [image.pixels for image in self.images]
+            if self._tower is None:
+                self._tower = vision.tower(pixels)
+            if (features := next(self._tower)) is None:
+                return
+            self.embeddings = vision.embed(self.prompt[: self.end], pixels, features)
+            mx.eval(self.embeddings)
+            self._tower = None
+            return
+        start, stop = self.warm, min(self.end, self.warm + max(1, chunk))
+        ids = mx.array([self.prompt[start:stop]], dtype=mx.int32)
+        model(ids, cache=self.cache, input_embeddings=self.embeddings[:, start:stop])
+        mx.eval([layer.state for layer in self.cache])
+        self.warm = stop
+        if self.done:
+            self.embeddings = None  # the features are in the KV now
 
 
-def _detach(cache: list[Any]) -> None:
+def stage(prompt: list[int], images: tuple[PromptImage, ...], cache: list[Any], warm: int,
+          end: int) -> Staged:
+    """The work of prefilling ``prompt[warm:end]`` into ``cache`` (a fetched prefix's,
+    or a fresh one), made the request's own first."""
+    detach(cache)
+    return Staged(prompt, images, cache, warm, end)
+
+
+def detach(cache: list[Any]) -> None:
     """Give each layer arrays of its own. A cache fetched from the prompt cache shares
     its array objects with the cached entry, and a layer writes new KV into its arrays
     in place: without this the entry would take this prompt's image."""
@@ -79,4 +108,4 @@ def _detach(cache: list[Any]) -> None:
                 setattr(layer, name, a[...])
 
 
-__all__ = ["cache_key", "images_end", "prefill"]
+__all__ = ["Staged", "cache_key", "detach", "images_end", "stage"]
