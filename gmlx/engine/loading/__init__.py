@@ -77,7 +77,7 @@ def load_model(ref: str | Path, *, model_id: str | None = None,
     """Load the model a reference names, with its vision part: an mlx-vlm folder's own,
     or the llama.cpp projector file ``mmproj`` beside a GGUF. Errors are
     ModelSourceError."""
-    from gmlx.engine.vision import attach
+    from gmlx.engine.loading import vision_part as attach
 
     kind = source_kind(ref)
     if mmproj is not None and kind != "gguf":

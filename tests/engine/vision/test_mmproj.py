@@ -13,8 +13,8 @@ from gguf import quants as gguf_quants
 from mlx import nn
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
+from gmlx.engine.loading import mmproj
 from gmlx.engine.loading.gguf_file import GGUFFile
-from gmlx.engine.vision import mmproj
 from gmlx.engine.vision.classes import vlm_model
 
 from .conftest import (

@@ -57,7 +57,7 @@ def from_mmproj(loaded: LoadedModel, mmproj: Path) -> None:
         raise ModelSourceError(
             f"{mmproj} is a vision projector, and serving it needs mlx-vlm ({VISION_EXTRA})."
         )
-    from gmlx.engine.vision import mmproj as mmproj_file
+    from gmlx.engine.loading import mmproj as mmproj_file
     from gmlx.engine.vision.classes import vlm_model
 
     projector = mmproj_file.read(mmproj, loaded.config)
