@@ -158,7 +158,7 @@ def warm_up(entry: Resident) -> float | None:
         return None
     entry.warmed = True
     log.info(
-        "warmed up %s: batch widths 1..%d in %.1f s",
+        "warmed up %s: batch widths 1..%d and the prefill shapes in %.1f s",
         entry.spec.id,
         entry.worker.decode_batch,
         seconds,

@@ -97,6 +97,33 @@ def retry_after_s(eta_s: float) -> int:
     return min(max(round(eta_s), low), high)
 
 
+def warm_up_prefills(step: int, context: int, vocab_size: int,
+                     eos_ids: Iterable[int]) -> list[list[GenerateRequest]]:
+    """The prefill shapes a model's traffic uses, as rounds of requests to run one
+    round after the other: a prompt of a whole prefill chunk and a remainder, alone
+    (the chunk a step takes while nothing decodes); the same prompt again (a
+    prompt-cache hit: the cached prefix merged into the batch); and another such
+    prompt arriving beside a decoding request (the smaller chunk of ``prefill_step``
+    while streams decode). Fits the context window."""
+    no_eos = {t: -100.0 for t in eos_ids}
+    greedy = SamplingParams(temperature=0.0, logit_bias=no_eos)
+    length = max(2, min(step + 17, context // 2 - 8))
+
+    def prompt(seed: int, n: int) -> tuple[int, ...]:
+        return tuple((seed * 131 + 7 * j + 3) % vocab_size for j in range(n))
+
+    def request(name: str, tokens: tuple[int, ...], max_tokens: int) -> GenerateRequest:
+        return GenerateRequest(tokens, max_tokens=max_tokens, sampling=greedy, id=f"req-warmup-{name}")
+
+    long = prompt(1, length)
+    shared_steps = -(-length // prefill_step(step, decoding=True)) + 4
+    return [
+        [request("prefill", long, 2)],
+        [request("prefix-hit", long, 2)],
+        [request("decoding", prompt(2, 8), shared_steps), request("shared-prefill", prompt(3, length), 2)],
+    ]
+
+
 def warm_up_requests(width: int, vocab_size: int, eos_ids: Iterable[int]) -> list[GenerateRequest]:
     """``width`` short requests that, submitted together, take a batch through every
     width from ``width`` down to 1: each decodes past the admission of the last

@@ -198,9 +198,11 @@ class ModelWorker:
         return scheduling.queue_eta_s(self.queued, self.decode_batch, self.stats.mean_request_s())
 
     def warm_up(self) -> float:
-        """Run every decode-batch width once, before the first client does: on an
-        accelerator each new shape of a step compiles its kernels on first use (up to
-        seconds), which would otherwise land in some client's time to first token.
+        """Run every decode-batch width once, and the prefill shapes (a whole chunk
+        alone, a prompt-cache hit, the smaller chunk beside a decoding stream), before
+        the first client does: on an accelerator each new shape of a step compiles its
+        kernels on first use (up to seconds), which would otherwise land in some
+        client's time to first token. The model is not ready until this ends.
 
         ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together and
         leave one by one (``scheduling.warm_up_requests``), so the batch passes through
@@ -214,11 +216,14 @@ class ModelWorker:
             self.loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello."}])
         except Exception as e:  # noqa: BLE001 - a real request will report it properly
             log.debug("%s: warm-up render failed: %r", self.loaded.id, e)
-        ramp = scheduling.warm_up_requests(min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size,
-                                           self.loaded.tokenizer.eos_token_ids)
-        for handle in [self.submit(request) for request in ramp]:
-            for _ in handle:
-                pass
+        eos = self.loaded.tokenizer.eos_token_ids
+        ramp = scheduling.warm_up_requests(min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size, eos)
+        prefills = scheduling.warm_up_prefills(self.prefill_step_size, self.loaded.context_length,
+                                               self.vocab_size, eos)
+        for round_ in [ramp, *prefills]:
+            for handle in [self.submit(request) for request in round_]:
+                for _ in handle:
+                    pass
         self.prompt_cache.reset(stats=True)
         self.stats = WorkerStats()
         return time.monotonic() - started

@@ -302,10 +302,27 @@ def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypa
     encode_chat = demo_model.tokenizer.encode_chat
     monkeypatch.setattr(demo_model.tokenizer, "encode_chat",
                         lambda messages, **kw: (rendered.append(messages), encode_chat(messages, **kw))[1])
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from gmlx.engine.scheduling import prefill_step
+
+    chunks: list[int] = []
+    real_prompt = PromptProcessingBatch.prompt
+    monkeypatch.setattr(PromptProcessingBatch, "prompt",
+                        lambda self, tokens: (chunks.append(max(map(len, tokens), default=0)), real_prompt(self, tokens))[1])
     worker = ModelWorker(demo_model, decode_batch=5)
+    tiers: list[str] = []
+    fetch = worker.prompt_cache.fetch
+    monkeypatch.setattr(worker.prompt_cache, "fetch",
+                        lambda tokens: (lookup := fetch(tokens), tiers.append(lookup.tier))[0])
     try:
         assert worker.warm_up() > 0
         assert set(range(1, 6)) <= set(widths)  # 1 up to decode_batch, every one of them
+        # the prefill shapes: a whole chunk alone, the smaller one beside a decoding
+        # stream, and a prompt-cache hit
+        step = worker.prefill_step_size
+        assert step in chunks and prefill_step(step, decoding=True) in chunks
+        assert "exact" in tiers
         assert rendered  # the chat template is compiled before the first conversation
         cache = worker.prompt_cache.stats()
         assert cache["entries"] == 0 and cache["hits"] == cache["misses"] == 0
