@@ -96,6 +96,7 @@ def start_model(
 
     Raises ModelSourceError (and subclasses) from the loader.
     """
+    from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.loading import load_model
     from gmlx.engine.loading.cpu_float import dequantize_for_cpu
     from gmlx.engine.worker import DEFAULT_PROMPT_CACHE_BYTES, ModelWorker
@@ -104,6 +105,8 @@ def start_model(
     if spec.max_kv_size:
         loaded.context_length = min(loaded.context_length, spec.max_kv_size)
     if (note := dequantize_for_cpu(loaded.model, free_bytes())) is not None:
+        loaded.notes.append(note)
+    if (note := use_fast_kernels(loaded.model)) is not None:
         loaded.notes.append(note)
     for note in loaded.notes:
         log.info("%s: %s", spec.id, note)

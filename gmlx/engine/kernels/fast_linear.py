@@ -1,0 +1,112 @@
+"""4-bit layers that take the decode-sized kernel where it wins (CUDA only).
+
+At load, on CUDA, every distinct (in, out) shape of a model's 4-bit affine layers is
+timed both ways (MLX's ``quantized_matmul`` and ``qmv_cuda.qmv4``) at each row bucket
+a decode step can have (1, 2, 4, 8, 16, 32 rows); the kernel is used for the buckets
+where it was faster, and the layer swaps to :class:`FastQuantizedLinear`. Timing both
+also compiles both, before the model reports ready. ``GMLX_QMV_KERNEL=0`` turns it off
+(to measure MLX's own path).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from mlx import nn
+
+from gmlx.engine.kernels import qmv_cuda
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class FastQuantizedLinear(nn.QuantizedLinear):
+    """A QuantizedLinear whose products of ``rows`` in ``fast_rows`` take the kernel."""
+
+    fast_rows: frozenset[int] = frozenset()
+
+    def __call__(self, x: Any) -> Any:
+        rows = 1
+        for d in x.shape[:-1]:
+            rows *= d
+        if rows <= qmv_cuda.MAX_ROWS and _bucket(rows) in self.fast_rows:
+            y = qmv_cuda.qmv4(x, self["weight"], self["scales"], self["biases"], self.group_size)
+            return y + self["bias"] if "bias" in self else y
+        return super().__call__(x)
+
+
+def _bucket(rows: int) -> int:
+    b = 1
+    while b < rows:
+        b *= 2
+    return b
+
+
+def use_fast_kernels(model: nn.Module) -> str | None:
+    """Swap the model's 4-bit layers to :class:`FastQuantizedLinear` where the kernel
+    measured faster; returns the load note, or None when there is nothing to decide."""
+    if os.environ.get("GMLX_QMV_KERNEL", "1") == "0" or not qmv_cuda.available():
+        return None
+    layers = [(p, m) for p, m in model.named_modules()
+              if type(m) is nn.QuantizedLinear and qmv_cuda.supports(
+                  1, m.weight.shape[1] * 8, m.group_size, m.bits, getattr(m, "mode", "affine"))]
+    if not layers:
+        return None
+    wins: dict[tuple[int, int, int], frozenset[int]] = {}
+    for _, m in layers:
+        key = (m.weight.shape[1] * 8, m.weight.shape[0], m.group_size)
+        if key not in wins:
+            wins[key] = _measure(m)
+    swapped = 0
+    for _, m in layers:
+        fast = wins[(m.weight.shape[1] * 8, m.weight.shape[0], m.group_size)]
+        if fast:
+            m.__class__ = FastQuantizedLinear
+            m.fast_rows = fast
+            swapped += 1
+    summary = "; ".join(f"{k}x{n}: rows {sorted(f) or 'none'}" for (k, n, _), f in wins.items())
+    return f"cuda: 4-bit decode kernel on {swapped} of {len(layers)} layers ({summary})"
+
+
+def _measure(layer: Any, reps: int = 20) -> frozenset[int]:
+    """The row buckets where the kernel beat MLX's quantized matmul on this layer."""
+    import mlx.core as mx
+
+    k = layer.weight.shape[1] * 8
+    dtype = layer.scales.dtype
+    fast = set()
+    for rows in BUCKETS:
+        x = mx.random.normal((rows, k)).astype(dtype)
+
+        def mlx_path(x: Any = x) -> Any:
+            return mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, transpose=True,
+                                       group_size=layer.group_size, bits=layer.bits)
+
+        def kernel(x: Any = x) -> Any:
+            return qmv_cuda.qmv4(x, layer.weight, layer.scales, layer.biases, layer.group_size)
+
+        if not agrees(kernel(), mlx_path()):
+            continue  # never use a kernel that disagrees
+        if _time(kernel, reps) < _time(mlx_path, reps):
+            fast.add(rows)
+    return frozenset(fast)
+
+
+def agrees(got: Any, want: Any) -> bool:
+    """Within float16 accumulation error of MLX's own product: 1% of its largest value."""
+    import mlx.core as mx
+
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.abs(got - want).max() <= 1e-2 * mx.abs(want).max() + 1e-3).item()
+
+
+def _time(fn: Any, reps: int) -> float:
+    import mlx.core as mx
+
+    for _ in range(3):
+        mx.eval(fn())
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    return time.perf_counter() - start
