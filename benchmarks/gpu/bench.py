@@ -1,0 +1,427 @@
+"""Served speed on the H200: gmlx against mlx_lm.server and llama.cpp's llama-server.
+
+    python benchmarks/gpu/bench.py --models llama3-8b:f16,llama3-8b:q4 --out $OUT/bench.md
+    python benchmarks/gpu/bench.py --shape tiny --widths 1,2 --tokens 16    # a CPU check
+
+Models come from models.py (``--models-dir``, default /tmp/models). A variant is
+SHAPE:QUANT, and each quant names what each server loads:
+
+    f16  gmlx: f16.gguf        mlx_lm.server: mlx-bf16/   llama-server: f16.gguf
+    q4   gmlx: q4_k_m.gguf     mlx_lm.server: mlx-4bit/   llama-server: q4_k_m.gguf
+    q8   gmlx: q8_0.gguf       mlx_lm.server: (none)      llama-server: q8_0.gguf
+
+(``--gmlx-mlx`` adds gmlx on the MLX folder too, as "gmlx-mlx"). One server runs at a
+time (memory), started in its own session on a free 127.0.0.1 port and always killed.
+Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
+chat completions, greedy, every special and partial-UTF-8 token biased -100 so each
+stream runs to ``--tokens``. All three decode at most max(--widths) streams together
+(gmlx --decode-batch, mlx_lm --decode-concurrency, llama-server -np; llama-server gets
+-c = slots x the tokens one request needs).
+
+Per server:
+  - ready: seconds from start until /health answers 200;
+  - first TTFT: the first request right after ready (a ``--prompt``-token prompt, 8
+    output tokens), then a second one alike; "steady" is the width-1 TTFT p50 measured
+    later; the issue's bar: first <= 2x steady;
+  - widths: one untimed round (8 tokens) then ``--rounds`` timed rounds per width;
+    aggregate decode tok/s as throughput.py defines it (tokens after the last stream's
+    first token / (last finish - that moment)); TTFT p50/p95 over all timed streams;
+  - prefix reuse: a ~``--prefix``-token system prompt, a miss then a hit (throughput.py's
+    prefix_pair), ``--prefix-reps`` times; medians.
+
+Fraction of the bandwidth floor: a decode step reads every weight once (the token
+embedding excepted: it is a lookup, unless it doubles as the output layer), whatever the
+number of streams in the step, so
+
+    floor fraction = (tok/s / width) x B / BW
+
+with B = the weight bytes of the file/folder the server loads (as stored: F16, Q4_K_M,
+MLX 4-bit, ...; KV-cache reads ignored) and BW = ``--bandwidth`` (4.8 TB/s, the H200's
+datasheet figure; a device-to-device copy measured ~4.3 TB/s here). At width 1 that is
+measured tok/s over the single-stream floor BW / B.
+
+Results accumulate as JSON in ``--results`` (one file per variant and server), so calls
+can be split; every table is rebuilt from all of them after each server and written to
+``--out`` (markdown; all the JSON results beside it, same name, .json) as well as printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+
+import openai
+import throughput as tp
+
+SERVERS = ("gmlx", "gmlx-mlx", "mlx_lm", "llama")
+# quant -> server -> the file or folder (inside MODELS_DIR/SHAPE) it loads
+FILES: dict[str, dict[str, str | None]] = {
+    "f16": {"gmlx": "f16.gguf", "gmlx-mlx": "mlx-bf16", "mlx_lm": "mlx-bf16", "llama": "f16.gguf"},
+    "q4": {"gmlx": "q4_k_m.gguf", "gmlx-mlx": "mlx-4bit", "mlx_lm": "mlx-4bit", "llama": "q4_k_m.gguf"},
+    "q8": {"gmlx": "q8_0.gguf", "gmlx-mlx": None, "mlx_lm": None, "llama": "q8_0.gguf"},
+}
+LLAMA_SERVER_PATHS = ("/tmp/llama/build/bin/llama-server",)
+# Process groups of the servers this script started: a run killed at a device call's limit
+# leaves its server (own session) running; the next run ends it before starting another.
+PIDFILE = Path("/tmp/gpu-bench-servers.pids")
+
+
+def end_leftovers() -> None:
+    if not PIDFILE.exists():
+        return
+    for line in PIDFILE.read_text().split():
+        try:
+            os.killpg(int(line), signal.SIGKILL)
+            print(f"ended a leftover server (process group {line})", flush=True)
+        except (ProcessLookupError, PermissionError, ValueError):
+            pass
+    PIDFILE.unlink()
+
+
+# -- weight bytes -----------------------------------------------------------------------
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of weights a decode step reads: all tensors but the token embedding (a
+    lookup), which counts when there is no separate output layer (tied)."""
+    sizes: dict[str, int] = {}
+    if path.is_file():
+        from gmlx.engine.loading.gguf_file import GGUFFile
+
+        sizes = {name: t.nbytes for name, t in GGUFFile(path).tensors.items()}
+        embed, head = ("token_embd.",), ("output.",)
+    else:
+        for f in sorted(path.glob("*.safetensors")):
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    sizes[name] = info["data_offsets"][1] - info["data_offsets"][0]
+        embed, head = ("model.embed_tokens.",), ("lm_head.",)
+    tied = not any(k.startswith(head) for k in sizes)
+    return sum(v for k, v in sizes.items() if tied or not k.startswith(embed))
+
+
+# -- one server ---------------------------------------------------------------------------
+
+
+def find_llama_server() -> str | None:
+    for p in (os.environ.get("LLAMA_SERVER", ""), *LLAMA_SERVER_PATHS):
+        if p and os.access(p, os.X_OK):
+            return p
+    return shutil.which("llama-server")
+
+
+def make_server(kind: str, model: Path, workdir: Path, args: argparse.Namespace) -> tp.Server:
+    home = workdir / f"gmlx-home-{kind}"
+    home.mkdir(exist_ok=True)
+    env = {**os.environ, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    # the working tree's gmlx first, whatever is installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    slots = max(args.widths)
+    log = workdir / f"{kind}.log"
+    if kind in ("gmlx", "gmlx-mlx"):
+        s = tp.Server(kind, [sys.executable, "-m", "gmlx.cli.main", "serve", str(model),
+                            "--decode-batch", str(slots), *args.gmlx_args], env, log)
+        s.argv += ["--port", str(s.port)]
+    elif kind == "mlx_lm":
+        s = tp.Server(kind, [sys.executable, "-m", "mlx_lm.server", "--model", str(model),
+                             "--log-level", "WARNING", "--decode-concurrency", str(slots), *args.peer_args],
+                      env, log)
+        s.argv += ["--port", str(s.port)]
+        s.model = "default_model"
+    else:
+        binary = find_llama_server()
+        assert binary is not None
+        per_slot = max(args.prompt, args.prefix + 128) + args.tokens + 128
+        per_slot = -(-per_slot // 256) * 256
+        s = tp.Server(kind, [binary, "-m", str(model), "--host", "127.0.0.1", "-ngl", "999",
+                             "-c", str(per_slot * slots), "-np", str(slots), "--cont-batching",
+                             "--no-webui", *args.llama_args], env, log)
+        s.argv += ["--port", str(s.port)]
+    s.argv = [a for a in s.argv if a != ""]
+    return s
+
+
+async def drive(s: tp.Server, prompts: tp.Prompts, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    bias = {str(i): -100 for i in prompts.banned_ids}
+    client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0,
+                                timeout=tp.REQUEST_TIMEOUT_S)
+    try:
+        if not s.model:
+            s.model = (await client.models.list()).data[0].id
+        # the first request after ready, then a second: both timed
+        firsts = []
+        for tag in ("first", "second"):
+            msg = [{"role": "user", "content": prompts.text(f"{tag}{s.name}", args.prompt)}]
+            firsts.append(await tp.stream_chat(client, s.model, msg, 8, bias))
+        result["first_ttft"], result["second_ttft"] = firsts[0].ttft, firsts[1].ttft
+        print(f"  {s.name}: first TTFT {firsts[0].ttft * 1000:.0f} ms, second {firsts[1].ttft * 1000:.0f} ms",
+              flush=True)
+        result["widths"] = []
+        for width in args.widths:
+            res = tp.WidthResult(width)
+            await tp.run_round(s, client, prompts, width, args.prompt, 8, f"w{width}warm", bias, tp.WidthResult(width))
+            for r in range(args.rounds):
+                await tp.run_round(s, client, prompts, width, args.prompt, args.tokens, f"w{width}r{r}", bias, res)
+            result["widths"].append({
+                "width": width, "rates": res.rates, "decode_tok_s": res.decode_tok_s,
+                "ttft_p50": res.ttft(0.5), "ttft_p95": res.ttft(0.95), "tokens": res.tokens, "chunks": res.chunks,
+            })
+            print(f"  {s.name} width {width}: {res.decode_tok_s:.1f} tok/s (rounds "
+                  f"{', '.join(f'{x:.0f}' for x in res.rates)}), TTFT p50 {res.ttft(0.5) * 1000:.0f} ms", flush=True)
+        if args.prefix_reps:
+            pre = tp.PrefixResult()
+            for r in range(args.prefix_reps):
+                await tp.prefix_pair(s, client, prompts, args.prefix, str(r), bias, pre)
+            result["prefix"] = {"miss": pre.miss, "hit": pre.hit, "prompt_tokens": pre.prompt_tokens,
+                                "cached_tokens": pre.cached_tokens}
+            print(f"  {s.name} prefix: miss {pre.miss * 1000:.0f} ms, hit {pre.hit * 1000:.0f} ms", flush=True)
+    finally:
+        await client.close()
+
+
+def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: argparse.Namespace,
+              workdir: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"variant": variant, "server": kind, "model": str(model),
+                              "weight_bytes": weight_bytes(model), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    s = make_server(kind, model, workdir, args)
+    result["argv"] = " ".join(s.argv)
+    print(f"{variant} / {kind}: {result['argv']}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        s.start()
+        assert s.proc is not None
+        with PIDFILE.open("a") as f:
+            f.write(f"{s.proc.pid}\n")
+        s.wait_ready()
+        result["ready_s"] = time.perf_counter() - t0
+        print(f"  {kind}: ready in {result['ready_s']:.1f} s", flush=True)
+        asyncio.run(asyncio.wait_for(drive(s, prompts, args, result), args.server_timeout))
+    except Exception as e:  # noqa: BLE001 (a failed server keeps its row, with the reason; the run goes on)
+        result["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"  {kind} FAILED: {result['error']}\n--- {kind} ({s.status()}), last lines of its log:\n"
+              f"{s.tail(25)}", flush=True)
+    finally:
+        s.stop()
+        PIDFILE.unlink(missing_ok=True)
+    result["total_s"] = time.perf_counter() - t0
+    return result
+
+
+# -- tables -----------------------------------------------------------------------------
+
+
+def fmt_ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1000:.0f}"
+
+
+def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[str, str]) -> str:
+    bw = args.bandwidth
+    lines: list[str] = []
+    out = lines.append
+    out(f"# Served speed, {time.strftime('%Y-%m-%d %H:%M')}; device: {notes.get('device', '?')}")
+    out("")
+    out(f"prompt {args.prompt} tokens, output {args.tokens} tokens, {args.rounds} timed rounds per width "
+        "(median), greedy, special/partial tokens biased -100; one server at a time.")
+    out("decode tok/s = aggregate: tokens after the last stream's first token / (last finish - that moment).")
+    out(f"floor = (tok/s / width) x B / BW, B = weight bytes the server's file holds (token embedding "
+        f"excluded unless tied; KV reads ignored), BW = {bw / 1e12:.1f} TB/s.")
+    by_variant: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        by_variant.setdefault(r["variant"], {})[r["server"]] = r
+    shapes: dict[str, list[str]] = {}
+    for v in by_variant:
+        shapes.setdefault(v.split(":")[0], []).append(v)
+    for shape, variants in shapes.items():
+        out("")
+        out(f"## {shape}")
+        for v in sorted(variants):
+            rs = by_variant[v]
+            present = [k for k in SERVERS if k in rs]
+            out("")
+            out(f"### {v}")
+            out("")
+            for k in present:
+                r = rs[k]
+                if "skipped" in r:
+                    out(f"- {k}: {r['skipped']}")
+                    continue
+                state = f"**failed**: {r['error']}" if "error" in r else f"ready in {r.get('ready_s', 0):.1f} s"
+                out(f"- {k}: `{Path(r['model']).name}`, B = {r['weight_bytes'] / 2**30:.2f} GiB; {state}")
+            widths = sorted({w["width"] for r in rs.values() for w in r.get("widths", [])})
+            base = [k for k in ("gmlx", "gmlx-mlx") if k in present]
+            peers = [k for k in ("mlx_lm", "llama") if k in present]
+            head = ["width"] + [f"{k} tok/s" for k in present]
+            head += [f"{b}/{p}" for b in base for p in peers]
+            head += [f"{k} TTFT p50/p95 ms" for k in present] + ["floor " + " / ".join(present)]
+            out("")
+            out("| " + " | ".join(head) + " |")
+            out("|---:|" + "---:|" * (len(head) - 1))
+
+            def wres(k: str, width: int, rs: dict[str, dict[str, Any]] = rs) -> dict[str, Any] | None:
+                return next((w for w in rs[k].get("widths", []) if w["width"] == width), None)
+
+            def cell(k: str, rs: dict[str, dict[str, Any]] = rs) -> str:
+                return rs[k].get("skipped", "failed" if "error" in rs[k] else "—")
+
+            for width in widths:
+                row = [str(width)]
+                rates = {k: (w["decode_tok_s"] if (w := wres(k, width)) else None) for k in present}
+                row += [f"{rates[k]:.1f}" if rates[k] else cell(k) for k in present]
+                for b in base:
+                    for p in peers:
+                        row.append(f"{rates[b] / rates[p]:.2f}" if rates[b] and rates[p] else "—")
+                for k in present:
+                    w = wres(k, width)
+                    row.append(f"{fmt_ms(w['ttft_p50'])} / {fmt_ms(w['ttft_p95'])}" if w else cell(k))
+                fr = []
+                for k in present:
+                    rate = rates[k]
+                    x = rate / width * rs[k]["weight_bytes"] / bw if rate else None
+                    fr.append("—" if x is None else f"{x:.2f}" if x >= 0.1 else f"{x:.3f}")
+                row.append(" / ".join(fr))
+                out("| " + " | ".join(row) + " |")
+            out("")
+            out("| server | ready s | first TTFT ms | second TTFT ms | steady TTFT ms (width 1 p50) | "
+                "first / steady | within 2x | prefix miss ms | prefix hit ms | miss / hit | cached on hit |")
+            out("|---|" + "---:|" * 10)
+            for k in present:
+                r = rs[k]
+                if "skipped" in r:
+                    out(f"| {k} | " + " | ".join([r["skipped"]] * 10) + " |")
+                    continue
+                w1 = wres(k, 1) if 1 in widths else None
+                steady = w1["ttft_p50"] if w1 else None
+                first = r.get("first_ttft")
+                ratio = first / steady if first and steady else None
+                pre = r.get("prefix") or {}
+                out("| " + " | ".join([
+                    k, f"{r['ready_s']:.1f}" if "ready_s" in r else "—", fmt_ms(first), fmt_ms(r.get("second_ttft")),
+                    fmt_ms(steady), f"{ratio:.1f}x" if ratio else "—",
+                    ("yes" if ratio <= 2 else "**no**") if ratio else "—",
+                    fmt_ms(pre.get("miss")), fmt_ms(pre.get("hit")),
+                    f"{pre['miss'] / pre['hit']:.1f}x" if pre else "—", str(pre.get("cached_tokens", "—")),
+                ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama3-8b:f16,llama3-8b:q4",
+                   help="comma-separated SHAPE:QUANT variants (QUANT: f16, q4, q8)")
+    p.add_argument("--shape", help="shorthand for --models SHAPE:f16 (e.g. tiny for a CPU check)")
+    p.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
+    p.add_argument("--servers", default="gmlx,mlx_lm,llama", help=f"subset of {','.join(SERVERS)}")
+    p.add_argument("--gmlx-mlx", action="store_true", help="also gmlx on the MLX folder")
+    p.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (width runs)")
+    p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefix", type=int, default=2048, help="shared system-prompt tokens (prefix reuse)")
+    p.add_argument("--prefix-reps", type=int, default=2, help="0 skips the prefix-reuse case")
+    p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s for the floor (H200: 4.8e12)")
+    p.add_argument("--server-timeout", type=float, default=480.0, help="seconds per server, after ready")
+    p.add_argument("--start-timeout", type=float, default=420.0, help="seconds until a server is ready")
+    p.add_argument("--gmlx-args", type=lambda s: s.split(), default=[])
+    p.add_argument("--peer-args", type=lambda s: s.split(), default=[], help="extra mlx_lm.server flags")
+    p.add_argument("--llama-args", type=lambda s: s.split(), default=[], help="extra llama-server flags")
+    p.add_argument("--results", type=Path, default=Path("/tmp/gpu-results"),
+                   help="where per-server JSON results accumulate across calls")
+    p.add_argument("--fresh", action="store_true", help="forget earlier results first")
+    p.add_argument("--out", type=Path, help="also write the tables (markdown) here, e.g. $OUT/bench.md")
+    args = p.parse_args()
+    if args.shape:
+        args.models = f"{args.shape}:f16"
+    tp.START_TIMEOUT_S = args.start_timeout
+    # SIGTERM (a timeout) unwinds like Ctrl-C, so the running server is stopped.
+    signal.signal(signal.SIGTERM, on_sigterm)
+    end_leftovers()
+    servers = [s for s in args.servers.split(",") if s]
+    if args.gmlx_mlx and "gmlx-mlx" not in servers:
+        servers.insert(1, "gmlx-mlx")
+    if bad := set(servers) - set(SERVERS):
+        raise SystemExit(f"unknown servers: {', '.join(sorted(bad))}")
+
+    import mlx.core as mx
+
+    notes: dict[str, str] = {"device": str(mx.default_device())}
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=False).stdout.strip()
+        if gpu:
+            notes["device"] += f" ({gpu})"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if args.fresh:
+        shutil.rmtree(args.results, ignore_errors=True)
+    args.results.mkdir(parents=True, exist_ok=True)
+    llama = find_llama_server()
+
+    def load_all() -> list[dict[str, Any]]:
+        return [json.loads(f.read_text()) for f in sorted(args.results.glob("*.json"))]
+
+    def publish() -> str:
+        text = tables(load_all(), args, notes)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+            args.out.with_suffix(".json").write_text(json.dumps(load_all(), indent=1))
+        return text
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
+    started = time.perf_counter()
+    try:
+        for variant in args.models.split(","):
+            shape, _, quant = variant.partition(":")
+            if quant not in FILES:
+                raise SystemExit(f"{variant}: QUANT must be one of {', '.join(FILES)}")
+            folder = args.models_dir / shape
+            tok = folder / "tokenizer" if (folder / "tokenizer").exists() else folder / "mlx-bf16"
+            prompts = tp.Prompts(tok)
+            for kind in servers:
+                name = FILES[quant][kind]
+                if name is None:
+                    continue
+                model = folder / name
+                skipped = ("not built" if kind == "llama" and llama is None
+                           else f"no {name}" if not model.exists() else None)
+                if skipped:
+                    # llama-server: not at /tmp/llama/build/bin, $LLAMA_SERVER or on PATH
+                    print(f"{variant}/{kind}: skipped, {skipped}", flush=True)
+                    result = {"variant": variant, "server": kind, "model": str(model), "skipped": skipped}
+                else:
+                    result = bench_one(variant, kind, model, prompts, args, workdir)
+                (args.results / f"{shape}_{quant}_{kind}.json").write_text(json.dumps(result, indent=1))
+                publish()
+        print()
+        print(publish())
+        print(f"benchmarked in {time.perf_counter() - started:.0f} s")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
