@@ -185,6 +185,9 @@ class Server:
     port: int = field(default_factory=free_port)
     model: str = ""
     proc: subprocess.Popen[bytes] | None = None
+    # gmlx's readiness: ``/health?ready=1`` answers 503 until the model is loaded and
+    # warmed up (a peer may not route a query string: mlx_lm.server answers 404)
+    health: str = "/health"
 
     @property
     def url(self) -> str:
@@ -202,7 +205,7 @@ class Server:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
             try:
-                r = httpx.get(f"{self.url}/health", timeout=2.0)
+                r = httpx.get(f"{self.url}{self.health}", timeout=2.0)
                 if r.status_code == 200:
                     return
             except httpx.HTTPError:
@@ -240,6 +243,7 @@ def make_servers(folder: Path, workdir: Path, peer_args: list[str] | None = None
     gmlx = Server("gmlx", [sys.executable, "-m", "gmlx.cli.main", "serve", str(folder)], env,
                   workdir / "gmlx.log")
     gmlx.argv += ["--port", str(gmlx.port)]
+    gmlx.health = "/health?ready=1"
     peer = Server("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(folder),
                                     "--log-level", "WARNING", *(peer_args or [])], env, workdir / "peer.log")
     peer.argv += ["--port", str(peer.port)]

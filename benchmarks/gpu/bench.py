@@ -19,7 +19,7 @@ stream runs to ``--tokens``. All three decode at most max(--widths) streams toge
 -c = slots x the tokens one request needs).
 
 Per server:
-  - ready: seconds from start until /health answers 200;
+  - ready: seconds from start until /health?ready=1 answers 200 (gmlx: loaded and warmed up);
   - first TTFT: the first request right after ready (a ``--prompt``-token prompt, 8
     output tokens), then a second one alike; "steady" is the width-1 TTFT p50 measured
     later; the issue's bar: first <= 2x steady;
@@ -138,6 +138,7 @@ def make_server(kind: str, model: Path, workdir: Path, args: argparse.Namespace)
     if kind in ("gmlx", "gmlx-mlx"):
         s = tp.Server(kind, [sys.executable, "-m", "gmlx.cli.main", "serve", str(model),
                             "--decode-batch", str(slots), *args.gmlx_args], env, log)
+        s.health = "/health?ready=1"  # ready: loaded and warmed up
         s.argv += ["--port", str(s.port)]
     elif kind == "mlx_lm":
         s = tp.Server(kind, [sys.executable, "-m", "mlx_lm.server", "--model", str(model),

@@ -25,8 +25,7 @@ _SOURCE = r"""
     const int M = x_shape[0];                    // rows of x (at most ROWS)
     constexpr int K8 = K / 8;                    // 32-bit words per weight row
     constexpr int GROUPS = K / G;
-    extern __shared__ float4 smem4[];
-    float* xs = reinterpret_cast<float*>(smem4);  // [ROWS][KT] as float
+    __shared__ __align__(16) float xs[ROWS * KT];  // x's tile, as float: 32 KiB
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int n0 = (blockIdx.x * (blockDim.x / 32) + warp) * RPW;
@@ -107,7 +106,6 @@ def _kernel() -> Any:
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
         source=_SOURCE,
-        shared_memory=32 * 1024,
     )
 
 
