@@ -26,7 +26,9 @@ caller reports the measured maximum error.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -37,8 +39,10 @@ from gguf import quants as gguf_quants
 Q = GGMLQuantizationType
 GROUP = 32
 # Rows are converted in chunks of about this many elements, so temporaries stay small
-# next to the tensor itself even for a 150k x 4096 embedding.
-_CHUNK_ELEMENTS = 1 << 22
+# (cache-sized) even for a 150k x 4096 embedding; chunks run on a thread pool (numpy
+# releases the GIL in its loops) and write disjoint rows of the preallocated outputs.
+_CHUNK_ELEMENTS = 1 << 18
+_THREADS = max(1, os.cpu_count() or 1)
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # Bits of the MLX form for types that must be requantized (no group-16 in MLX).
@@ -171,15 +175,34 @@ SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_TYPES, *REQUANT_BITS)
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned codes (rows, n) into MLX's uint32 words (rows, n * bits / 32).
 
-    Eight codes make ``bits`` bytes of the little-endian bit stream, so each run of 8
-    is summed into a uint64 and its low ``bits`` bytes kept.
+    The stream is cut into runs of ``per`` codes that fill whole bytes (2 codes at 4
+    bits, 4 at 6, 8 at 3 or 5); each run is OR-ed into one little-endian word, of which
+    the low ``per * bits / 8`` bytes are kept.
     """
     rows, n = codes.shape
-    eight = codes.reshape(rows, n // 8, 8).astype(np.uint64)
-    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))[None, None, :]
-    words = np.bitwise_or.reduce(eight << shifts, axis=-1)
-    stream = words[..., None].view(np.uint8).reshape(rows, n // 8, 8)[..., :bits]
+    codes = codes.astype(np.uint8, copy=False)
+    if bits == 8:
+        return np.ascontiguousarray(codes).view(np.uint32)
+    per = 8 // np.gcd(bits, 8)
+    nbytes = per * bits // 8
+    wtype = np.uint8 if nbytes == 1 else np.uint32 if nbytes <= 4 else np.uint64
+    runs = codes.reshape(rows, n // per, per)
+    word = runs[..., 0].astype(wtype)
+    for j in range(1, per):
+        word |= runs[..., j].astype(wtype) << wtype(j * bits)
+    if nbytes == 1:
+        return word.view(np.uint32)
+    stream = word[..., None].view(np.uint8)[..., :nbytes]
     return np.ascontiguousarray(stream).reshape(rows, -1).view(np.uint32)
+
+
+def _run_chunks(work: Callable[[slice], object], chunks: Iterable[slice], threads: int) -> list:
+    """``work`` over row chunks, on a thread pool when there is more than one of each."""
+    chunks = list(chunks)
+    if threads <= 1 or len(chunks) <= 1:
+        return [work(sl) for sl in chunks]
+    with ThreadPoolExecutor(min(threads, len(chunks))) as pool:
+        return list(pool.map(work, chunks))
 
 
 def _row_chunks(rows: int, cols: int) -> list[slice]:
@@ -201,15 +224,18 @@ def convert_exact(
     weight = np.empty((rows, cols * bits // 32), np.uint32)
     scales = np.empty((rows, cols // GROUP), np.float32)
     biases = np.empty((rows, cols // GROUP), np.float32)
-    for sl in _row_chunks(rows, cols):
+    per_block = block // GROUP
+
+    def work(sl: slice) -> None:
         blocks = np.ascontiguousarray(raw[sl]).reshape(-1, size)
         codes, scale, bias = decode(blocks)
         n = sl.stop - sl.start
         weight[sl] = pack_codes(codes.reshape(n, cols), bits)
         # Per-block scales repeat over a block's 32-groups (Q4_0..Q8_0 have one group).
-        per_block = block // GROUP
         scales[sl] = np.broadcast_to(scale, (len(blocks), per_block)).reshape(n, -1)
         biases[sl] = np.broadcast_to(bias, (len(blocks), per_block)).reshape(n, -1)
+
+    _run_chunks(work, _row_chunks(rows, cols), _THREADS)
     return _quantized(weight, scales, biases, bits, dtype)
 
 
@@ -239,6 +265,60 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return gguf_quants.dequantize(raw, qtype).astype(np.float32, copy=False)
 
 
+def _row_dequantizer(qtype: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray]:
+    """:func:`dequantize` for contiguous rows, without the ``gguf`` package's 16-row
+    batching: the same per-block reference code, so the same values."""
+    quant = getattr(gguf_quants, "_type_traits", {}).get(qtype)
+    if quant is None or not hasattr(quant, "dequantize_rows"):
+        return lambda raw: dequantize(raw, qtype)
+    quant.init_grid()  # before any worker thread needs it
+    return lambda raw: quant.dequantize_rows(raw).astype(np.float32, copy=False)
+
+
+def _bf16_round(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 -> float32, round to nearest even (NaN -> canonical NaN)."""
+    u = a.astype(np.float32, copy=False).view(np.uint32)
+    r = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    return np.where(np.isnan(a), np.uint32(0x7FC00000), r).view(np.float32)
+
+
+def _rounder(dtype: mx.Dtype, in_threads: bool) -> Callable[[np.ndarray], np.ndarray] | None:
+    """float32 -> ``dtype`` -> float32 as MLX stores it: numpy for float32/16 and bfloat16
+    (safe on worker threads), else MLX itself (main thread only: ``None`` when
+    ``in_threads``)."""
+    if dtype == mx.float32:
+        return lambda a: a.astype(np.float32, copy=False)
+    if dtype == mx.float16:
+        return lambda a: a.astype(np.float16).astype(np.float32)
+    if dtype == mx.bfloat16:
+        return _bf16_round
+    if in_threads:
+        return None
+    return lambda a: np.array(mx.array(a).astype(dtype).astype(mx.float32))
+
+
+def _affine(
+    w: np.ndarray, bits: int, rounder: Callable[[np.ndarray], np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    levels = 2**bits - 1
+    scale = np.where(hi > lo, (hi - lo) / levels, 1.0).astype(np.float32)
+    scale, bias = rounder(scale), rounder(lo)
+    s3, b3 = scale[..., None], bias[..., None]
+    codes = np.subtract(g, b3)
+    np.divide(codes, s3, out=codes)
+    np.rint(codes, out=codes)
+    np.clip(codes, 0, levels, out=codes)
+    back = np.multiply(codes, s3)
+    back += b3
+    back -= g
+    error = float(np.abs(back, out=back).max(initial=0.0))
+    packed = pack_codes(codes.astype(np.uint8).reshape(rows, cols), bits)
+    return packed, scale, bias, error
+
+
 def affine_quantize(
     w: np.ndarray, bits: int, dtype: mx.Dtype
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -249,17 +329,9 @@ def affine_quantize(
     the scale and bias as stored in ``dtype``, so the error is at most half a step plus
     that rounding. Returns packed codes, scales, biases (float32) and the max error.
     """
-    rows, cols = w.shape
-    g = w.reshape(rows, cols // GROUP, GROUP)
-    lo, hi = g.min(axis=-1), g.max(axis=-1)
-    levels = 2**bits - 1
-    scale = np.where(hi > lo, (hi - lo) / levels, 1.0).astype(np.float32)
-    stored = mx.array(np.stack([scale, lo])).astype(dtype).astype(mx.float32)
-    scale, bias = (np.array(a) for a in stored)
-    codes = np.clip(np.rint((g - bias[..., None]) / scale[..., None]), 0, levels)
-    error = float(np.abs(codes * scale[..., None] + bias[..., None] - g).max(initial=0.0))
-    packed = pack_codes(codes.astype(np.uint8).reshape(rows, cols), bits)
-    return packed, scale, bias, error
+    rounder = _rounder(dtype, in_threads=False)
+    assert rounder is not None
+    return _affine(w, bits, rounder)
 
 
 def requantize(
@@ -274,12 +346,19 @@ def requantize(
     weight = np.empty((rows, cols * bits // 32), np.uint32)
     scales = np.empty((rows, cols // GROUP), np.float32)
     biases = np.empty((rows, cols // GROUP), np.float32)
-    max_error = 0.0
-    for sl in _row_chunks(rows, cols):
-        w = dequantize(np.ascontiguousarray(raw[sl]), qtype).reshape(-1, cols)
-        weight[sl], scales[sl], biases[sl], err = affine_quantize(w, bits, dtype)
-        max_error = max(max_error, err)
-    return _quantized(weight, scales, biases, bits, dtype, max_error)
+    rounder = _rounder(dtype, in_threads=True)
+    threads = _THREADS if rounder is not None else 1
+    rounder = rounder or _rounder(dtype, in_threads=False)
+    assert rounder is not None
+    dequantize_rows = _row_dequantizer(qtype)
+
+    def work(sl: slice) -> float:
+        w = dequantize_rows(np.ascontiguousarray(raw[sl])).reshape(-1, cols)
+        weight[sl], scales[sl], biases[sl], err = _affine(w, bits, rounder)
+        return err
+
+    errors = _run_chunks(work, _row_chunks(rows, cols), threads)
+    return _quantized(weight, scales, biases, bits, dtype, max(errors, default=0.0))
 
 
 def to_float(raw: np.ndarray, qtype: GGMLQuantizationType, dtype: mx.Dtype) -> mx.array:
