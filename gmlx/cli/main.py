@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from gmlx import __version__
+from gmlx.cli.cache import EXIT_CODES as CACHE_EXIT_CODES
+from gmlx.cli.cache import cache_app
 from gmlx.cli.errors import run_guarded
 from gmlx.cli.estimate import EXIT_CODES as ESTIMATE_EXIT_CODES
 from gmlx.cli.estimate import estimate_command
@@ -74,6 +76,13 @@ app.command(
     short_help="Live dashboard of a running server: requests, queue, memory, rates.",
     epilog=TOP_EXIT_CODES,
 )(top_command)
+app.add_typer(
+    cache_app,
+    name="cache",
+    short_help="List or clear the converted-weights cache of GGUF loads.",
+    epilog=CACHE_EXIT_CODES,
+)
+
 
 def _version(value: bool) -> None:
     if value:

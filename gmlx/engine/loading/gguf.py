@@ -2,7 +2,8 @@
 
 The file is memory-mapped; tensors are converted one at a time into MLX arrays (MLX's
 own quantized layout where the GGML block geometry allows, see ``gguf_quant``), so the
-weights exist once in memory. Architecture metadata becomes an mlx-lm config
+weights exist once in memory; the result is kept on disk (``convert_cache``), so later
+loads of the same file skip the conversion. Architecture metadata becomes an mlx-lm config
 (``gguf_arch``) and the tokenizer is rebuilt from ``tokenizer.ggml.*`` (``gguf_tokenizer``).
 """
 
@@ -17,7 +18,7 @@ from gguf import GGMLQuantizationType
 from mlx import nn
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
-from gmlx.engine.loading import gguf_arch, gguf_quant
+from gmlx.engine.loading import convert_cache, gguf_arch, gguf_quant
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_quant import QuantizedTensor
 from gmlx.engine.loading.gguf_tokenizer import build_tokenizer
@@ -53,10 +54,12 @@ def load(path: Path) -> LoadedModel:
         raise ModelSourceError(f"{path}: its metadata does not make a valid model: {e}.") from e
 
     dtype = _model_dtype(f)
-    weights, quantized, notes = _convert_tensors(path, f, arch, config, model, dtype)
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    modes = {name: (t.group_size, t.bits) for name, t in quantized.items()}
+    converted = convert_cache.load_or_convert(
+        f, dtype, lambda: _converted(path, f, arch, config, model, dtype)
+    )
+    weights, modes, notes = converted.weights, converted.modes, converted.notes
+    if hasattr(model, "sanitize"):  # on every load: some sanitizers also set up the model
+        weights = model.sanitize(weights)  # (Gemma 3 ties its output to the embeddings)
     if modes:
         nn.quantize(
             model,
@@ -113,6 +116,21 @@ def _model_dtype(f: GGUFFile) -> mx.Dtype:
     if floats and floats[0] == Q.F32 and all(k in gguf_quant.FLOAT_TYPES for k in kinds):
         return mx.float32
     return mx.float16
+
+
+def _converted(
+    path: Path,
+    f: GGUFFile,
+    arch: gguf_arch.Architecture,
+    config: dict[str, Any],
+    model: nn.Module,
+    dtype: mx.Dtype,
+) -> convert_cache.Converted:
+    """The file's tensors as mlx-lm parameters, before the model's ``sanitize``: what
+    the cache stores."""
+    weights, quantized, notes = _convert_tensors(path, f, arch, config, model, dtype)
+    modes = {name: (t.group_size, t.bits) for name, t in quantized.items()}
+    return convert_cache.Converted(weights, modes, notes)
 
 
 def _convert_tensors(

@@ -116,6 +116,7 @@ class GGUFFile:
             infos.append((name, tuple(reversed(dims)), qtype, offset))
         align = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-self._pos // align) * align
+        self.data_start = data_start
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, qtype, offset in infos:
             try:
@@ -131,6 +132,10 @@ class GGUFFile:
             if info.offset + info.nbytes > len(mm):
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
             self.tensors[name] = info
+
+    def header(self) -> bytes:
+        """The bytes before the tensor data: the header, metadata and tensor table."""
+        return bytes(self._mm[: self.data_start])
 
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._mm, self._pos)

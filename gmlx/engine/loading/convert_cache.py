@@ -1,0 +1,272 @@
+"""A disk cache of converted GGUF weights, so a GGUF file converts once, not on every load.
+
+Converting a GGUF (K-quants unpacked and repacked into MLX's affine layout, some
+requantized) takes minutes for an 8B model. The first load saves the converted arrays
+as ``<key>.safetensors`` under ``cache_dir()/converted``, with the quantization modes
+and load notes in the safetensors metadata and a ``<key>.json`` sidecar (source, bytes,
+last use) that marks the entry complete. Later loads ``mx.load`` the entry instead.
+
+The key is the GGUF's identity (resolved path, size, mtime_ns, sha256 of its header and
+tensor table), the float dtype and :func:`converter_version`. The cache is bounded by
+``GMLX_CONVERT_CACHE_BYTES`` (default 64 GiB, 0 disables), least recently used entries
+go first, and an entry is only written when it fits the free disk. Writes go to a temp
+name and ``os.replace``; a per-key ``flock`` makes a second process wait for the first
+conversion instead of repeating it. A corrupt or partial entry is rebuilt with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from gmlx import paths
+from gmlx.engine.loading.gguf_file import GGUFFile
+
+log = logging.getLogger(__name__)
+
+# Bump when the cache's own format changes; edits to the converter modules are covered
+# by the hash of their source (see converter_version).
+FORMAT_VERSION = 1
+DEFAULT_MAX_BYTES = 64 << 30
+ENV_MAX_BYTES = "GMLX_CONVERT_CACHE_BYTES"
+_CONVERTER_MODULES = ("gguf.py", "gguf_quant.py", "gguf_arch.py")
+_META_KEY = "gmlx_converted"
+_DISK_MARGIN = 1 << 30  # leave this much disk free after writing an entry
+_STALE_TEMP_S = 3600.0
+
+
+@dataclass
+class Converted:
+    """What a GGUF conversion yields: mlx-lm parameters (before the model's ``sanitize``,
+    which runs on every load), the quantized modules' ``(group_size, bits)`` by module
+    path, and the load notes."""
+
+    weights: dict[str, mx.array]
+    modes: dict[str, tuple[int, int]]
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cache entry, as its sidecar describes it."""
+
+    key: str
+    source: str
+    bytes: int
+    last_used: float
+    path: Path
+
+
+def cache_root() -> Path:
+    return paths.cache_dir() / "converted"
+
+
+def max_bytes() -> int:
+    """``$GMLX_CONVERT_CACHE_BYTES`` (plain bytes or with a K/M/G/T suffix), else 64 GiB."""
+    raw = os.environ.get(ENV_MAX_BYTES, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(raw[-1].upper(), 1)
+    try:
+        return max(0, int(float(raw[:-1] if scale > 1 else raw) * scale))
+    except ValueError:
+        log.warning("%s=%r is not a byte count; using the default 64 GiB", ENV_MAX_BYTES, raw)
+        return DEFAULT_MAX_BYTES
+
+
+def converter_version() -> str:
+    """FORMAT_VERSION, the MLX version and a hash of the converter modules' source.
+
+    A source hash rather than a hand-bumped constant: a forgotten bump would silently
+    serve weights from old conversion code, while a needless re-conversion after an
+    upgrade only costs one slow load.
+    """
+    h = hashlib.sha256(f"{FORMAT_VERSION}:{mx.__version__}".encode())
+    here = Path(__file__).resolve().parent
+    for name in _CONVERTER_MODULES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def entry_key(f: GGUFFile, dtype: mx.Dtype) -> str:
+    """The cache key of a GGUF file converted to ``dtype`` by this converter."""
+    path = f.path.resolve()
+    st = path.stat()
+    identity = {
+        "path": str(path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "header": hashlib.sha256(f.header()).hexdigest(),
+        "dtype": str(dtype),
+        "converter": converter_version(),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def load_or_convert(f: GGUFFile, dtype: mx.Dtype, convert: Callable[[], Converted]) -> Converted:
+    """The converted weights of ``f``: from the cache when a valid entry exists, else from
+    ``convert()`` (then stored). Either way one note says where they came from."""
+    limit = max_bytes()
+    if limit == 0:
+        return convert()
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    key = entry_key(f, dtype)
+    with _locked(root / f"{key}.lock"):
+        cached = _read(root, key)
+        if cached is not None:
+            cached.notes.append(f"converted weights: from cache {root / key}.safetensors")
+            return cached
+        converted = convert()
+        converted.notes.append(_store(root, key, f.path.resolve(), converted, limit))
+        return converted
+
+
+def entries() -> list[Entry]:
+    """Every complete entry, most recently used first."""
+    root = cache_root()
+    found = []
+    for sidecar in root.glob("*.json") if root.is_dir() else []:
+        try:
+            info = json.loads(sidecar.read_text())
+            found.append(
+                Entry(
+                    key=sidecar.stem,
+                    source=str(info["source"]),
+                    bytes=int(info["bytes"]),
+                    last_used=sidecar.stat().st_mtime,
+                    path=sidecar.with_suffix(".safetensors"),
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(found, key=lambda e: e.last_used, reverse=True)
+
+
+def remove(entry_key_: str) -> None:
+    """Delete one entry's files (the sidecar first, so a half-removed entry is incomplete).
+    Its lock file stays: another loader may hold it."""
+    root = cache_root()
+    for suffix in (".json", ".safetensors"):
+        with contextlib.suppress(FileNotFoundError):
+            (root / f"{entry_key_}{suffix}").unlink()
+
+
+def clear(source: Path | None = None) -> list[Entry]:
+    """Remove every entry, or those converted from ``source``; returns the removed ones.
+    With no source, leftover temp files go as well."""
+    wanted = None if source is None else str(source.expanduser().resolve())
+    removed = [e for e in entries() if wanted is None or e.source == wanted]
+    for e in removed:
+        remove(e.key)
+    root = cache_root()
+    if source is None and root.is_dir():
+        for leftover in root.iterdir():
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+    return removed
+
+
+# -- reading and writing ------------------------------------------------------------------
+
+
+def _read(root: Path, key: str) -> Converted | None:
+    """A valid entry's contents, else None; an invalid entry is deleted with one warning."""
+    data, sidecar = root / f"{key}.safetensors", root / f"{key}.json"
+    if not data.exists() and not sidecar.exists():
+        return None
+    try:
+        info = json.loads(sidecar.read_text())
+        if data.stat().st_size != int(info["bytes"]):
+            raise ValueError(f"{data.stat().st_size} bytes on disk, {info['bytes']} written")
+        weights, metadata = mx.load(str(data), return_metadata=True)
+        meta = json.loads(metadata[_META_KEY])
+        if len(weights) != int(meta["tensors"]):
+            raise ValueError(f"{len(weights)} tensors, {meta['tensors']} written")
+        mx.eval(list(weights.values()))  # reads every byte now, so a bad file fails here
+        converted = Converted(
+            weights=weights,
+            modes={k: (int(g), int(b)) for k, (g, b) in meta["modes"].items()},
+            notes=[str(n) for n in meta["notes"]],
+        )
+    except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
+        log.warning("converted-weights cache entry %s is unusable (%s); rebuilding it", data, e)
+        remove(key)
+        return None
+    os.utime(sidecar)  # last use, for LRU eviction
+    return converted
+
+
+def _store(root: Path, key: str, source: Path, converted: Converted, limit: int) -> str:
+    """Write an entry if it fits the bound and the disk; returns the load note."""
+    need = sum(a.nbytes for a in converted.weights.values())
+    if need > limit:
+        log.info("converted weights (%d bytes) exceed %s; not cached", need, ENV_MAX_BYTES)
+        return f"converted weights: not cached ({need} bytes exceed {ENV_MAX_BYTES}={limit})"
+    _evict(root, limit - need, keep=key)
+    free = shutil.disk_usage(root).free
+    if free < need + _DISK_MARGIN:
+        log.info("converted weights (%d bytes) do not fit %d free bytes; not cached", need, free)
+        return f"converted weights: not cached (only {free} bytes free on disk)"
+    meta = {"tensors": len(converted.weights), "modes": converted.modes, "notes": converted.notes}
+    data = root / f"{key}.safetensors"
+    tmp = root / f"{key}.safetensors.tmp-{os.getpid()}-{threading.get_ident()}.safetensors"
+    try:
+        mx.save_safetensors(str(tmp), converted.weights, metadata={_META_KEY: json.dumps(meta)})
+        size = tmp.stat().st_size
+        os.replace(tmp, data)
+        _write_json(root / f"{key}.json", {"source": str(source), "bytes": size})
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        log.warning("could not write the converted-weights cache entry %s: %s", data, e)
+        return f"converted weights: not cached ({e})"
+    return f"converted weights: cached in {data}"
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, path)
+
+
+def _evict(root: Path, budget: int, keep: str) -> None:
+    """Delete least recently used entries until the rest fit ``budget`` bytes, and temp
+    files a crashed writer left behind."""
+    now = time.time()
+    for tmp in root.glob("*.tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > _STALE_TEMP_S:
+                tmp.unlink()
+    live = [e for e in entries() if e.key != keep]
+    total = sum(e.bytes for e in live)
+    for e in reversed(live):  # least recently used first
+        if total <= budget:
+            break
+        log.info("evicting converted weights of %s (%d bytes)", e.source, e.bytes)
+        remove(e.key)
+        total -= e.bytes
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (per open file, so threads exclude each other too)."""
+    with path.open("a") as fd:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
