@@ -3,13 +3,47 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from gmlx.cli.errors import err_console
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     from gmlx.engine.chat import Engine
+    from gmlx.engine.loading.progress import LoadStatus
     from gmlx.engine.worker import ModelWorker
+
+PHASES = {"read": "reading", "convert": "converting tensors", "cached": "reading converted weights",
+          "vision": "loading the vision tower", "compile": "compiling shapes"}
+
+
+@contextmanager
+def load_progress(ref: str) -> Iterator[Callable[[str, LoadStatus], None]]:
+    """A Rich progress bar on stderr for a model's load, one phase after the other (a
+    bar where the phase counts, a spinner where it does not); yields the listener that
+    moves it (``loading.progress.listening``). Gone once the block ends."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
+                  transient=True) as bar:
+        task = bar.add_task(f"Loading {ref}", total=None)
+
+        def show(model_id: str, status: LoadStatus) -> None:
+            bar.update(task, description=f"Loading {ref}: {PHASES.get(status.phase, status.phase)}",
+                       completed=status.done, total=status.total)
+
+        yield show
+
 
 
 def load_here(ref: str, *, top_logprobs_cap: int | None = None) -> tuple[Engine, ModelWorker, str]:
@@ -20,10 +54,11 @@ def load_here(ref: str, *, top_logprobs_cap: int | None = None) -> tuple[Engine,
     string that addresses it. ``top_logprobs_cap`` as in ``compose.build_engine``."""
     from gmlx.compose import build_engine, build_registry
     from gmlx.config import load_settings
+    from gmlx.engine.loading import progress
 
     settings, (name,) = load_settings().with_models([ref])
     registry = build_registry(settings, decode_batch=1, warmup=False)
-    with err_console.status(f"Loading {ref} …", spinner="dots"):
+    with load_progress(ref) as show, progress.listening(show):
         worker = registry.worker(registry.address(name).spec.id)
     for note in worker.loaded.notes:
         err_console.print(f"[dim]{note}[/]")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gmlx.cli.errors import fail
+from gmlx.cli.errors import err_console, fail
+
+if TYPE_CHECKING:
+    from gmlx.engine.loading.progress import LoadStatus
 
 ModelsArg = Annotated[
     list[str] | None,
@@ -101,4 +104,25 @@ def serve_command(
         )
     # The port opens at once; the named, pinned and preload models load in the background
     # (`/health?ready=1` says `loading` meanwhile, and requests for them wait).
-    uvicorn.run(build_app(settings), host=server.host, port=server.port, log_level="info")
+    from gmlx.engine.loading import progress
+
+    with progress.listening(_print_progress):
+        uvicorn.run(build_app(settings), host=server.host, port=server.port, log_level="info")
+
+
+def _print_progress(model_id: str, status: LoadStatus) -> None:
+    """A model's load, as the server's console shows it: a line per phase, and a text
+    bar every tenth of a phase that counts (a live bar would fight uvicorn's log)."""
+    from gmlx.cli.local import PHASES
+
+    words = PHASES.get(status.phase, status.phase)
+    if not status.total:
+        if status.done == 0:
+            err_console.print(f"[dim]loading {model_id}: {words}[/]")
+        return
+    tenth = max(1, status.total // 10)
+    if status.done % tenth and status.done != status.total:
+        return
+    filled = round(20 * status.done / status.total)
+    err_console.print(f"[dim]loading {model_id}: {words} {'█' * filled}{'░' * (20 - filled)} "
+                      f"{status.done}/{status.total}[/]", highlight=False)

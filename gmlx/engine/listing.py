@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gmlx.engine.addressing import Target
@@ -29,6 +29,7 @@ class ModelInfo:
     waiting: int = 0
     weight_bytes: int | None = None  # measured, while resident
     idle_s: float | None = None  # seconds since last use, while resident and idle
+    loading: dict[str, Any] | None = None  # while it loads: {phase, done, total}
 
 
 def model_info(
@@ -61,4 +62,13 @@ def model_info(
         waiting=worker.waiting if worker else 0,
         weight_bytes=worker.weight_bytes if worker else None,
         idle_s=entry.idle_s(now) if entry is not None else None,
+        loading=_loading(spec.id) if entry is None else None,
     )
+
+
+def _loading(model_id: str) -> dict[str, Any] | None:
+    from gmlx.engine.loading.progress import status
+
+    if (s := status(model_id)) is None:
+        return None
+    return {"phase": s.phase, "done": s.done, "total": s.total}

@@ -88,6 +88,20 @@ def start_model(
     free_bytes: Callable[[], int | None],
     now: float,
 ) -> Resident:
+    """:func:`_start_model`, its phases reported as ``spec.id``'s (``loading.progress``)."""
+    from gmlx.engine.loading import progress
+
+    with progress.loading(spec.id):
+        return _start_model(spec, settings, free_bytes=free_bytes, now=now)
+
+
+def _start_model(
+    spec: ModelSpec,
+    settings: WorkerSettings,
+    *,
+    free_bytes: Callable[[], int | None],
+    now: float,
+) -> Resident:
     """Load ``spec``'s model and start its worker; the entry is not registered yet.
 
     Args:
@@ -157,6 +171,9 @@ def warm_up(entry: Resident) -> float | None:
     """Compile the entry's decode shapes (``ModelWorker.warm_up``); returns the seconds
     it took, or None when it failed (a model that fails here fails its first request
     the same way, which reports it properly)."""
+    from gmlx.engine.loading import progress
+
+    progress.phase("compile")
     try:
         seconds = entry.worker.warm_up()
     except Exception:

@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from gmlx import paths
+from gmlx.engine.loading import progress
 from gmlx.engine.loading.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ def load_or_convert(f: GGUFFile, dtype: mx.Dtype, convert: Callable[[], Converte
     root.mkdir(parents=True, exist_ok=True)
     key = entry_key(f, dtype)
     with _locked(root / f"{key}.lock"):
+        progress.phase("cached")
         cached = _read(root, key)
         if cached is not None:
             cached.notes.append(f"converted weights: from cache {root / key}.safetensors")

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from mlx import nn
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
-from gmlx.engine.loading import convert_cache, gguf_arch, gguf_quant
+from gmlx.engine.loading import convert_cache, gguf_arch, gguf_quant, progress
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_quant import QuantizedTensor
 from gmlx.engine.loading.gguf_tokenizer import build_tokenizer
@@ -39,6 +39,7 @@ def load(path: Path) -> LoadedModel:
     Raises UnsupportedModelError for an architecture or tensor type gmlx cannot run
     and ModelSourceError for a file that is not a complete, valid model.
     """
+    progress.phase("read")
     f = GGUFFile(path)
     arch = gguf_arch.architecture(path, f.metadata)
     config = gguf_arch.model_config(path, f.metadata, {n: t.shape for n, t in f.tensors.items()})
@@ -151,7 +152,9 @@ def _convert_tensors(
     notes: list[str] = []
     requantized: list[str] = []
     skipped: list[str] = []
+    progress.phase("convert", total=len(f.tensors))
     for name, info in f.tensors.items():
+        progress.advance()
         param = gguf_arch.parameter_name(arch, name)
         if param is None:
             if name != "rope_freqs.weight":

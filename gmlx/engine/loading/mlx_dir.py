@@ -55,6 +55,9 @@ def load(path: Path) -> LoadedModel:
     """Load an MLX model folder through mlx-lm."""
     from mlx_lm.utils import load_model
 
+    from gmlx.engine.loading import progress
+
+    progress.phase("read")
     config = _read_config(path)
     model_type = config.get("model_type")
     if not model_type:

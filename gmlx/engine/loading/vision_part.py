@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gmlx.engine.errors import ModelSourceError
+from gmlx.engine.loading import progress
 from gmlx.engine.loading.model import LoadedModel
 from gmlx.engine.media import VISION_EXTRA, vision_installed
 from gmlx.engine.vision import FAMILIES, gemma3, share_text_model
@@ -39,6 +40,7 @@ def from_folder(loaded: LoadedModel, path: Path) -> None:
         return
     from mlx_vlm.utils import load_model
 
+    progress.phase("vision")
     try:
         encoder = load_model(path, lazy=True)
     except Exception as e:  # mlx-vlm raises many types for a folder it cannot load
@@ -60,6 +62,7 @@ def from_mmproj(loaded: LoadedModel, mmproj: Path) -> None:
     from gmlx.engine.loading import mmproj as mmproj_file
     from gmlx.engine.vision.classes import vlm_model
 
+    progress.phase("vision")
     projector = mmproj_file.read(mmproj, loaded.config)
     encoder = vlm_model(projector.config)
     share_text_model(encoder, loaded.model)
