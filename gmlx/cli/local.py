@@ -23,7 +23,11 @@ PHASES = {"read": "reading", "convert": "converting tensors", "cached": "reading
 def load_progress(ref: str) -> Iterator[Callable[[str, LoadStatus], None]]:
     """A Rich progress bar on stderr for a model's load, one phase after the other (a
     bar where the phase counts, a spinner where it does not); yields the listener that
-    moves it (``loading.progress.listening``). Gone once the block ends."""
+    moves it (``loading.progress.listening``). Gone once the block ends; nothing at all
+    when stderr is not a terminal (a pipe or a log keeps only the answer and the notes)."""
+    if not err_console.is_terminal:
+        yield lambda model_id, status: None
+        return
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,

@@ -21,6 +21,7 @@ from gmlx.engine.errors import ModelSourceError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_U64 = struct.Struct("<Q")
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -148,6 +149,19 @@ class GGUFFile:
         self._pos += n
         return self._mm[start : self._pos].decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary: hundreds of thousands), in one tight
+        loop: a call per string cost 3.6 us each, most of a cached load's time."""
+        mm, pos, length = self._mm, self._pos, _U64.unpack_from
+        out: list[str] = [""] * count
+        for i in range(count):
+            (n,) = length(mm, pos)
+            pos += 8
+            out[i] = mm[pos : pos + n].decode("utf-8", errors="replace")
+            pos += n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self._string()
@@ -155,7 +169,7 @@ class GGUFFile:
             item = GGUFValueType(self._unpack("<I"))
             count = self._unpack("<Q")
             if item == GGUFValueType.STRING:
-                return [self._string() for _ in range(count)]
+                return self._strings(count)
             if item == GGUFValueType.ARRAY:
                 return [self._value(GGUFValueType.ARRAY) for _ in range(count)]
             dtype = np.dtype(_NUMPY[item]).newbyteorder("<")

@@ -93,3 +93,24 @@ def test_the_server_console_prints_a_line_per_phase_and_a_bar_per_tenth(capsys) 
     assert "loading m: reading" in err
     lines = [line for line in err.splitlines() if "converting tensors" in line]
     assert len(lines) == 11 and lines[-1].endswith("20/20") and "█" * 20 in lines[-1]
+
+
+def test_the_cli_bar_follows_the_phases_on_a_terminal_only(monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from gmlx.cli import local
+
+    out = io.StringIO()
+    monkeypatch.setattr(local, "err_console", Console(file=out, force_terminal=True, width=100))
+    with local.load_progress("model.gguf") as show:
+        show("m", LoadStatus("read"))
+        show("m", LoadStatus("convert", 5, 10))
+        local.err_console.print("")  # let the live display draw once more
+    assert "Loading model.gguf: converting tensors" in out.getvalue() and "5/10" in out.getvalue()
+    piped = io.StringIO()
+    monkeypatch.setattr(local, "err_console", Console(file=piped, force_terminal=False))
+    with local.load_progress("model.gguf") as show:
+        show("m", LoadStatus("convert", 5, 10))
+    assert piped.getvalue() == ""
