@@ -58,12 +58,18 @@ def active(loaded, text: str, *colors: str, max_tokens: int = 64) -> ActiveReque
     return ActiveRequest.prepare(RequestHandle(request, lambda _: None), loaded.tokenizer)
 
 
-def test_text_streams_decode_while_an_image_is_staged(loaded, batch: Batch) -> None:
-    stats = WorkerStats()
+def decoding_text(loaded, batch: Batch, stats: WorkerStats) -> ActiveRequest:
+    """A text request admitted and stepped until it decodes."""
     text = active(loaded, "Tell me a story about Paris.")
     batch.admit(text)
     while text.state is not RequestState.DECODE:
         batch.step(stats)
+    return text
+
+
+def test_text_streams_decode_while_an_image_is_staged(loaded, batch: Batch) -> None:
+    stats = WorkerStats()
+    text = decoding_text(loaded, batch, stats)
     image = active(loaded, "What is this?", "red", max_tokens=4)
     batch.admit(image)
     assert image.uid is not None and image.uid < 0 and image.uid in batch.running
@@ -85,10 +91,7 @@ def test_text_streams_decode_while_an_image_is_staged(loaded, batch: Batch) -> N
 
 def test_a_staged_request_leaves_alone(loaded, batch: Batch) -> None:
     stats = WorkerStats()
-    text = active(loaded, "Tell me a story about Paris.")
-    batch.admit(text)
-    while text.state is not RequestState.DECODE:
-        batch.step(stats)
+    text = decoding_text(loaded, batch, stats)
     image = active(loaded, "What is this?", "blue")
     batch.admit(image)
     batch.step(stats)  # one piece of its tower
@@ -108,10 +111,7 @@ def test_a_failing_staged_request_ends_alone(loaded, batch: Batch, monkeypatch) 
     from gmlx.engine.vision.prefill import Staged
 
     stats = WorkerStats()
-    text = active(loaded, "Tell me a story about Paris.")
-    batch.admit(text)
-    while text.state is not RequestState.DECODE:
-        batch.step(stats)
+    text = decoding_text(loaded, batch, stats)
 
     def broken(self, model, vision, chunk):
         raise RuntimeError("tower exploded")
