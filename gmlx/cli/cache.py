@@ -28,14 +28,6 @@ cache_app = typer.Typer(
 )
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
-
-
 def _ago(t: float) -> str:
     s = max(0.0, time.time() - t)
     for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
@@ -47,6 +39,7 @@ def _ago(t: float) -> str:
 @cache_app.command("list", epilog=EXIT_CODES)
 def list_command(as_json: JsonOpt = False) -> None:
     """List the cached conversions: source GGUF, size and last use, most recent first."""
+    from gmlx.engine.capacity import human
     from gmlx.engine.loading import convert_cache
 
     entries = convert_cache.entries()
@@ -67,12 +60,12 @@ def list_command(as_json: JsonOpt = False) -> None:
     table.add_column("LAST USED", justify="right", no_wrap=True)
     for e in entries:
         missing = "" if Path(e.source).exists() else " (gone)"
-        table.add_row(e.source + missing, _size(e.bytes), _ago(e.last_used))
+        table.add_row(e.source + missing, human(e.bytes), _ago(e.last_used))
     out.print(table)
     total = sum(e.bytes for e in entries)
     out.print(
-        f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {_size(total)} in "
-        f"{convert_cache.cache_root()} (bound {_size(convert_cache.max_bytes())}, "
+        f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {human(total)} in "
+        f"{convert_cache.cache_root()} (bound {human(convert_cache.max_bytes())}, "
         f"{convert_cache.ENV_MAX_BYTES})",
         markup=False,
     )
@@ -87,6 +80,7 @@ def clear_command(
     all_: Annotated[bool, typer.Option("--all", help="Remove every cached conversion.")] = False,
 ) -> None:
     """Remove the cached conversions of SOURCE, or all of them with --all."""
+    from gmlx.engine.capacity import human
     from gmlx.engine.loading import convert_cache
 
     if (source is None) == (not all_):
@@ -96,4 +90,4 @@ def clear_command(
         fail(f"No cached conversion of {source}; `gmlx cache list` shows what is cached.")
     freed = sum(e.bytes for e in removed)
     noun = "entry" if len(removed) == 1 else "entries"
-    Console(highlight=False).print(f"removed {len(removed)} {noun} ({_size(freed)})", markup=False)
+    Console(highlight=False).print(f"removed {len(removed)} {noun} ({human(freed)})", markup=False)

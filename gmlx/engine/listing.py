@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gmlx.engine.loading import progress
+
 if TYPE_CHECKING:
     from gmlx.engine.addressing import Target
     from gmlx.engine.residents import Resident
@@ -67,8 +69,6 @@ def model_info(
 
 
 def _loading(model_id: str) -> dict[str, Any] | None:
-    from gmlx.engine.loading.progress import status
-
-    if (s := status(model_id)) is None:
+    if (s := progress.status(model_id)) is None:
         return None
     return {"phase": s.phase, "done": s.done, "total": s.total}

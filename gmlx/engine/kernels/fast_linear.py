@@ -30,17 +30,10 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
-        if rows <= qmv_cuda.MAX_ROWS and _bucket(rows) in self.fast_rows:
+        if rows <= qmv_cuda.MAX_ROWS and qmv_cuda.row_bucket(rows) in self.fast_rows:
             y = qmv_cuda.qmv4(x, self["weight"], self["scales"], self["biases"], self.group_size)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
-
-
-def _bucket(rows: int) -> int:
-    b = 1
-    while b < rows:
-        b *= 2
-    return b
 
 
 def use_fast_kernels(model: nn.Module) -> str | None:

@@ -109,7 +109,7 @@ def _kernel() -> Any:
     )
 
 
-def _row_bucket(rows: int) -> int:
+def row_bucket(rows: int) -> int:
     """Rows compiled for: the next power of two, so few variants compile."""
     bucket = 1
     while bucket < rows:
@@ -124,7 +124,7 @@ def qmv4(x: Any, w: Any, scales: Any, biases: Any, group_size: int) -> Any:
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    bucket = _row_bucket(rows)
+    bucket = row_bucket(rows)
     tile = (32 * 1024) // (4 * bucket)  # x's tile in shared memory: 32 KiB of floats
     tile = max(256, min(k, tile - tile % 256))
     while k % tile:

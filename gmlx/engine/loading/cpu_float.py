@@ -27,15 +27,15 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def float_bytes(model: nn.Module, itemsize: int) -> int:
     """The model's parameter bytes once its quantized layers are floats of ``itemsize``."""
+    quantized = dict(quantized_modules(model))
     total = 0
     for path, a in tree_flatten(model.parameters()):
-        module = path.rsplit(".", 1)[0]
-        if path.endswith((".scales", ".biases")) and _is_quantized(model, module):
-            continue
-        if path.endswith(".weight") and _is_quantized(model, module):
-            layer = _module(model, module)
+        module, _, name = path.rpartition(".")
+        if (layer := quantized.get(module)) is None:
+            total += a.nbytes
+        elif name == "weight":  # packed words: 32 // bits weights each
             total += a.shape[0] * a.shape[1] * 32 // layer.bits * itemsize
-        else:
+        elif name not in ("scales", "biases"):  # those go with the packed weight
             total += a.nbytes
     return total
 
@@ -80,17 +80,3 @@ def _as_float(layer: Any, dtype: Any) -> nn.Module:
     if bias:
         linear.bias = layer.bias.astype(dtype)
     return linear
-
-
-def _module(model: nn.Module, path: str) -> Any:
-    node: Any = model
-    for part in path.split("."):
-        node = node[int(part)] if isinstance(node, list) else getattr(node, part)
-    return node
-
-
-def _is_quantized(model: nn.Module, path: str) -> bool:
-    try:
-        return isinstance(_module(model, path), (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    except (AttributeError, IndexError, ValueError):
-        return False

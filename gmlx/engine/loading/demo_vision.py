@@ -98,23 +98,27 @@ def demo_vision_dir() -> Path:
     return cache_dir() / "models" / f"demo-vision-v{VERSION}"
 
 
-def model_config(vocab_size: int, ids: dict[str, int], eos_id: int, pad_id: int) -> dict[str, Any]:
-    """The mlx-vlm ``config.json`` of a tiny Gemma 3 vision model (tests build their
-    own variants from it)."""
+def model_config(vocab_size: int, ids: dict[str, int], eos_id: int, pad_id: int, *,
+                 text: dict[str, Any] | None = None,
+                 vision: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The mlx-vlm ``config.json`` of a tiny Gemma 3 vision model, ``text`` and ``vision``
+    overriding entries of its text and vision configs (a benchmark's larger shape, a
+    test's variant); the top-level keys mlx-vlm reads follow the text config."""
+    text_config = {**TEXT_CONFIG, **(text or {}), "vocab_size": vocab_size}
     return {
         "model_type": "gemma3",
         "architectures": ["Gemma3ForConditionalGeneration"],
-        "hidden_size": TEXT_CONFIG["hidden_size"],
+        "hidden_size": text_config["hidden_size"],
         "vocab_size": vocab_size,
         "image_token_index": ids[IMAGE_TOKEN],
         "boi_token_index": ids[BOI_TOKEN],
         "eoi_token_index": ids[EOI_TOKEN],
-        "mm_tokens_per_image": TEXT_CONFIG["mm_tokens_per_image"],
+        "mm_tokens_per_image": text_config["mm_tokens_per_image"],
         "pad_token_id": pad_id,
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
-        "text_config": dict(TEXT_CONFIG, vocab_size=vocab_size),
-        "vision_config": dict(VISION_CONFIG),
+        "text_config": text_config,
+        "vision_config": {**VISION_CONFIG, **(vision or {})},
     }
 
 
@@ -147,18 +151,14 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
 def build(target: Path, *, text: dict[str, Any] | None = None,
           vision: dict[str, Any] | None = None, seed: int = SEED) -> None:
     """Write the demo-vision model folder (config, weights, tokenizer) to ``target``;
-    ``text`` and ``vision`` override entries of its text and vision configs (a
-    benchmark's larger shape, a test's variant)."""
+    ``text`` and ``vision`` as in :func:`model_config`."""
     import mlx.core as mx
     from transformers import PreTrainedTokenizerFast
 
     tok = build_tokenizer(VISION_SPECIALS)
     ids = {t: tok.token_to_id(t) for t in VISION_SPECIALS}
-    config = model_config(tok.get_vocab_size(), ids, ids[EOS_TOKEN], ids["<|endoftext|>"])
-    config["text_config"].update(text or {})
-    config["vision_config"].update(vision or {})
-    config["hidden_size"] = config["text_config"]["hidden_size"]
-    config["mm_tokens_per_image"] = config["text_config"]["mm_tokens_per_image"]
+    config = model_config(tok.get_vocab_size(), ids, ids[EOS_TOKEN], ids["<|endoftext|>"],
+                          text=text, vision=vision)
     weights = random_weights(config, seed)
     preprocessor = dict(PREPROCESSOR_CONFIG, image_seq_length=config["mm_tokens_per_image"])
     size = config["vision_config"]["image_size"]

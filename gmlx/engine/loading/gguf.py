@@ -54,9 +54,9 @@ def load(path: Path) -> LoadedModel:
     except Exception as e:  # ModelArgs validation raises ValueError/TypeError/KeyError
         raise ModelSourceError(f"{path}: its metadata does not make a valid model: {e}.") from e
 
-    dtype = _model_dtype(f)
+    dtype = model_dtype(f)
     converted = convert_cache.load_or_convert(
-        f, dtype, lambda: _converted(path, f, arch, config, model, dtype)
+        f, dtype, lambda: _convert_tensors(path, f, arch, config, model, dtype)
     )
     weights, modes, notes = converted.weights, converted.modes, converted.notes
     if hasattr(model, "sanitize"):  # on every load: some sanitizers also set up the model
@@ -107,31 +107,17 @@ def check_types(path: Path, f: GGUFFile) -> None:
         )
 
 
-def _model_dtype(f: GGUFFile) -> mx.Dtype:
+def model_dtype(f: GGUFFile, ranks: tuple[int, ...] = (2,)) -> mx.Dtype:
     """Float type for unquantized weights, scales and biases: the file's own float type
-    for its big float tensors (BF16 stays bf16, an all-F32 file float32), else float16."""
-    kinds = Counter(t.qtype for t in f.tensors.values() if len(t.shape) == 2)
+    for its big float tensors (those of ``ranks`` dimensions: BF16 stays bf16, a file
+    all F32 float32), else float16."""
+    kinds = Counter(t.qtype for t in f.tensors.values() if len(t.shape) in ranks)
     floats = [k for k, _ in kinds.most_common() if k in gguf_quant.FLOAT_TYPES]
     if floats and floats[0] == Q.BF16:
         return mx.bfloat16
     if floats and floats[0] == Q.F32 and all(k in gguf_quant.FLOAT_TYPES for k in kinds):
         return mx.float32
     return mx.float16
-
-
-def _converted(
-    path: Path,
-    f: GGUFFile,
-    arch: gguf_arch.Architecture,
-    config: dict[str, Any],
-    model: nn.Module,
-    dtype: mx.Dtype,
-) -> convert_cache.Converted:
-    """The file's tensors as mlx-lm parameters, before the model's ``sanitize``: what
-    the cache stores."""
-    weights, quantized, notes = _convert_tensors(path, f, arch, config, model, dtype)
-    modes = {name: (t.group_size, t.bits) for name, t in quantized.items()}
-    return convert_cache.Converted(weights, modes, notes)
 
 
 def _convert_tensors(
@@ -141,10 +127,10 @@ def _convert_tensors(
     config: dict[str, Any],
     model: nn.Module,
     dtype: mx.Dtype,
-) -> tuple[dict[str, mx.array], dict[str, QuantizedTensor], list[str]]:
-    """Every tensor as mlx-lm parameters, one tensor at a time from the memory map.
-
-    Returns the parameters, the quantized ones by module path, and load-log notes.
+) -> convert_cache.Converted:
+    """Every tensor as mlx-lm parameters (before the model's ``sanitize``: what the
+    cache stores), one tensor at a time from the memory map, with the quantized modules'
+    ``(group_size, bits)`` and the load-log notes.
     """
     quantizable = {p for p, m in model.named_modules() if hasattr(m, "to_quantized")}
     weights: dict[str, mx.array] = {}
@@ -191,7 +177,8 @@ def _convert_tensors(
         notes.append(f"ignored tensor(s) with no mlx-lm parameter: {', '.join(skipped)}")
     counts = Counter(info.qtype.name for info in f.tensors.values())
     notes.insert(0, "tensor types: " + ", ".join(f"{k} x{v}" for k, v in counts.most_common()))
-    return weights, quantized, notes
+    modes = {name: (t.group_size, t.bits) for name, t in quantized.items()}
+    return convert_cache.Converted(weights, modes, notes)
 
 
 def _quantization_config(modes: dict[str, tuple[int, int]]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType, get_tensor_name
 
 from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
 from gmlx.engine.loading import gguf_quant
-from gmlx.engine.loading.gguf import check_types
+from gmlx.engine.loading.gguf import check_types, model_dtype
 from gmlx.engine.loading.gguf_file import GGUFFile
 
 Q = GGMLQuantizationType
@@ -89,7 +89,7 @@ def read(path: Path, text_config: dict[str, Any]) -> Projector:
         for name, value in tree_flatten(getattr(model, prefix[:-1]).parameters())
     }
 
-    dtype = _model_dtype(f)
+    dtype = model_dtype(f, ranks=(2, 3, 4))  # the patch embedding is a 4-D conv
     names = get_tensor_name_map(MODEL_ARCH.MMPROJ, config["vision_config"]["num_hidden_layers"])
     weights: dict[str, mx.array] = {}
     used: set[str] = set()
@@ -237,15 +237,3 @@ def _hf_name(param: str) -> str:
     """The Hugging Face name of an mlx-vlm parameter, the one the name map knows: the
     projection is a bare ``..._weight`` parameter there, a ``.weight`` in the map."""
     return param[: -len("_weight")] + ".weight" if param.endswith("_weight") else param
-
-
-def _model_dtype(f: GGUFFile) -> mx.Dtype:
-    """The float type of the loaded weights: the file's own float type for its big float
-    tensors (BF16 stays bf16, an all-float file mostly F32 float32), else float16."""
-    kinds = Counter(t.qtype for t in f.tensors.values() if len(t.shape) >= 2)
-    floats = [k for k, _ in kinds.most_common() if k in gguf_quant.FLOAT_TYPES]
-    if floats and floats[0] == Q.BF16:
-        return mx.bfloat16
-    if floats and floats[0] == Q.F32 and all(k in gguf_quant.FLOAT_TYPES for k in kinds):
-        return mx.float32
-    return mx.float16

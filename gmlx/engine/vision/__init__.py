@@ -120,19 +120,18 @@ class Vision:
         return np.ascontiguousarray(a.transpose(2, 0, 1))
 
     def embed(self, ids: Sequence[int], pixels: Sequence[np.ndarray],
-              features: mx.array | None = None) -> mx.array:
+              features: mx.array) -> mx.array:
         """The input embeddings of ``ids`` (a prompt whose image runs hold one image of
         ``pixels`` each, in order), shape [1, len(ids), hidden], as mlx-vlm computes
-        them: the text tokens' embeddings with each image's projected features in its
-        run (``features``, from :meth:`tower`, or computed here). The text model scales
-        them as it scales its own."""
+        them: the text tokens' embeddings with each image's projected features
+        (``features``, from :meth:`tower`) in its run. The text model scales them as it
+        scales its own. mlx-vlm takes the pixels too, only to know there are images."""
         import mlx.core as mx
 
         input_ids = mx.array([list(ids)], dtype=mx.int32)
-        extra = {} if features is None else {"cached_image_features": features}
         out = self.encoder.get_input_embeddings(
             input_ids, mx.array(np.stack(pixels)), mask=mx.ones(input_ids.shape, dtype=mx.int32),
-            **extra,
+            cached_image_features=features,
         )
         return out.inputs_embeds
 
@@ -157,22 +156,11 @@ class Vision:
         yield features
 
 
-def text_model(model: nn.Module) -> nn.Module:
-    """The module a vision encoder shares its embeddings with: mlx-lm's VLM classes
-    wrap the text model in ``language_model``; a GGUF's text model is its own."""
-    return getattr(model, "language_model", model)
-
-
 def share_text_model(encoder: Any, model: nn.Module) -> None:
-    """Point mlx-vlm's model at the served text model (dropping its own copy)."""
-    encoder.language_model = text_model(model)
+    """Point mlx-vlm's model at the served text model (dropping its own copy): mlx-lm's
+    VLM classes wrap the text model in ``language_model``; a GGUF's text model is its
+    own."""
+    encoder.language_model = getattr(model, "language_model", model)
 
 
-def image_tokens(ids: Sequence[int], vision: Vision | None) -> int:
-    """How many of ``ids`` are image tokens."""
-    if vision is None:
-        return 0
-    return sum(1 for t in ids if t == vision.image_token_id)
-
-
-__all__ = ["FAMILIES", "Vision", "image_tokens", "share_text_model", "text_model"]
+__all__ = ["FAMILIES", "Vision", "share_text_model"]

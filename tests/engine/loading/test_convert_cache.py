@@ -93,7 +93,7 @@ def test_a_touched_gguf_or_a_new_converter_makes_a_new_entry(
 def test_the_float_dtype_is_part_of_the_key(tiny_models, monkeypatch) -> None:
     path = tiny_models["llama-Q4_0"].path
     half = load(path)
-    monkeypatch.setattr(gguf, "_model_dtype", lambda f: mx.float32)
+    monkeypatch.setattr(gguf, "model_dtype", lambda f: mx.float32)
     full = load(path)
     assert "cached in" in cache_notes(full)[0]
     assert half.model.layers[0].input_layernorm.weight.dtype == mx.float16

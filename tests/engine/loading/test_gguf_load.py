@@ -38,7 +38,7 @@ def test_lossless_types_give_exact_logits_in_float32(
     """With float32 scales and activations the GGUF model *is* the reference model."""
     from gmlx.engine.loading import gguf
 
-    monkeypatch.setattr(gguf, "_model_dtype", lambda f: mx.float32)
+    monkeypatch.setattr(gguf, "model_dtype", lambda f: mx.float32)
     tiny = tiny_models[name]
     loaded = load(tiny.path)
     ids = loaded.tokenizer.encode(PROMPT)

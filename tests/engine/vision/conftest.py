@@ -36,13 +36,9 @@ def tiny_config(**vision: Any) -> dict[str, Any]:
     """The demo-vision config (64px images in 8px patches, 16 tokens), with
     ``vision_config`` fields replaced by ``vision`` and, when ``mm_tokens_per_image``
     is among them, the token count moved to where mlx-vlm reads it."""
-    config = model_config(VOCAB, IDS, eos_id=1, pad_id=0)
     tokens = vision.pop("mm_tokens_per_image", None)
-    config["vision_config"].update(vision)
-    if tokens is not None:
-        config["mm_tokens_per_image"] = tokens
-        config["text_config"]["mm_tokens_per_image"] = tokens
-    return config
+    text = {"mm_tokens_per_image": tokens} if tokens is not None else None
+    return model_config(VOCAB, IDS, eos_id=1, pad_id=0, text=text, vision=vision)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -75,8 +75,7 @@ def config_and_weights(tok) -> tuple[dict[str, Any], dict[str, mx.array]]:
     and the text model's norms too: near 0, Gemma's ``1 + w``), the output layer tied
     to the embeddings."""
     ids = {t: tok.token_to_id(t) for t in VISION_SPECIALS}
-    config = model_config(tok.get_vocab_size(), ids, ids[EOS_TOKEN], ids[PAD_TOKEN])
-    config["text_config"].update(TEXT)
+    config = model_config(tok.get_vocab_size(), ids, ids[EOS_TOKEN], ids[PAD_TOKEN], text=TEXT)
     weights = vision_weights(config, SEED)
     rng = np.random.default_rng(SEED + 1)
     for name, value in weights.items():
