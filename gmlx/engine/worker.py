@@ -27,6 +27,7 @@ from typing import Any
 
 from gmlx.engine import scheduling
 from gmlx.engine.batch import Batch
+from gmlx.engine.capacity import backend
 from gmlx.engine.errors import EngineError, GmlxError, ServerOverloadedError
 from gmlx.engine.governor import Governor, ShedError
 from gmlx.engine.loading import LoadedModel
@@ -197,12 +198,14 @@ class ModelWorker:
         """Seconds until the queue drains at the recent pace (0 when nothing waits)."""
         return scheduling.queue_eta_s(self.queued, self.decode_batch, self.stats.mean_request_s())
 
-    def warm_up(self) -> float:
-        """Run every decode-batch width once, and the prefill shapes (a whole chunk
-        alone, a prompt-cache hit, the smaller chunk beside a decoding stream), before
-        the first client does: on an accelerator each new shape of a step compiles its
-        kernels on first use (up to seconds), which would otherwise land in some
-        client's time to first token. The model is not ready until this ends.
+    def warm_up(self, prefills: bool | None = None) -> float:
+        """Run every decode-batch width once, and with ``prefills`` the prefill shapes (a
+        whole chunk alone, a prompt-cache hit, the smaller chunk beside a decoding
+        stream), before the first client does: on an accelerator each new shape of a
+        step compiles its kernels on first use (up to seconds), which would otherwise
+        land in some client's time to first token. The model is not ready until this
+        ends. ``prefills`` defaults to "on an accelerator": on the CPU a chunk-long
+        prefill of a large model costs minutes and compiles little.
 
         ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together and
         leave one by one (``scheduling.warm_up_requests``), so the batch passes through
@@ -218,9 +221,11 @@ class ModelWorker:
             log.debug("%s: warm-up render failed: %r", self.loaded.id, e)
         eos = self.loaded.tokenizer.eos_token_ids
         ramp = scheduling.warm_up_requests(min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size, eos)
-        prefills = scheduling.warm_up_prefills(self.prefill_step_size, self.loaded.context_length,
-                                               self.vocab_size, eos)
-        for round_ in [ramp, *prefills]:
+        rounds = [ramp]
+        if prefills if prefills is not None else backend() != "cpu":
+            rounds += scheduling.warm_up_prefills(self.prefill_step_size, self.loaded.context_length,
+                                                  self.vocab_size, eos)
+        for round_ in rounds:
             for handle in [self.submit(request) for request in round_]:
                 for _ in handle:
                     pass
