@@ -1,12 +1,23 @@
-"""The 4-bit decode kernel against MLX's own quantized matmul, on the GPU machine:
-correctness (against MLX's quantized matmul on the CPU backend, same inputs) and speed
-(against MLX's CUDA quantized matmul) for Llama-3-8B's layer shapes at 1-32 rows.
+"""The decode-sized quantized paths against MLX's own quantized matmul, on the GPU machine.
 
-    python benchmarks/gpu/kernel_check.py
+For Llama-3-8B's layer shapes, at 1-32 rows, in the layouts a Q4_K_M GGUF loads as
+(4-bit and 6-bit, group 32) and mlx-lm's 4-bit (group 64): correctness of the kernel
+(``fast_linear.agrees``: within twice MLX's own error against a float32 product, MLX's
+product taken on the CPU backend from the same inputs) and microseconds per product
+(50 queued per wait) for MLX's quantized matmul, the dequantize+dense path, the kernel
+with its default launch shape and the best of the shapes tried, and a dense bf16
+matmul of the same weights (the float reference). Then a decode step of the 8B built
+from those figures (Q4_K_M's mix of 4- and 6-bit layers), per path and width.
+
+    python benchmarks/gpu/kernel_check.py [--out FILE.md] [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
+import math
+import sys
 import time
 
 import mlx.core as mx
@@ -14,12 +25,19 @@ import mlx.core as mx
 from gmlx.engine.kernels import qmv_cuda
 from gmlx.engine.kernels.fast_linear import agrees, exact_product
 
+# (in, out) of Llama-3-8B's products: q/o, k/v, gate/up, down, lm_head
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
+LAYOUTS = [(4, 32), (6, 32), (4, 64)]
+ROWS = (1, 2, 4, 8, 16, 32)
+CONFIGS = [(nr, warps) for nr, warps in itertools.product((1, 2, 4, 8), (2, 4, 8))]
+# A Q4_K_M Llama-3-8B decode step: (in, out, bits, count); llama.cpp gives attn_v and
+# ffn_down 6 bits in about half the layers, and the output layer 6 bits.
+STEP = [(4096, 4096, 4, 64), (4096, 1024, 4, 48), (4096, 1024, 6, 16), (4096, 14336, 4, 64),
+        (14336, 4096, 4, 16), (14336, 4096, 6, 16), (4096, 128256, 6, 1)]
 
 
 def timed(fn, reps: int = 50) -> float:
-    """Microseconds per product, ``reps`` of them queued before one wait (so launch and
-    synchronization costs do not dominate, as in a decode step of many layers)."""
+    """Microseconds per product, ``reps`` of them queued before one wait."""
     for _ in range(3):
         mx.eval(fn())
     start = time.perf_counter()
@@ -28,28 +46,85 @@ def timed(fn, reps: int = 50) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--quick", action="store_true", help="default launch shapes only")
+    args = parser.parse_args()
     assert qmv_cuda.available(), "MLX does not run on CUDA here"
     mx.random.seed(0)
-    print(f"{'K x N':>13} {'rows':>4} {'ok':>3} {'mlx us':>8} {'kernel us':>9} {'speed-up':>8} {'GB/s':>6}")
-    for k, n in SHAPES:
-        w = (mx.random.normal((n, k)) * 0.02).astype(mx.float16)
-        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    lines = [f"mlx {mx.__version__}, {mx.default_device()}", "",
+             ("| K x N | bits/g | rows | ok | mlx us | dense us | kernel us | best cfg | best us | "
+              "bf16 us | best path | speed-up | kernel GB/s |"),
+             "|---|---|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    best_times: dict[tuple[int, ...], dict[str, float]] = {}
+    for (k, n), (bits, g) in itertools.product(SHAPES, LAYOUTS):
+        if g == 64 and (k, n) == (4096, 128256):
+            continue
+        w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+        wq, s, b = mx.quantize(w, group_size=g, bits=bits)
         mx.eval(wq, s, b)
-        for rows in (1, 2, 4, 8, 16, 32):
-            x = mx.random.normal((rows, k)).astype(mx.float16)
-            got = qmv_cuda.qmv4(x, wq, s, b, 64)
-            want_cpu = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4,
-                                           stream=mx.cpu)
-            with mx.stream(mx.cpu):
-                exact = exact_product(x, wq, s, b, 64)
-            ok = agrees(got, want_cpu, exact)
-            args = (x, wq, s, b)
-            t_mlx = timed(lambda a=args: mx.quantized_matmul(*a, transpose=True, group_size=64, bits=4))
-            t_k = timed(lambda a=args: qmv_cuda.qmv4(*a, 64))
-            gbs = (wq.nbytes + s.nbytes + b.nbytes) / (t_k * 1e-6) / 1e9
-            print(f"{k:>6}x{n:<6} {rows:>4} {'yes' if ok else 'NO':>3} {t_mlx:>8.1f} {t_k:>9.1f} "
-                  f"{t_mlx / t_k:>7.2f}x {gbs:>6.0f}")
+        weight_bytes = wq.nbytes + s.nbytes + b.nbytes
+        explore = not args.quick and (k, n) in ((4096, 4096), (4096, 14336)) and (bits, g) == (4, 32)
+        for rows in ROWS:
+            x = mx.random.normal((rows, k)).astype(mx.bfloat16)
+            q = (wq, s, b)
+            t_mlx = timed(lambda x=x, q=q, g=g, bits=bits: mx.quantized_matmul(
+                x, *q, transpose=True, group_size=g, bits=bits))
+            t_dense = timed(lambda x=x, q=q, g=g, bits=bits: qmv_cuda.dequantized(x, *q, g, bits))
+            wd = mx.dequantize(*q, group_size=g, bits=bits)
+            mx.eval(wd)
+            t_bf16 = timed(lambda x=x, wd=wd: x @ wd.T)
+            del wd
+            ok, t_kernel, best_cfg, t_best = "—", float("nan"), "—", float("nan")
+            if rows <= qmv_cuda.KERNEL_ROWS[-1]:
+                with mx.stream(mx.cpu):
+                    want = mx.quantized_matmul(x, *q, transpose=True, group_size=g, bits=bits)
+                    exact = exact_product(x, *q, g, bits)
+                    mx.eval(want, exact)
+                configs = CONFIGS if explore else [qmv_cuda.default_config(qmv_cuda.row_bucket(rows))]
+                results = {}
+                for cfg in configs:
+                    if qmv_cuda.row_bucket(rows) * cfg[0] > 64:
+                        continue
+                    got = qmv_cuda.qmv(x, *q, g, bits, config=cfg)
+                    good = agrees(got, want, exact)
+                    if cfg == qmv_cuda.default_config(qmv_cuda.row_bucket(rows)):
+                        ok = "yes" if good else "NO"
+                    if good:
+                        results[cfg] = timed(lambda x=x, q=q, g=g, bits=bits, cfg=cfg: qmv_cuda.qmv(
+                            x, *q, g, bits, config=cfg))
+                t_kernel = results.get(qmv_cuda.default_config(qmv_cuda.row_bucket(rows)), float("nan"))
+                if results:
+                    cfg = min(results, key=results.__getitem__)
+                    best_cfg, t_best = f"{cfg[0]}x{cfg[1]}", results[cfg]
+            paths = {"mlx": t_mlx, "dense": t_dense}
+            if not math.isnan(t_best):
+                paths["kernel"] = t_best
+            best = min(paths, key=paths.__getitem__)
+            best_times[(k, n, bits, g, rows)] = paths
+            gbs = weight_bytes / (t_best * 1e-6) / 1e9 if not math.isnan(t_best) else float("nan")
+            line = (f"| {k}x{n} | {bits}/{g} | {rows} | {ok} | {t_mlx:.1f} | {t_dense:.1f} | "
+                    f"{t_kernel:.1f} | {best_cfg} | {t_best:.1f} | {t_bf16:.1f} | {best} | "
+                    f"{t_mlx / paths[best]:.2f}x | {gbs:.0f} |")
+            lines.append(line)
+            print(line, flush=True)
+    lines += ["", "Q4_K_M 8B decode step from these products (ms; layers only, no attention):", "",
+              "| rows | mlx | best path | tok/s at best |", "|---:|---:|---:|---:|"]
+    for rows in ROWS:
+        step = {"mlx": 0.0, "best": 0.0}
+        for k, n, bits, count in STEP:
+            paths = best_times.get((k, n, bits, 32, rows))
+            if paths is None:
+                continue
+            step["mlx"] += count * paths["mlx"] / 1e3
+            step["best"] += count * min(paths.values()) / 1e3
+        lines.append(f"| {rows} | {step['mlx']:.2f} | {step['best']:.2f} | {rows / step['best'] * 1e3:.0f} |")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,17 +1,20 @@
-"""4-bit layers that take the decode-sized kernel where it wins (CUDA only).
+"""Quantized layers that take a faster decode-sized path where one wins (CUDA only).
 
-At load, on CUDA, every distinct (in, out) shape of a model's 4-bit affine layers is
-timed both ways (MLX's ``quantized_matmul`` and ``qmv_cuda.qmv4``) at each row bucket
-a decode step can have (1, 2, 4, 8, 16, 32 rows); the kernel is used for the buckets
-where it was faster, and the layer swaps to :class:`FastQuantizedLinear`. Timing both
-also compiles both, before the model reports ready. ``GMLX_QMV_KERNEL=0`` turns it off
-(to measure MLX's own path).
+At load, on CUDA, every distinct (in, out, bits, group) shape of a model's affine
+quantized layers is timed at each row bucket a decode step can have (1, 2, 4, 8, 16, 32
+rows) three ways: MLX's ``quantized_matmul``, ``qmv_cuda.qmv`` (the kernel, up to 16 rows)
+and ``qmv_cuda.dequantized`` (dequantize, then a dense matmul). A bucket takes the fastest
+path that agrees with a float32 product as closely as MLX's own does; the layer swaps to
+:class:`FastQuantizedLinear` when any bucket leaves MLX's path. Timing every path also
+compiles it, before the model reports ready. ``GMLX_QMV_KERNEL=0`` turns it off (to
+measure MLX's own path).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mlx import nn
@@ -19,72 +22,93 @@ from mlx import nn
 from gmlx.engine.kernels import qmv_cuda
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+MLX = "mlx"
+KERNEL = "kernel"
+DENSE = "dense"
 
 
 class FastQuantizedLinear(nn.QuantizedLinear):
-    """A QuantizedLinear whose products of ``rows`` in ``fast_rows`` take the kernel."""
+    """A QuantizedLinear whose products of a row bucket in ``paths`` take that path
+    (the kernel with the launch shape it was timed fastest at)."""
 
-    fast_rows: frozenset[int] = frozenset()
+    paths: dict[int, tuple[str, tuple[int, int]]]  # set when a layer is swapped to this class
 
     def __call__(self, x: Any) -> Any:
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
-        if rows <= qmv_cuda.MAX_ROWS and qmv_cuda.row_bucket(rows) in self.fast_rows:
-            y = qmv_cuda.qmv4(x, self["weight"], self["scales"], self["biases"], self.group_size)
-            return y + self["bias"] if "bias" in self else y
-        return super().__call__(x)
+        chosen = self.paths.get(qmv_cuda.row_bucket(rows)) if rows <= qmv_cuda.MAX_ROWS else None
+        if chosen is None:
+            return super().__call__(x)
+        path, config = chosen
+        q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        y = qmv_cuda.qmv(x, *q, config=config) if path == KERNEL else qmv_cuda.dequantized(x, *q)
+        return y + self["bias"] if "bias" in self else y
 
 
 def use_fast_kernels(model: nn.Module) -> str | None:
-    """Swap the model's 4-bit layers to :class:`FastQuantizedLinear` where the kernel
+    """Swap the model's quantized layers to :class:`FastQuantizedLinear` where a path
     measured faster; returns the load note, or None when there is nothing to decide."""
     if os.environ.get("GMLX_QMV_KERNEL", "1") == "0" or not qmv_cuda.available():
         return None
-    layers = [(p, m) for p, m in model.named_modules()
+    layers = [m for _, m in model.named_modules()
               if type(m) is nn.QuantizedLinear and qmv_cuda.supports(
-                  1, m.weight.shape[1] * 8, m.group_size, m.bits, getattr(m, "mode", "affine"))]
+                  1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine"))]
     if not layers:
         return None
-    wins: dict[tuple[int, int, int], frozenset[int]] = {}
-    for _, m in layers:
-        key = (m.weight.shape[1] * 8, m.weight.shape[0], m.group_size)
-        if key not in wins:
-            wins[key] = _measure(m)
+    chosen: dict[tuple[int, int, int, int], dict[int, tuple[str, tuple[int, int]]]] = {}
+    for m in layers:
+        if (key := _key(m)) not in chosen:
+            chosen[key] = _measure(m)
     swapped = 0
-    for _, m in layers:
-        fast = wins[(m.weight.shape[1] * 8, m.weight.shape[0], m.group_size)]
-        if fast:
+    for m in layers:
+        if paths := chosen[_key(m)]:
             m.__class__ = FastQuantizedLinear
-            m.fast_rows = fast
+            m.paths = paths
             swapped += 1
-    summary = "; ".join(f"{k}x{n}: rows {sorted(f) or 'none'}" for (k, n, _), f in wins.items())
-    return f"cuda: 4-bit decode kernel on {swapped} of {len(layers)} layers ({summary})"
+    summary = "; ".join(
+        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + (f"{c[0]}x{c[1]}" if p == KERNEL else "")
+                                             for r, (p, c) in sorted(paths.items())) or "mlx")
+        for (k, n, bits, _), paths in chosen.items())
+    return f"cuda: decode-sized paths on {swapped} of {len(layers)} quantized layers ({summary})"
 
 
-def _measure(layer: Any, reps: int = 20) -> frozenset[int]:
-    """The row buckets where the kernel beat MLX's quantized matmul on this layer."""
+def _in_features(layer: Any) -> int:
+    return layer.weight.shape[1] * 32 // layer.bits
+
+
+def _key(layer: Any) -> tuple[int, int, int, int]:
+    return (_in_features(layer), layer.weight.shape[0], layer.bits, layer.group_size)
+
+
+def _measure(layer: Any, reps: int = 20) -> dict[int, tuple[str, tuple[int, int]]]:
+    """The row buckets where a path beat MLX's quantized matmul on this layer: which path,
+    and for the kernel the launch shape (of ``qmv_cuda.configs``) it was fastest at."""
     import mlx.core as mx
 
-    k = layer.weight.shape[1] * 8
-    dtype = layer.scales.dtype
-    fast = set()
+    k = _in_features(layer)
+    args = (layer.weight, layer.scales, layer.biases)
+    g, bits = layer.group_size, layer.bits
+    paths: dict[int, tuple[str, tuple[int, int]]] = {}
     for rows in BUCKETS:
-        x = mx.random.normal((rows, k)).astype(dtype)
-
-        def mlx_path(x: Any = x) -> Any:
-            return mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, transpose=True,
-                                       group_size=layer.group_size, bits=layer.bits)
-
-        def kernel(x: Any = x) -> Any:
-            return qmv_cuda.qmv4(x, layer.weight, layer.scales, layer.biases, layer.group_size)
-
-        exact = exact_product(x, layer.weight, layer.scales, layer.biases, layer.group_size)
-        if not agrees(kernel(), mlx_path(), exact):
-            continue  # never use a kernel that disagrees
-        if _time(kernel, reps) < _time(mlx_path, reps):
-            fast.add(rows)
-    return frozenset(fast)
+        x = mx.random.normal((rows, k)).astype(layer.scales.dtype)
+        candidates: dict[tuple[str, tuple[int, int]], Callable[[], Any]] = {
+            (MLX, (0, 0)): lambda x=x: mx.quantized_matmul(x, *args, transpose=True,
+                                                           group_size=g, bits=bits),
+            (DENSE, (0, 0)): lambda x=x: qmv_cuda.dequantized(x, *args, g, bits),
+        }
+        if rows <= qmv_cuda.KERNEL_ROWS[-1]:
+            for config in qmv_cuda.configs(rows):
+                candidates[(KERNEL, config)] = (
+                    lambda x=x, c=config: qmv_cuda.qmv(x, *args, g, bits, config=c))
+        exact = exact_product(x, *args, g, bits)
+        want = candidates[(MLX, (0, 0))]()
+        times = {name: _time(fn, reps) for name, fn in candidates.items()
+                 if name[0] == MLX or agrees(fn(), want, exact)}  # never a path that disagrees
+        best = min(times, key=lambda name: times[name])
+        if best[0] != MLX:
+            paths[rows] = best
+    return paths
 
 
 def agrees(got: Any, want: Any, exact: Any) -> bool:
@@ -99,11 +123,11 @@ def agrees(got: Any, want: Any, exact: Any) -> bool:
     return (err_kernel <= 2 * err_mlx + 1e-3 * mx.abs(exact).max()).item()
 
 
-def exact_product(x: Any, layer_or_w: Any, scales: Any, biases: Any, group_size: int) -> Any:
-    """``x @ dequantize(w).T`` in float32: the reference both products are held to."""
+def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
+    """``x @ dequantize(w).T`` in float32: the reference every product is held to."""
     import mlx.core as mx
 
-    w = mx.dequantize(layer_or_w, scales, biases, group_size=group_size, bits=4)
+    w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
     return x.astype(mx.float32) @ w.astype(mx.float32).T
 
 

@@ -1,11 +1,15 @@
-"""The 4-bit decode kernel: never used where it is not built. Its check against MLX's
-own quantized matmul on the CPU backend (same inputs, 1% of the largest output) runs on
-a CUDA machine: ``benchmarks/gpu/kernel_check.py``, and at every load there
-(``fast_linear._measure`` uses it only where it agrees and is faster)."""
+"""The decode-sized quantized paths: never used where they are not built. The kernel's
+check against MLX's own quantized matmul on the CPU backend (same inputs, within twice
+MLX's own error against a float32 product) runs on a CUDA machine:
+``benchmarks/gpu/kernel_check.py``, and at every load there (``fast_linear._measure``
+takes a path only where it agrees and is faster). Here: the layout the kernel reads,
+replayed in numpy with the kernel's own bit arithmetic, against MLX's dequantize."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
+import pytest
 from mlx import nn
 
 from gmlx.engine.kernels import qmv_cuda
@@ -17,11 +21,12 @@ from gmlx.engine.kernels.fast_linear import (
 )
 
 
-def test_which_products_the_kernel_takes() -> None:
-    assert qmv_cuda.supports(1, 4096, 64, 4) and qmv_cuda.supports(32, 14336, 128, 4)
+def test_which_products_may_take_the_paths() -> None:
+    assert qmv_cuda.supports(1, 4096, 64, 4) and qmv_cuda.supports(32, 14336, 32, 6)
+    assert qmv_cuda.supports(8, 4096, 32, 8)
     assert not qmv_cuda.supports(33, 4096, 64, 4)  # a prefill chunk: MLX's matmul
-    assert not qmv_cuda.supports(1, 4096, 64, 8)  # 8-bit: MLX's kernel
-    assert not qmv_cuda.supports(1, 4000, 64, 4)  # rows not a multiple of 256
+    assert not qmv_cuda.supports(1, 4096, 32, 5)  # 5-bit: MLX's kernel
+    assert not qmv_cuda.supports(1, 4000, 64, 4)  # not whole groups
     assert not qmv_cuda.supports(1, 4096, 64, 4, mode="mxfp4")
 
 
@@ -31,6 +36,49 @@ def test_not_used_where_it_is_not_built() -> None:
     assert not qmv_cuda.available()  # this machine: MLX on the CPU (Metal is the same)
     assert use_fast_kernels(model) is None
     assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
+
+
+def _decode_like_the_kernel(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                            bits: int, group: int) -> np.ndarray:
+    """Every row's weights decoded pack by pack with the kernel's arithmetic: ``W`` words
+    per pack of ``P`` codes, code ``t`` at bit ``t * bits``, spilling into the next word."""
+    codes_per_pack, words_per_pack = qmv_cuda.layout(bits)
+    rows, words = wq.shape
+    k = words * 32 // bits
+    out = np.empty((rows, k), np.float32)
+    mask = (1 << bits) - 1
+    for n in range(rows):
+        for p in range(k // codes_per_pack):
+            q = [int(v) for v in wq[n, p * words_per_pack:(p + 1) * words_per_pack]]
+            g = p * codes_per_pack // group
+            for t in range(codes_per_pack):
+                bit = t * bits
+                word, sh = divmod(bit, 32)
+                v = q[word] >> sh
+                if sh + bits > 32:
+                    v |= (q[word + 1] << (32 - sh)) & 0xFFFFFFFF
+                out[n, p * codes_per_pack + t] = scales[n, g] * (v & mask) + biases[n, g]
+    return out
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (6, 32), (8, 32), (8, 128)])
+def test_the_kernel_reads_mlx_layout(bits: int, group: int) -> None:
+    mx.random.seed(bits * group)
+    w = mx.random.normal((6, 256))
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    want = np.array(mx.dequantize(wq, s, b, group_size=group, bits=bits))
+    got = _decode_like_the_kernel(np.array(wq), np.array(s), np.array(b), bits, group)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_dense_path_is_the_same_product() -> None:
+    mx.random.seed(1)
+    w = mx.random.normal((64, 256))
+    wq, s, b = mx.quantize(w, group_size=32, bits=6)
+    x = mx.random.normal((3, 256))
+    got = qmv_cuda.dequantized(x, wq, s, b, 32, 6)
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=6)
+    assert mx.allclose(got, want, atol=1e-3, rtol=1e-3)
 
 
 def test_agreement_is_held_to_mlx_own_error() -> None:
@@ -45,6 +93,6 @@ def test_the_exact_product_dequantizes() -> None:
     w = mx.random.normal((64, 256))
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     x = mx.random.normal((2, 256))
-    exact = exact_product(x, wq, s, b, 64)
+    exact = exact_product(x, wq, s, b, 64, 4)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
     assert exact.dtype == mx.float32 and mx.allclose(exact, want, atol=1e-3, rtol=1e-3)
