@@ -49,6 +49,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true", help="default launch shapes only")
+    parser.add_argument("--shapes", type=lambda v: [tuple(map(int, s.split("x"))) for s in v.split(",")],
+                        default=SHAPES, help="KxN,... (default: the 8B's)")
+    parser.add_argument("--layouts", type=lambda v: [tuple(map(int, s.split("/"))) for s in v.split(",")],
+                        default=LAYOUTS, help="bits/group,... (default: 4/32,6/32,4/64)")
     args = parser.parse_args()
     assert qmv_cuda.available(), "MLX does not run on CUDA here"
     mx.random.seed(0)
@@ -58,7 +62,7 @@ def main() -> None:
              "|---|---|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
     print("\n".join(lines), flush=True)
     best_times: dict[tuple[int, ...], dict[str, float]] = {}
-    for (k, n), (bits, g) in itertools.product(SHAPES, LAYOUTS):
+    for (k, n), (bits, g) in itertools.product(args.shapes, args.layouts):
         if g == 64 and (k, n) == (4096, 128256):
             continue
         w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
@@ -109,6 +113,9 @@ def main() -> None:
                     f"{t_mlx / paths[best]:.2f}x | {gbs:.0f} |")
             lines.append(line)
             print(line, flush=True)
+            if args.out:  # kept as it grows: a call cut off at its limit still brings it back
+                with open(args.out, "w") as f:
+                    f.write("\n".join(lines) + "\n")
     lines += ["", "Q4_K_M 8B decode step from these products (ms; layers only, no attention):", "",
               "| rows | mlx | best path | tok/s at best |", "|---:|---:|---:|---:|"]
     for rows in ROWS:
