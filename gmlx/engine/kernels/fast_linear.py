@@ -5,8 +5,12 @@ quantized layers is timed at each row bucket a decode step can have (1, 2, 4, 8,
 rows) three ways: MLX's ``quantized_matmul``, ``qmv_cuda.qmv`` (the kernel, up to 16 rows)
 and ``qmv_cuda.dequantized`` (dequantize, then a dense matmul). A bucket takes the fastest
 path that agrees with a float32 product as closely as MLX's own does; the layer swaps to
-:class:`FastQuantizedLinear` when any bucket leaves MLX's path. Timing every path also
-compiles it, before the model reports ready. ``GMLX_QMV_KERNEL=0`` turns it off (to
+:class:`FastQuantizedLinear` when any bucket leaves MLX's path. A product timed alone is
+not a decode step, though (on the H200 the kernel won alone at one row and lost in the
+served step, where dozens of small launches queue together), so each bucket's choices are
+then confirmed on the whole model: a decode step of that many streams, timed with and
+without them, and the bucket goes back to MLX's path unless its step got faster. Timing
+every path also compiles it, before the model reports ready. ``GMLX_QMV_KERNEL=0`` turns it off (to
 measure MLX's own path).
 """
 
@@ -60,17 +64,26 @@ def use_fast_kernels(model: nn.Module) -> str | None:
     for m in layers:
         if (key := _key(m)) not in chosen:
             chosen[key] = _measure(m)
-    swapped = 0
-    for m in layers:
-        if paths := chosen[_key(m)]:
-            m.__class__ = FastQuantizedLinear
-            m.paths = paths
-            swapped += 1
+    swapped = [m for m in layers if chosen[_key(m)]]
+    for m in swapped:
+        m.__class__ = FastQuantizedLinear
+        m.paths = dict(chosen[_key(m)])
+    confirmed = _confirm(model, swapped, sorted({r for p in chosen.values() for r in p}))
+    for paths in chosen.values():
+        for rows in list(paths):
+            if rows not in confirmed:
+                del paths[rows]
+    for m in swapped:
+        if not m.paths:
+            m.__class__ = nn.QuantizedLinear
+    swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
         f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + (f"{c[0]}x{c[1]}" if p == KERNEL else "")
                                              for r, (p, c) in sorted(paths.items())) or "mlx")
         for (k, n, bits, _), paths in chosen.items())
-    return f"cuda: decode-sized paths on {swapped} of {len(layers)} quantized layers ({summary})"
+    steps = ", ".join(f"{r}: {t:.2f}x" for r, t in confirmed.items()) or "none faster"
+    return (f"cuda: decode-sized paths on {len(swapped)} of {len(layers)} quantized layers "
+            f"({summary}); whole-step speed-up by rows: {steps}")
 
 
 def _in_features(layer: Any) -> int:
@@ -109,6 +122,45 @@ def _measure(layer: Any, reps: int = 20) -> dict[int, tuple[str, tuple[int, int]
         if best[0] != MLX:
             paths[rows] = best
     return paths
+
+
+def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[int, float]:
+    """The buckets whose chosen paths make the model's whole decode step faster, with the
+    speed-up; the others are taken out of every swapped layer's ``paths``."""
+    kept: dict[int, float] = {}
+    for rows in buckets:
+        saved = {id(m): m.paths.pop(rows) for m in swapped if rows in m.paths}
+        try:
+            without = _step_time(model, rows)
+            for m in swapped:
+                if id(m) in saved:
+                    m.paths[rows] = saved[id(m)]
+            with_paths = _step_time(model, rows)
+        except (TypeError, ValueError, RuntimeError):  # a model this cannot step: keep MLX's
+            with_paths, without = 1.0, 0.0
+        if with_paths < 0.98 * without:
+            kept[rows] = without / with_paths
+        else:
+            for m in swapped:
+                m.paths.pop(rows, None)
+    return kept
+
+
+def _step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 8) -> float:
+    """Seconds per decode step of ``rows`` streams after a ``context``-token prompt, each
+    step waited for, as the worker does."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
+    token = mx.zeros((rows, 1), mx.int32)
+    for _ in range(2):
+        mx.eval(model(token, cache=cache))
+    start = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(model(token, cache=cache))
+    return (time.perf_counter() - start) / steps
 
 
 def agrees(got: Any, want: Any, exact: Any) -> bool:

@@ -96,3 +96,61 @@ def test_the_exact_product_dequantizes() -> None:
     exact = exact_product(x, wq, s, b, 64, 4)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
     assert exact.dtype == mx.float32 and mx.allclose(exact, want, atol=1e-3, rtol=1e-3)
+
+
+def _tiny_quantized_llama() -> nn.Module:
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=128, num_key_value_heads=2)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> None:
+    """Per-layer choices are confirmed on the model's decode step: here the step is made
+    (by a stand-in clock) faster with the one-row choices and slower with the two-row
+    ones, so layers keep the first and lose the second; the products themselves run for
+    real (the dense path runs on the CPU too)."""
+    from gmlx.engine.kernels import fast_linear
+
+    model = _tiny_quantized_llama()
+    x = mx.random.normal((2, 64))
+    before = model.layers[0].self_attn.q_proj(x)
+    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
+        1: (fast_linear.DENSE, (0, 0)), 2: (fast_linear.DENSE, (0, 0))})
+
+    def step_time(model: nn.Module, rows: int) -> float:
+        fast = any(rows in getattr(m, "paths", {}) for _, m in model.named_modules())
+        return {(1, True): 0.5, (1, False): 1.0, (2, True): 1.0, (2, False): 1.0}[(rows, fast)]
+
+    monkeypatch.setattr(fast_linear, "_step_time", step_time)
+    note = use_fast_kernels(model)
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    swapped = [m for m in layers if isinstance(m, FastQuantizedLinear)]
+    assert swapped and all(m.paths == {1: (fast_linear.DENSE, (0, 0))} for m in swapped)
+    assert note is not None and "1: 2.00x" in note
+    after = model.layers[0].self_attn.q_proj(x[:1])  # one row: the dense path
+    assert mx.allclose(after, before[:1], atol=1e-4, rtol=1e-4)
+
+
+def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
+    from gmlx.engine.kernels import fast_linear
+
+    model = _tiny_quantized_llama()
+    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
+    note = use_fast_kernels(model)
+    assert note is not None and "none faster" in note
+    assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
+
+
+def test_the_step_timer_runs_a_real_decode_step() -> None:
+    from gmlx.engine.kernels.fast_linear import _step_time
+
+    assert _step_time(_tiny_quantized_llama(), 2, context=4, steps=2) > 0
