@@ -1,12 +1,26 @@
-"""Cold start of a GGUF model: load (read + convert) and first-token times, with and
-without a converted-weights cache entry, and optionally the same model as an MLX folder.
+"""Cold start of a GGUF model: load time by phase and first-token time, without the
+converted-weights cache, with an empty one and from its entry, and optionally the same
+model as an MLX folder.
 
     python benchmarks/cold_start.py                  # a test-size Q4_K GGUF written here
-    python benchmarks/cold_start.py --gguf M.gguf [--mlx DIR]
+    python benchmarks/cold_start.py --gguf M.gguf [--mlx DIR] [--repeat N]
+    python benchmarks/cold_start.py --vocab qwen2 --before c9e50d1 --repeat 3
+        # a Q4_K_M-like model with the real 151,936-token vocabulary; also the code of
+        # commit c9e50d1 (before the cache and the faster converter)
 
-"cold" runs with an empty private cache (the conversion runs and writes the entry),
-"cached" loads again from that entry. Each is one run in this process: the OS page cache
-is warm for the GGUF in both, so the difference is the conversion itself.
+"uncached" runs with the cache off (GMLX_CONVERT_CACHE_BYTES=0): every load converts the
+tensors and rebuilds the tokenizer, as loads did before the cache. "cold" starts from an
+empty private cache (it converts and writes the entry), "cached" loads from that entry.
+All run in this one process, so the OS page cache is warm for the GGUF throughout and the
+differences are the conversion, the tokenizer build and the cache. With --repeat, each
+row is the best of N loads (cold: one load, as only the first finds the cache empty).
+Phases come from the loader's progress reports: read (header, metadata; the tokenizer
+when it is built), then convert (tensors converted, the entry written) or cached (weights
+and tokenizer read back); the model's set-up after that counts in the last phase.
+``--before REV`` also loads the same file with the code of commit REV (a git worktree, in
+a subprocess that imports first and then times ``load_model`` alone, best of N): the
+load as it was before the cache and the faster converter (c9e50d1: the code when the
+cold-start issue was filed).
 """
 
 from __future__ import annotations
@@ -30,6 +44,71 @@ def _write_test_gguf(path: Path) -> Path:
     return path
 
 
+def _write_real_vocab_gguf(path: Path, vocab: str) -> Path:
+    """A Q4_K_M-like GGUF (hidden 256, 2 layers; Q4_K with Q6_K for attn_v, ffn_down and
+    the output layer, as llama-quantize's Q4_K_M mixes them) carrying the real ``vocab``
+    tokenizer from ../shared/fixtures/vocab: a test model whose load is dominated by what
+    real models have (a 150k vocabulary, K-quant conversion), not by its tiny layers.
+    Random valid blocks: load time does not depend on the values."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader, GGUFWriter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.engine.loading.conftest import random_blocks
+
+    source = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vocab" / f"ggml-vocab-{vocab}.gguf"
+    reader = GGUFReader(source)
+
+    def strings(key: str) -> list[str]:
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    tokens, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
+    types = [int(reader.fields["tokenizer.ggml.token_type"].parts[i][0])
+             for i in reader.fields["tokenizer.ggml.token_type"].data]
+    hidden, ffn, layers, heads, kv_heads = 256, 512, 2, 4, 2
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    head = hidden // heads
+    matrices = [("token_embd.weight", len(tokens), hidden, Q.Q4_K), ("output.weight", len(tokens), hidden, Q.Q6_K)]
+    for i in range(layers):
+        matrices += [(f"blk.{i}.attn_q.weight", hidden, hidden, Q.Q4_K),
+                     (f"blk.{i}.attn_k.weight", kv_heads * head, hidden, Q.Q4_K),
+                     (f"blk.{i}.attn_v.weight", kv_heads * head, hidden, Q.Q6_K),
+                     (f"blk.{i}.attn_output.weight", hidden, hidden, Q.Q4_K),
+                     (f"blk.{i}.ffn_gate.weight", ffn, hidden, Q.Q4_K),
+                     (f"blk.{i}.ffn_up.weight", ffn, hidden, Q.Q4_K),
+                     (f"blk.{i}.ffn_down.weight", hidden, ffn, Q.Q6_K)]
+        for name, size in (("attn_q.bias", hidden), ("attn_k.bias", kv_heads * head),
+                           ("attn_v.bias", kv_heads * head), ("attn_norm.weight", hidden),
+                           ("ffn_norm.weight", hidden)):
+            writer.add_tensor(f"blk.{i}.{name}", np.ones(size, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for seed, (name, rows, cols, qtype) in enumerate(matrices):
+        writer.add_tensor(name, random_blocks(qtype, rows, cols, seed=seed), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _first_token_s(loaded) -> float:
     import mlx.core as mx
 
@@ -39,35 +118,108 @@ def _first_token_s(loaded) -> float:
     return time.perf_counter() - t
 
 
-def _measure(label: str, load) -> float:
-    t = time.perf_counter()
-    loaded = load()
-    load_s = time.perf_counter() - t
+def _timed_load(load) -> tuple[float, dict[str, float], object]:
+    """One load: total seconds, seconds per phase, and the loaded model."""
+    from gmlx.engine.loading import progress
+
+    marks: list[tuple[str, float]] = []
+
+    def mark(_model_id: str, status) -> None:
+        if not marks or marks[-1][0] != status.phase:
+            marks.append((status.phase, time.perf_counter()))
+
+    with progress.listening(mark), progress.loading("cold-start"):
+        start = time.perf_counter()
+        loaded = load()
+        end = time.perf_counter()
+    phases: dict[str, float] = {}
+    for (name, t), nxt in zip(marks, [*(t for _, t in marks[1:]), None], strict=True):
+        phases[name] = phases.get(name, 0.0) + ((end if nxt is None else nxt) - t)
+    return end - start, phases, loaded
+
+
+def _measure(label: str, load, repeat: int) -> float:
+    best = None
+    for _ in range(repeat):
+        run = _timed_load(load)
+        if best is None or run[0] < best[0]:
+            best = run
+    load_s, phases, loaded = best
     first_s = _first_token_s(loaded)
+    shown = "  ".join(f"{k} {v:6.3f}" for k, v in phases.items())
     cache = next((n for n in loaded.notes if n.startswith("converted weights:")), "")
-    print(f"{label:8} load {load_s:8.3f} s  first token {first_s:7.3f} s  {cache}")
+    cache = cache.split(" /")[0].split(" (")[0]  # "converted weights: cached in", without paths
+    print(f"{label:9} load {load_s:7.3f} s  first token {first_s:6.3f} s  [{shown}]  {cache}")
     return load_s
+
+
+_BEFORE = """
+import sys, time
+from gmlx.engine.loading import load_model
+import mlx_lm  # noqa: F401  (imports are paid before the timing, as in this process)
+best = None
+for _ in range(int(sys.argv[2])):
+    t = time.perf_counter()
+    load_model(sys.argv[1])
+    best = min(best or 1e9, time.perf_counter() - t)
+print(best)
+"""
+
+
+def _before(rev: str, gguf_path: Path, work: Path, repeat: int) -> float:
+    """Seconds to load ``gguf_path`` with the code of commit ``rev``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    tree = work / f"before-{rev}"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(tree), "GMLX_CONVERT_CACHE_BYTES": "0"}
+        out = subprocess.run([sys.executable, "-c", _BEFORE, str(gguf_path), str(repeat)], env=env,
+                             cwd=tree, check=True, capture_output=True, text=True).stdout
+        seconds = float(out.strip().splitlines()[-1])
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+    print(f"{'before':9} load {seconds:7.3f} s  (commit {rev}, its own process)")
+    return seconds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF file (default: a test-size Q4_K model)")
     ap.add_argument("--mlx", type=Path, help="the same model as an MLX folder, for comparison")
+    ap.add_argument("--repeat", type=int, default=1, help="best of N loads per row")
+    ap.add_argument("--before", metavar="REV", help="also load with the code of commit REV")
+    ap.add_argument("--vocab", help="write the test GGUF with this real vocabulary from "
+                    "../shared/fixtures/vocab (e.g. qwen2: 151,936 tokens) instead of a tiny one")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gmlx-cold-start-"))
     os.environ["GMLX_CACHE_DIR"] = str(work / "cache")  # a private, empty cache
-    os.environ.pop("GMLX_CONVERT_CACHE_BYTES", None)
-    gguf_path = args.gguf or _write_test_gguf(work / "test-qwen2-Q4_K.gguf")
+    if args.gguf:
+        gguf_path = args.gguf
+    elif args.vocab:
+        gguf_path = _write_real_vocab_gguf(work / f"test-{args.vocab}-Q4_K_M.gguf", args.vocab)
+    else:
+        gguf_path = _write_test_gguf(work / "test-qwen2-Q4_K.gguf")
 
     from gmlx.engine.loading import gguf, load_model
 
     try:
         print(f"{gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
-        cold = _measure("cold", lambda: gguf.load(gguf_path))
-        cached = _measure("cached", lambda: gguf.load(gguf_path))
-        print(f"cached/cold load time: {cached / cold:.3f}")
+        os.environ["GMLX_CONVERT_CACHE_BYTES"] = "0"
+        uncached = _measure("uncached", lambda: gguf.load(gguf_path), args.repeat)
+        os.environ.pop("GMLX_CONVERT_CACHE_BYTES")
+        cold = _measure("cold", lambda: gguf.load(gguf_path), 1)
+        cached = _measure("cached", lambda: gguf.load(gguf_path), args.repeat)
+        print(
+            f"cached load is {uncached / cached:.1f}x faster than uncached "
+            f"({cold / cached:.1f}x than cold)"
+        )
+        if args.before:
+            before = _before(args.before, gguf_path, work, args.repeat)
+            print(f"cached load is {before / cached:.1f}x faster than commit {args.before}'s load")
         if args.mlx:
-            _measure("mlx", lambda: load_model(str(args.mlx)))
+            _measure("mlx", lambda: load_model(str(args.mlx)), args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,8 +1,8 @@
 """``gmlx cache list`` and ``gmlx cache clear``: the converted-weights cache of GGUF loads.
 
-Loading a GGUF converts its tensors to MLX's layout once and keeps the result under
-``cache_dir()/converted`` (``gmlx.engine.loading.convert_cache``); these commands show
-and delete those entries. (The server's ``/v1/cache/*`` routes are its prompt cache,
+Loading a GGUF converts its tensors to MLX's layout and builds its tokenizer once, and
+keeps both under ``cache_dir()/converted`` (``gmlx.engine.loading.convert_cache``); these
+commands show and delete those entries (SIZE counts both). (The server's ``/v1/cache/*`` routes are its prompt cache,
 a different thing.)
 """
 

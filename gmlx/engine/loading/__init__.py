@@ -77,8 +77,10 @@ def load_model(ref: str | Path, *, model_id: str | None = None,
     """Load the model a reference names, with its vision part: an mlx-vlm folder's own,
     or the llama.cpp projector file ``mmproj`` beside a GGUF. Errors are
     ModelSourceError."""
+    from gmlx.engine.loading import convert_cache
     from gmlx.engine.loading import vision_part as attach
 
+    convert_cache.keep_compiled_kernels()  # CUDA only: MLX's compiled kernels in gmlx's cache
     kind = source_kind(ref)
     if mmproj is not None and kind != "gguf":
         raise ModelSourceError(

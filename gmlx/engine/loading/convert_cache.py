@@ -3,15 +3,21 @@
 Converting a GGUF (K-quants unpacked and repacked into MLX's affine layout, some
 requantized) takes minutes for an 8B model. The first load saves the converted arrays
 as ``<key>.safetensors`` under ``cache_dir()/converted``, with the quantization modes
-and load notes in the safetensors metadata and a ``<key>.json`` sidecar (source, bytes,
-last use) that marks the entry complete. Later loads ``mx.load`` the entry instead.
+and load notes in the safetensors metadata; the built tokenizer as ``<key>.tokenizer``
+(``tokenizer_blob``); and a ``<key>.json`` sidecar (source, bytes, the tokenizer's size
+and sha256; last use) that marks the entry complete. Later loads ``mx.load`` the weights
+and read the tokenizer back instead of converting and rebuilding.
 
 The key is the GGUF's identity (resolved path, size, mtime_ns, sha256 of its header and
 tensor table), the float dtype and :func:`converter_version`. The cache is bounded by
 ``GMLX_CONVERT_CACHE_BYTES`` (default 64 GiB, 0 disables), least recently used entries
 go first, and an entry is only written when it fits the free disk. Writes go to a temp
 name and ``os.replace``; a per-key ``flock`` makes a second process wait for the first
-conversion instead of repeating it. A corrupt or partial entry is rebuilt with one warning.
+conversion instead of repeating it. A corrupt or partial entry (weights or tokenizer) is
+rebuilt with one warning.
+
+:func:`keep_compiled_kernels` points MLX's own disk cache of compiled CUDA kernels at
+gmlx's cache dir, so it outlives the system temp dir.
 """
 
 from __future__ import annotations
@@ -31,19 +37,31 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import tokenizers
 
 from gmlx import paths
-from gmlx.engine.loading import progress
+from gmlx.engine.loading import progress, tokenizer_blob
 from gmlx.engine.loading.gguf_file import GGUFFile
+from gmlx.engine.loading.gguf_tokenizer import TokenizerSpec
 
 log = logging.getLogger(__name__)
 
 # Bump when the cache's own format changes; edits to the converter modules are covered
 # by the hash of their source (see converter_version).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the tokenizer is part of the entry
 DEFAULT_MAX_BYTES = 64 << 30
 ENV_MAX_BYTES = "GMLX_CONVERT_CACHE_BYTES"
-_CONVERTER_MODULES = ("gguf.py", "gguf_quant.py", "gguf_arch.py")
+_CONVERTER_MODULES = (
+    "gguf.py",
+    "gguf_quant.py",
+    "gguf_arch.py",
+    "gguf_tokenizer.py",
+    "tokenizer_blob.py",
+)
+_TOKENIZER = ".tokenizer"  # not .json: the sidecars are the *.json files
+# MLX's disk cache of NVRTC-compiled kernels (mlx/backend/cuda/jit_module.cpp,
+# ptx_cache_dir(); default <temp dir>/mlx/<version>/ptx, read at the first JIT compile).
+ENV_KERNEL_CACHE = "MLX_PTX_CACHE_DIR"
 _META_KEY = "gmlx_converted"
 _DISK_MARGIN = 1 << 30  # leave this much disk free after writing an entry
 _STALE_TEMP_S = 3600.0
@@ -58,6 +76,7 @@ class Converted:
     weights: dict[str, mx.array]
     modes: dict[str, tuple[int, int]]
     notes: list[str]
+    tokenizer: TokenizerSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -89,13 +108,14 @@ def max_bytes() -> int:
 
 
 def converter_version() -> str:
-    """FORMAT_VERSION, the MLX version and a hash of the converter modules' source.
+    """FORMAT_VERSION, the MLX and ``tokenizers`` versions and a hash of the converter
+    modules' source (the tokenizer builder's included).
 
     A source hash rather than a hand-bumped constant: a forgotten bump would silently
     serve weights from old conversion code, while a needless re-conversion after an
     upgrade only costs one slow load.
     """
-    h = hashlib.sha256(f"{FORMAT_VERSION}:{mx.__version__}".encode())
+    h = hashlib.sha256(f"{FORMAT_VERSION}:{mx.__version__}:{tokenizers.__version__}".encode())
     here = Path(__file__).resolve().parent
     for name in _CONVERTER_MODULES:
         h.update((here / name).read_bytes())
@@ -117,24 +137,49 @@ def entry_key(f: GGUFFile, dtype: mx.Dtype) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def load_or_convert(f: GGUFFile, dtype: mx.Dtype, convert: Callable[[], Converted]) -> Converted:
-    """The converted weights of ``f``: from the cache when a valid entry exists, else from
-    ``convert()`` (then stored). Either way one note says where they came from."""
+def load_or_convert(
+    f: GGUFFile,
+    dtype: mx.Dtype,
+    convert: Callable[[], Converted],
+    tokenizer: Callable[[], TokenizerSpec],
+) -> Converted:
+    """The converted weights and the tokenizer spec of ``f``: from the cache when a valid
+    entry exists, else from ``tokenizer()`` and ``convert()`` (then stored). Either way
+    one note says where they came from."""
     limit = max_bytes()
     if limit == 0:
-        return convert()
+        return _build(convert, tokenizer)
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     key = entry_key(f, dtype)
     with _locked(root / f"{key}.lock"):
-        progress.phase("cached")
         cached = _read(root, key)
         if cached is not None:
             cached.notes.append(f"converted weights: from cache {root / key}.safetensors")
             return cached
-        converted = convert()
+        converted = _build(convert, tokenizer)
         converted.notes.append(_store(root, key, f.path.resolve(), converted, limit))
         return converted
+
+
+def keep_compiled_kernels() -> Path | None:
+    """On CUDA, point MLX's disk cache of compiled kernels (``MLX_PTX_CACHE_DIR``) at
+    ``cache_dir()/kernels/mlx-<version>/<GPU architecture>``, unless it is set already.
+
+    MLX compiles many CUDA kernels with NVRTC at their first use and keeps the result in
+    that folder, by default under the system temp dir (often wiped at reboot); a version
+    and architecture of its own per folder, as a shared home may see other GPUs. CPU and
+    Metal have no such cache to point (the CPU backend's compiled kernels stay under the
+    temp dir; Metal keeps its pipelines in memory). Returns the folder set, or None.
+    """
+    cuda = getattr(mx, "cuda", None)
+    if os.environ.get(ENV_KERNEL_CACHE) or cuda is None or not cuda.is_available():
+        return None
+    arch = str(mx.device_info().get("architecture", "unknown"))
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in arch)
+    folder = paths.cache_dir() / "kernels" / f"mlx-{mx.__version__}" / safe
+    os.environ[ENV_KERNEL_CACHE] = str(folder)
+    return folder
 
 
 def entries() -> list[Entry]:
@@ -148,7 +193,7 @@ def entries() -> list[Entry]:
                 Entry(
                     key=sidecar.stem,
                     source=str(info["source"]),
-                    bytes=int(info["bytes"]),
+                    bytes=int(info["bytes"]) + int(info.get("tokenizer", {}).get("bytes", 0)),
                     last_used=sidecar.stat().st_mtime,
                     path=sidecar.with_suffix(".safetensors"),
                 )
@@ -162,7 +207,7 @@ def remove(entry_key_: str) -> None:
     """Delete one entry's files (the sidecar first, so a half-removed entry is incomplete).
     Its lock file stays: another loader may hold it."""
     root = cache_root()
-    for suffix in (".json", ".safetensors"):
+    for suffix in (".json", ".safetensors", _TOKENIZER):
         with contextlib.suppress(FileNotFoundError):
             (root / f"{entry_key_}{suffix}").unlink()
 
@@ -185,11 +230,19 @@ def clear(source: Path | None = None) -> list[Entry]:
 # -- reading and writing ------------------------------------------------------------------
 
 
+def _build(convert: Callable[[], Converted], tokenizer: Callable[[], TokenizerSpec]) -> Converted:
+    spec = tokenizer()  # first: an unsupported tokenizer fails before a long conversion
+    converted = convert()
+    converted.tokenizer = spec
+    return converted
+
+
 def _read(root: Path, key: str) -> Converted | None:
     """A valid entry's contents, else None; an invalid entry is deleted with one warning."""
     data, sidecar = root / f"{key}.safetensors", root / f"{key}.json"
     if not data.exists() and not sidecar.exists():
         return None
+    progress.phase("cached")
     try:
         info = json.loads(sidecar.read_text())
         if data.stat().st_size != int(info["bytes"]):
@@ -203,6 +256,7 @@ def _read(root: Path, key: str) -> Converted | None:
             weights=weights,
             modes={k: (int(g), int(b)) for k, (g, b) in meta["modes"].items()},
             notes=[str(n) for n in meta["notes"]],
+            tokenizer=_read_tokenizer(root / f"{key}{_TOKENIZER}", info["tokenizer"]),
         )
     except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt
         log.warning("converted-weights cache entry %s is unusable (%s); rebuilding it", data, e)
@@ -212,9 +266,20 @@ def _read(root: Path, key: str) -> Converted | None:
     return converted
 
 
+def _read_tokenizer(path: Path, info: dict[str, Any]) -> TokenizerSpec:
+    data = path.read_bytes()
+    if len(data) != int(info["bytes"]):
+        raise ValueError(f"tokenizer: {len(data)} bytes on disk, {info['bytes']} written")
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise ValueError("tokenizer: its sha256 differs from the one written")
+    return tokenizer_blob.load(data)
+
+
 def _store(root: Path, key: str, source: Path, converted: Converted, limit: int) -> str:
     """Write an entry if it fits the bound and the disk; returns the load note."""
-    need = sum(a.nbytes for a in converted.weights.values())
+    assert converted.tokenizer is not None
+    tok = tokenizer_blob.dump(converted.tokenizer)
+    need = sum(a.nbytes for a in converted.weights.values()) + len(tok)
     if need > limit:
         log.info("converted weights (%d bytes) exceed %s; not cached", need, ENV_MAX_BYTES)
         return f"converted weights: not cached ({need} bytes exceed {ENV_MAX_BYTES}={limit})"
@@ -226,23 +291,37 @@ def _store(root: Path, key: str, source: Path, converted: Converted, limit: int)
     meta = {"tensors": len(converted.weights), "modes": converted.modes, "notes": converted.notes}
     data = root / f"{key}.safetensors"
     tmp = root / f"{key}.safetensors.tmp-{os.getpid()}-{threading.get_ident()}.safetensors"
+    tokenizer = {"bytes": len(tok), "sha256": hashlib.sha256(tok).hexdigest()}
     try:
         mx.save_safetensors(str(tmp), converted.weights, metadata={_META_KEY: json.dumps(meta)})
         size = tmp.stat().st_size
         os.replace(tmp, data)
-        _write_json(root / f"{key}.json", {"source": str(source), "bytes": size})
+        _write_bytes(root / f"{key}{_TOKENIZER}", tok)
+        _write_json(
+            root / f"{key}.json", {"source": str(source), "bytes": size, "tokenizer": tokenizer}
+        )
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        remove(key)  # no part of a half-written entry stays
         log.warning("could not write the converted-weights cache entry %s: %s", data, e)
         return f"converted weights: not cached ({e})"
     return f"converted weights: cached in {data}"
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> None:
+    _write_bytes(path, json.dumps(body).encode())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _evict(root: Path, budget: int, keep: str) -> None:

@@ -4,7 +4,8 @@ The file is memory-mapped; tensors are converted one at a time into MLX arrays (
 own quantized layout where the GGML block geometry allows, see ``gguf_quant``), so the
 weights exist once in memory; the result is kept on disk (``convert_cache``), so later
 loads of the same file skip the conversion. Architecture metadata becomes an mlx-lm config
-(``gguf_arch``) and the tokenizer is rebuilt from ``tokenizer.ggml.*`` (``gguf_tokenizer``).
+(``gguf_arch``) and the tokenizer is rebuilt from ``tokenizer.ggml.*`` (``gguf_tokenizer``),
+also once: the cache entry keeps it, and a cached load never decodes the vocabulary.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gmlx.engine.errors import ModelSourceError, UnsupportedModelError
 from gmlx.engine.loading import convert_cache, gguf_arch, gguf_quant, progress
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_quant import QuantizedTensor
-from gmlx.engine.loading.gguf_tokenizer import build_tokenizer
+from gmlx.engine.loading.gguf_tokenizer import TokenizerSpec, build_spec, build_tokenizer
 from gmlx.engine.loading.model import LoadedModel
 from gmlx.engine.tokenizer import Tokenizer
 
@@ -40,11 +41,10 @@ def load(path: Path) -> LoadedModel:
     and ModelSourceError for a file that is not a complete, valid model.
     """
     progress.phase("read")
-    f = GGUFFile(path)
+    f = GGUFFile(path, defer_strings=True)  # the vocabulary is decoded only if needed
     arch = gguf_arch.architecture(path, f.metadata)
     config = gguf_arch.model_config(path, f.metadata, {n: t.shape for n, t in f.tensors.items()})
     check_types(path, f)
-    tokenizer = build_tokenizer(path, f.metadata)
 
     from gmlx.engine.mlxlm import model_classes
 
@@ -55,10 +55,16 @@ def load(path: Path) -> LoadedModel:
         raise ModelSourceError(f"{path}: its metadata does not make a valid model: {e}.") from e
 
     dtype = model_dtype(f)
+    def tokenizer_spec() -> TokenizerSpec:
+        f.read_deferred()
+        return build_spec(path, f.metadata)
+
     converted = convert_cache.load_or_convert(
-        f, dtype, lambda: _convert_tensors(path, f, arch, config, model, dtype)
+        f, dtype, lambda: _convert_tensors(path, f, arch, config, model, dtype), tokenizer_spec
     )
     weights, modes, notes = converted.weights, converted.modes, converted.notes
+    assert converted.tokenizer is not None
+    tokenizer = converted.tokenizer.tokenizer()
     if hasattr(model, "sanitize"):  # on every load: some sanitizers also set up the model
         weights = model.sanitize(weights)  # (Gemma 3 ties its output to the embeddings)
     if modes:

@@ -4,6 +4,10 @@
 150k-262k token vocabulary; this reader parses the same layout with ``struct`` over an
 ``mmap`` (well under a second) and hands out zero-copy numpy views of the tensor data.
 The type codes, block sizes and value types come from the ``gguf`` package.
+
+With ``defer_strings`` the long string arrays (a vocabulary and its merges: hundreds of
+thousands of strings) are only stepped over, and decoded by :meth:`GGUFFile.read_deferred`
+when wanted: a load whose tokenizer comes from the converted-weights cache never needs them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from gmlx.engine.errors import ModelSourceError
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 _U64 = struct.Struct("<Q")
+_DEFER_MIN = 1024  # string arrays at least this long may be left undecoded (defer_strings)
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -81,8 +86,10 @@ class GGUFFile:
     lazily through :meth:`raw`, which returns a view of the memory map (no copy).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, defer_strings: bool = False) -> None:
         self.path = path
+        self._defer = defer_strings
+        self._deferred: dict[str, tuple[int, int]] = {}  # key -> (first string's offset, count)
         try:
             with path.open("rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -105,7 +112,9 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._string()
-            self.metadata[key] = self._value(GGUFValueType(self._unpack("<I")))
+            vtype = GGUFValueType(self._unpack("<I"))
+            if not (vtype == GGUFValueType.ARRAY and self._defer and self._skip_strings(key)):
+                self.metadata[key] = self._value(vtype)
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -161,6 +170,33 @@ class GGUFFile:
             pos += n
         self._pos = pos
         return out
+
+    def _skip_strings(self, key: str) -> bool:
+        """Step over the array at the read position if it is a long string array, noting
+        where it lies; False (nothing read) for any other array."""
+        item, count = struct.unpack_from("<IQ", self._mm, self._pos)
+        if item != GGUFValueType.STRING or count < _DEFER_MIN:
+            return False
+        mm, pos, length = self._mm, self._pos + 12, _U64.unpack_from
+        self._deferred[key] = (pos, count)
+        for _ in range(count):
+            pos += 8 + length(mm, pos)[0]
+        if pos > len(mm):
+            raise ValueError(f"metadata {key} runs past the end of the file")
+        self._pos = pos
+        return True
+
+    @property
+    def deferred(self) -> list[str]:
+        """The metadata keys left undecoded so far (see ``defer_strings``)."""
+        return list(self._deferred)
+
+    def read_deferred(self) -> None:
+        """Decode the string arrays the constructor stepped over into ``metadata``."""
+        for key, (pos, count) in list(self._deferred.items()):
+            self._pos = pos
+            self.metadata[key] = self._strings(count)
+            del self._deferred[key]
 
     def _value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:

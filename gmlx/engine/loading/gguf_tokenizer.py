@@ -13,10 +13,16 @@ llama.cpp does:
   split into newline and non-newline runs first, byte fallback.
 
 Control and user-defined tokens become added tokens matched before the model runs.
+
+:func:`build_spec` stops before the wrapper: a :class:`TokenizerSpec` (the ``tokenizers``
+pipeline, its BPE merges and the wrapper's options), which ``tokenizer_blob`` turns into
+bytes and back, so the converted-weights cache keeps it beside the weights and a cached
+load skips the rebuild.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +89,54 @@ def _ids(metadata: dict[str, Any], key: str) -> int | None:
     return None if value is None else int(value)
 
 
+# The keyword arguments of Tokenizer.from_tokenizers a TokenizerSpec carries.
+_OPTIONS = frozenset(
+    {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "eos_token_ids",
+        "chat_template",
+        "add_bos_token",
+        "add_eos_token",
+    }
+)
+
+
+@dataclass
+class TokenizerSpec:
+    """A GGUF's tokenizer before wrapping: the ``tokenizers`` pipeline (a BPE model), the
+    merges its model was built from (``tokenizers`` has no getter for them) and the
+    keyword arguments of :meth:`Tokenizer.from_tokenizers` (special tokens, EOG ids,
+    template).
+
+    :meth:`tokenizer` hands ``backend`` to the wrapper, which changes it in place (it adds
+    the named special tokens): serialize the spec first when both are wanted.
+    """
+
+    backend: HFTokenizer
+    merges: list[tuple[str, str]]
+    options: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, dict) or self.options.keys() != _OPTIONS:
+            raise ValueError(f"tokenizer options {self.options!r} lack or add keys")
+        ids = self.options["eos_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"eos_token_ids {ids!r} is not a list of ids")
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_tokenizers(self.backend, **self.options)
+
+
 def build_tokenizer(path: Path, metadata: dict[str, Any]) -> Tokenizer:
     """The :class:`Tokenizer` a GGUF's metadata describes, chat template included."""
+    return build_spec(path, metadata).tokenizer()
+
+
+def build_spec(path: Path, metadata: dict[str, Any]) -> TokenizerSpec:
+    """The :class:`TokenizerSpec` a GGUF's metadata describes."""
     model = metadata.get("tokenizer.ggml.model")
     tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
     if model is None or not tokens:
@@ -97,11 +149,14 @@ def build_tokenizer(path: Path, metadata: dict[str, Any]) -> Tokenizer:
     types = np.asarray(metadata.get("tokenizer.ggml.token_type", np.full(len(tokens), NORMAL)))
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     if model == "gpt2":
-        hf, add_bos_default = _byte_level_bpe(path, metadata, tokens, pre), pre in _BOS_BY_DEFAULT
+        (hf, merges), add_bos_default = (
+            _byte_level_bpe(path, metadata, tokens, pre),
+            pre in _BOS_BY_DEFAULT,
+        )
     elif model == "llama":
-        hf, add_bos_default = _sentencepiece(metadata, tokens, types), True
+        (hf, merges), add_bos_default = _sentencepiece(metadata, tokens, types), True
     else:
-        hf, add_bos_default = _gemma4(metadata, tokens), True
+        (hf, merges), add_bos_default = _gemma4(metadata, tokens), True
 
     special = [
         AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False, rstrip=rstrip)
@@ -123,17 +178,18 @@ def build_tokenizer(path: Path, metadata: dict[str, Any]) -> Tokenizer:
     def name(i: int | None) -> str | None:
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    return Tokenizer.from_tokenizers(
-        hf,
-        bos_token=name(bos_id),
-        eos_token=name(eos_id),
-        unk_token=name(unk_id),
-        pad_token=name(_ids(metadata, "padding_token_id")),
-        eos_token_ids=_eog_ids(metadata, tokens, types),
-        chat_template=metadata.get("tokenizer.chat_template"),
-        add_bos_token=add_bos,
-        add_eos_token=add_eos,
-    )
+    template = metadata.get("tokenizer.chat_template")
+    options = {
+        "bos_token": name(bos_id),
+        "eos_token": name(eos_id),
+        "unk_token": name(unk_id),
+        "pad_token": name(_ids(metadata, "padding_token_id")),
+        "eos_token_ids": _eog_ids(metadata, tokens, types),
+        "chat_template": None if template is None else str(template),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+    }
+    return TokenizerSpec(hf, merges, options)
 
 
 def _added_token_ids(
@@ -197,9 +253,10 @@ def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _byte_level_bpe(
-    path: Path, metadata: dict[str, Any], tokens: list[str], pre: str
-) -> HFTokenizer:
+_Built = tuple[HFTokenizer, list[tuple[str, str]]]  # a pipeline and its model's merges
+
+
+def _byte_level_bpe(path: Path, metadata: dict[str, Any], tokens: list[str], pre: str) -> _Built:
     if pre not in PRE_TOKENIZER_REGEXES:
         raise UnsupportedModelError(
             f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
@@ -216,7 +273,7 @@ def _byte_level_bpe(
         ]
     )
     hf.decoder = decoders.ByteLevel()
-    return hf
+    return hf, merges
 
 
 def sentencepiece_merges(
@@ -238,14 +295,15 @@ def sentencepiece_merges(
     return [(left, right) for *_, left, right in ranked]
 
 
-def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: np.ndarray) -> HFTokenizer:
+def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: np.ndarray) -> _Built:
     scores = np.asarray(metadata.get("tokenizer.ggml.scores", np.zeros(len(tokens))))
     unk_id = _ids(metadata, "unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
+    merges = sentencepiece_merges(tokens, scores, types)
     hf = HFTokenizer(
         BPE(
             _vocab(tokens),
-            sentencepiece_merges(tokens, scores, types),
+            merges,
             unk_token=unk,
             fuse_unk=True,
             byte_fallback=True,
@@ -257,7 +315,7 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: np.ndarra
     if prepend:
         decode.append(decoders.Strip(" ", 1, 0))
     hf.decoder = decoders.Sequence(decode)
-    return hf
+    return hf, merges
 
 
 def _space_normalizer(prepend: bool) -> normalizers.Normalizer:
@@ -268,7 +326,7 @@ def _space_normalizer(prepend: bool) -> normalizers.Normalizer:
     return normalizers.Sequence(steps)
 
 
-def _gemma4(metadata: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+def _gemma4(metadata: dict[str, Any], tokens: list[str]) -> _Built:
     merges = _split_merges(metadata.get("tokenizer.ggml.merges", []))
     unk_id = _ids(metadata, "unknown_token_id")
     hf = HFTokenizer(
@@ -286,4 +344,4 @@ def _gemma4(metadata: dict[str, Any], tokens: list[str]) -> HFTokenizer:
     hf.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    return hf
+    return hf, merges

@@ -50,7 +50,7 @@ def split_ref(ref: str) -> tuple[str, str]:
     from huggingface_hub.utils import validate_repo_id
 
     parts = ref.removeprefix(PREFIX).strip("/").split("/")
-    if len(parts) < 2 or not all(parts):
+    if len(parts) < 2 or not all(parts) or any(p in (".", "..") for p in parts):
         raise ModelSourceError(
             f"{ref!r} is not a Hugging Face reference: write hf:org/repo or hf:org/repo/file.gguf."
         )

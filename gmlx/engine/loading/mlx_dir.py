@@ -62,14 +62,15 @@ def load(path: Path) -> LoadedModel:
     model_type = config.get("model_type")
     if not model_type:
         raise ModelSourceError(f"{path}/config.json has no model_type, so it is not an mlx-lm model.")
-    if not list(path.glob("*.safetensors")):
+    weights = sorted(p.name for p in path.glob("*.safetensors"))
+    if not weights:
         raise ModelSourceError(f"{path} has no .safetensors weights.")
     check_architecture(path, config)
     tokenizer = load_tokenizer(path)
     try:
         model, config = load_model(path, lazy=False)
     except Exception as e:
-        raise ModelSourceError(f"{path} cannot be loaded: {e}.") from e
+        raise ModelSourceError(f"{path} cannot be loaded ({', '.join(weights)}): {e}.") from e
     text = config.get("text_config") or {}  # a vision model's text part
     context = int(
         config.get("max_position_embeddings")
