@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from gmlx.engine.drafting import DraftSpec
 from gmlx.engine.errors import InvalidRequestError, ModelNotFoundError
+from gmlx.engine.kv_quant import KVQuant
 from gmlx.engine.profiles import ProfileBook
 
 
@@ -31,12 +33,14 @@ class ModelSpec:
     idle_timeout: float | None = None  # seconds idle before it unloads (None: the
     # registry's default; 0: never)
     preload: bool = False  # loaded at start (it may still idle out and be evicted)
+    kv_quant: KVQuant | None = None  # the KV cache's quantization (None: full precision)
+    draft: DraftSpec | None = None  # speculative decoding: a draft model or prompt lookup
 
     @property
-    def load_parameters(self) -> tuple[str, int | None, str | None]:
+    def load_parameters(self) -> tuple[str, int | None, str | None, KVQuant | None, DraftSpec | None]:
         """What the loaded model depends on: a spec that changes only other fields
         (profile, default, pinned, idle timeout) keeps its resident worker."""
-        return (self.source, self.max_kv_size, self.mmproj)
+        return (self.source, self.max_kv_size, self.mmproj, self.kv_quant, self.draft)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ class ShedError(ServerOverloadedError):
     """A running request was ended to keep the server within memory."""
 
     openai_type = "server_overloaded_shed"
-    anthropic_type = "server_overloaded_shed"  # the spec names one type for both protocols
+    anthropic_type = "overloaded_error"  # Anthropic's own name, as for a full queue
     code = "server_overloaded_shed"
 
 

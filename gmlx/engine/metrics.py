@@ -58,11 +58,16 @@ def concurrency(workers: Sequence[ModelWorker]) -> dict[str, Any]:
 
 
 def queue(workers: Sequence[ModelWorker]) -> dict[str, Any]:
+    from gmlx.engine.scheduling import retry_after_s
+
     reasons = [w.stats.last_reject_reason for w in workers if w.stats.last_reject_reason]
+    # What a refusal's Retry-After would carry now (same estimate, same clamp); 0 when
+    # nothing waits beyond the free slots, as no refusal would come.
+    eta = max((w.queue_eta_s() for w in workers), default=0.0)
     return {
         "waiting": sum(w.waiting for w in workers),
         "cap": max((w.queue_cap for w in workers), default=None),
-        "eta_s": round(max((w.queue_eta_s() for w in workers), default=0.0), 2),
+        "eta_s": retry_after_s(eta) if eta > 0 else 0,
         "rejections": sum(w.stats.rejections for w in workers),
         "last_reject_reason": reasons[-1] if reasons else None,
     }
@@ -73,17 +78,20 @@ def requests(workers: Sequence[ModelWorker]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["state"] != "queued")  # stable: queued rows first
 
 
-def memory() -> dict[str, Any]:
+def memory(headroom: Callable[[], int | None] | None = None) -> dict[str, Any]:
+    """MLX's memory figures; ``headroom_bytes`` is what ``headroom`` measures (the
+    governor's probe, on every backend), else the capacity model's free working set."""
     import mlx.core as mx
     import psutil
 
-    vm = psutil.virtual_memory()
+    from gmlx.engine import capacity
+
     return {
         "active_bytes": mx.get_active_memory(),
         "cache_bytes": mx.get_cache_memory(),
         "peak_bytes": mx.get_peak_memory(),
-        "headroom_bytes": int(vm.available),
-        "total_bytes": int(vm.total),
+        "headroom_bytes": headroom() if headroom is not None else capacity.free_bytes(),
+        "total_bytes": int(psutil.virtual_memory().total),
     }
 
 
@@ -125,9 +133,11 @@ def snapshot(
     model_extra: Callable[[ModelWorker], dict[str, Any]] | None = None,
     governor: Callable[[], dict[str, Any]] | None = None,
     capacity: Callable[[], dict[str, Any] | None] | None = None,
+    headroom: Callable[[], int | None] | None = None,
 ) -> dict[str, Any]:
     """The whole ``/v1/metrics`` document for the resident ``workers``: ``{"server":
-    {...}}``, the sections under ``server`` (see the module docstring)."""
+    {...}}``, the sections under ``server`` (see the module docstring); ``headroom``
+    measures ``memory.headroom_bytes`` (the governor's probe)."""
     workers = list(workers)
     return {
         "server": {
@@ -144,7 +154,7 @@ def snapshot(
             "governor": _section(
                 "governor", governor or (lambda: {**EMPTY_SECTIONS["governor"], "enabled": False})
             ),
-            "memory": _section("memory", memory),
+            "memory": _section("memory", lambda: memory(headroom)),
             "capacity": _section("capacity", capacity or (lambda: None)),
             "rates": _section("rates", lambda: rates(workers)),
             "counters": _section("counters", lambda: counters(workers)),
@@ -214,13 +224,12 @@ def _families(snap: dict[str, Any]) -> Iterable[Any]:
     models = snap.get("resident_models") or []
     keys = sorted({k for m in models for k, v in m.items() if _number(v) is not None})
     for key in keys:
-        with_profile = any(m.get("profile") for m in models)
-        labels = ["model", "profile"] if with_profile else ["model"]
-        fam = GaugeMetricFamily(f"gmlx_model_{key}", f"resident_models[].{key}", labels=labels)
+        # A series carries a profile label only when its model has a profile.
+        fam = GaugeMetricFamily(f"gmlx_model_{key}", f"resident_models[].{key}")
         for m in models:
             if (num := _number(m.get(key))) is not None:
-                values = [m["id"], m.get("profile") or ""] if with_profile else [m["id"]]
-                fam.add_metric(values, num)
+                labels = {"model": m["id"], **({"profile": m["profile"]} if m.get("profile") else {})}
+                fam.add_sample(fam.name, labels, num)
         yield fam
 
 

@@ -27,6 +27,7 @@ from gmlx.server import errors
 from gmlx.server.admin import cache, capacity, health, metrics, models, requests, residency, status
 from gmlx.server.anthropic import routes as anthropic_routes
 from gmlx.server.auth import require_api_key
+from gmlx.server.limits import BodyLimit
 from gmlx.server.openai import responses as openai_responses
 from gmlx.server.openai import routes as openai_routes
 
@@ -84,7 +85,8 @@ def create_app(
     app.state.reload = reload
     app.state.starting = None  # the startup loads, while the app runs
     errors.install(app)
-    if settings.server.cors:
+    app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    if settings.server.cors:  # outermost, so refusals carry the CORS headers too
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.server.cors,

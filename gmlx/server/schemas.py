@@ -6,7 +6,9 @@ the fields it honours in ``HONORED``; any other field a request sets is reported
 
 Declared fields are validated strictly (:data:`REQUEST_CONFIG`): a value of the wrong
 JSON type, a non-finite number or an output cap below 1 is a 400 that names the field,
-before anything reaches a template or the engine.
+before anything reaches a template or the engine. So is a list longer than the server's
+limit for it (``server.max_messages`` for the fields a model names in
+``MESSAGE_FIELDS``, ``server.max_stop`` for ``STOP_FIELDS``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gmlx.engine.errors import InvalidRequestError
 from gmlx.sampling_fields import SAMPLING_FIELDS, SamplingFields
 
 B = TypeVar("B", bound=BaseModel)
@@ -52,6 +55,8 @@ class GenerationBody(SamplingFields):
 
     model_config = REQUEST_CONFIG
     HONORED: ClassVar[frozenset[str]] = COMMON_HONORED
+    MESSAGE_FIELDS: ClassVar[tuple[str, ...]] = ()  # lists capped by server.max_messages
+    STOP_FIELDS: ClassVar[tuple[str, ...]] = ()  # lists capped by server.max_stop
 
     model: str = ""
     profile: str | None = None
@@ -71,18 +76,65 @@ class GenerationBody(SamplingFields):
         return sorted(set_fields - self.HONORED)
 
 
+def check_limits(body: BaseModel, server: Any) -> None:
+    """Refuse a body whose message or stop lists exceed the ``server`` settings' limits
+    (InvalidRequestError naming the field)."""
+    fields = [
+        *((f, server.max_messages, "server.max_messages") for f in getattr(body, "MESSAGE_FIELDS", ())),
+        *((f, server.max_stop, "server.max_stop") for f in getattr(body, "STOP_FIELDS", ())),
+    ]
+    for field, limit, key in fields:
+        value = getattr(body, field, None)
+        if isinstance(value, list) and len(value) > limit:
+            raise InvalidRequestError(
+                f"{field} has {len(value)} items; this server takes at most {limit} ({key}).",
+                param=field,
+            )
+
+
 def json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
     """A dependency that validates the body as JSON whatever its Content-Type says
-    (``curl -d`` sends form encoding), raising InvalidRequestError (400) on failure.
+    (``curl -d`` sends form encoding) and checks the server's list limits, raising
+    InvalidRequestError (400) on failure.
     """
 
     async def parse(request: Request) -> B:
         raw = await request.body()
         try:
-            return model.model_validate_json(raw or b"{}")
+            body = model.model_validate_json(raw or b"{}")
         except ValidationError as e:
             from gmlx.server.errors import validation_error
 
             raise validation_error(e) from None
+        check_limits(body, request.app.state.settings.server)
+        return body
 
     return parse
+
+
+def documented(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body :func:`json_body` reads: the model's JSON
+    schema as the request body (references inlined), so the app's OpenAPI document
+    describes what the route takes."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any, seen: frozenset[str] = frozenset()) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                name = ref.removeprefix("#/$defs/")
+                if name in seen:  # a recursive model: any JSON object stands for the repeat
+                    return {"type": "object"}
+                return inline(defs[name], seen | {name})
+            return {k: inline(v, seen) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v, seen) for v in node]
+        return node
+
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": inline(schema)}},
+        }
+    }

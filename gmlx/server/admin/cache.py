@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from gmlx.server.schemas import json_body
+from gmlx.server.schemas import documented, json_body
 
 if TYPE_CHECKING:
     from gmlx.engine.residency import Registry
@@ -60,7 +60,7 @@ def _reset(registry: Registry, model: str | None) -> dict[str, Any]:
     return {"status": "ok", "reset": [w.loaded.id for w in workers]}
 
 
-@router.post("/v1/cache/reset")
+@router.post("/v1/cache/reset", openapi_extra=documented(ResetBody))
 async def cache_reset(request: Request) -> dict[str, Any]:
     """Clear the prompt cache of every resident model, or of ``{"model": "<id>"}``
     (404 ``model_not_found`` for an unknown id; a configured model that is not

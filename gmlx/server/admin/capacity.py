@@ -10,7 +10,8 @@ from fastapi import APIRouter, Query, Request
 from gmlx.engine import admission
 from gmlx.engine.errors import InvalidRequestError
 from gmlx.server.openai import translate
-from gmlx.server.openai.schemas import ChatBody
+from gmlx.server.openai.schemas import ChatBody, ChatCompletionRequest
+from gmlx.server.schemas import documented
 
 if TYPE_CHECKING:
     from gmlx.engine.chat import Engine
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 
-@router.post("/v1/estimate")
+@router.post("/v1/estimate", openapi_extra=documented(ChatCompletionRequest))
 async def estimate_route(body: ChatBody, request: Request) -> dict[str, Any]:
     """A dry-run admission check of a chat-completions body; never loads a model."""
     engine: Engine = request.app.state.engine

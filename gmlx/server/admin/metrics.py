@@ -35,6 +35,15 @@ def build_snapshot(registry: Registry, started_at: float) -> dict[str, Any]:
         registry.governor.update()
         return registry.governor.snapshot()
 
+    def headroom() -> int | None:
+        # The governor's own measure (its probe), also when it is off.
+        gov = registry.governor
+        if gov.enabled:
+            gov.update()
+            if gov.headroom_bytes is not None:
+                return gov.headroom_bytes
+        return int(registry.probe())
+
     def table() -> dict[str, Any] | None:
         if registry.capacity is None:
             return None
@@ -46,6 +55,7 @@ def build_snapshot(registry: Registry, started_at: float) -> dict[str, Any]:
         model_extra=markers,
         governor=governor,
         capacity=table,
+        headroom=headroom,
     )
 
 

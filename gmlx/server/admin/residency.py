@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from gmlx.engine import threads
 from gmlx.engine.errors import ConfigError, InvalidRequestError
-from gmlx.server.schemas import REQUEST_CONFIG, json_body
+from gmlx.server.schemas import REQUEST_CONFIG, documented, json_body
 
 if TYPE_CHECKING:
     from gmlx.engine.residency import Registry
@@ -37,7 +37,7 @@ class KeepRequest(BaseModel):
     warm: bool = True  # run its decode shapes once, so the first request finds them compiled
 
 
-@router.post("/unload")
+@router.post("/unload", openapi_extra=documented(UnloadRequest))
 async def unload(
     request: Request, body: Annotated[UnloadRequest, Depends(json_body(UnloadRequest))]
 ) -> dict[str, Any]:
@@ -52,7 +52,7 @@ async def unload(
     return {"object": "unload", "unloaded": unloaded}
 
 
-@router.post("/v1/keep")
+@router.post("/v1/keep", openapi_extra=documented(KeepRequest))
 async def keep(
     request: Request, body: Annotated[KeepRequest, Depends(json_body(KeepRequest))]
 ) -> dict[str, Any]:

@@ -19,13 +19,19 @@ from gmlx.engine.errors import GmlxError
 from gmlx.engine.types import Event
 from gmlx.server import sse, streaming
 from gmlx.server.anthropic import translate
-from gmlx.server.anthropic.schemas import CountTokensBody, MessagesBody
+from gmlx.server.anthropic.schemas import (
+    CountTokensBody,
+    CountTokensRequest,
+    MessagesBody,
+    MessagesRequest,
+)
 from gmlx.server.errors import error_body
+from gmlx.server.schemas import documented
 
 router = APIRouter()
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=documented(MessagesRequest))
 async def messages(body: MessagesBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = translate.messages_request(body)
@@ -123,7 +129,7 @@ class MessageStream:
         return ""
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=documented(CountTokensRequest))
 async def count_tokens(body: CountTokensBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     return JSONResponse({"input_tokens": await engine.count_tokens(translate.messages_request(body))})

@@ -38,6 +38,8 @@ class MessagesRequest(GenerationBody):
         "output_config",
         "thinking",
     }
+    MESSAGE_FIELDS: ClassVar[tuple[str, ...]] = ("messages",)
+    STOP_FIELDS: ClassVar[tuple[str, ...]] = ("stop_sequences",)
 
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

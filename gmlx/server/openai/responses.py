@@ -25,6 +25,7 @@ from gmlx.server import sse, streaming
 from gmlx.server.openai import responses_input as items
 from gmlx.server.openai import translate
 from gmlx.server.openai.schemas import ResponsesBody, ResponsesRequest
+from gmlx.server.schemas import documented
 
 router = APIRouter()
 
@@ -143,7 +144,7 @@ def _status(finish: FinishReason | None) -> str:
     return "incomplete" if finish is FinishReason.LENGTH else "completed"
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=documented(ResponsesRequest))
 async def responses(body: ResponsesBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = responses_request(body)

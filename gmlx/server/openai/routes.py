@@ -14,12 +14,18 @@ from gmlx.engine.types import Event, FinishReason
 from gmlx.server import sse, streaming
 from gmlx.server.errors import error_body
 from gmlx.server.openai import translate
-from gmlx.server.openai.schemas import ChatBody, CompletionBody
+from gmlx.server.openai.schemas import (
+    ChatBody,
+    ChatCompletionRequest,
+    CompletionBody,
+    CompletionRequest,
+)
+from gmlx.server.schemas import documented
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=documented(ChatCompletionRequest))
 async def chat_completions(body: ChatBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = translate.chat_request(body)
@@ -111,7 +117,7 @@ class ChatStream:
         return sse.DONE
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=documented(CompletionRequest))
 async def completions(body: CompletionBody, request: Request) -> Response:
     engine: Engine = request.app.state.engine
     req = translate.completion_request(body)

@@ -48,6 +48,8 @@ class ChatCompletionRequest(GenerationBody):
         "top_logprobs",
         "timings_per_token",
     }
+    MESSAGE_FIELDS: ClassVar[tuple[str, ...]] = ("messages",)
+    STOP_FIELDS: ClassVar[tuple[str, ...]] = ("stop",)
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: OutputCap | None = None
@@ -79,6 +81,7 @@ class CompletionRequest(GenerationBody):
         "suffix",
         "best_of",
     }
+    STOP_FIELDS: ClassVar[tuple[str, ...]] = ("stop",)
 
     prompt: str | list[Any]
     max_tokens: OutputCap | None = None
@@ -99,6 +102,7 @@ class ResponsesRequest(GenerationBody):
         "tool_choice",
         "text",
     }
+    MESSAGE_FIELDS: ClassVar[tuple[str, ...]] = ("input",)
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None

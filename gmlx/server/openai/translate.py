@@ -350,15 +350,13 @@ def check_completion_prompt(
     suffix: str | None,
     best_of: int | None,
 ) -> str:
-    """The single string prompt ``/v1/completions`` serves; anything else is a 400."""
+    """The single string prompt ``/v1/completions`` serves; anything else, a list of
+    one string included (the spec rejects every list prompt), is a 400."""
     if not isinstance(prompt, str):
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        else:
-            raise InvalidRequestError(
-                "prompt must be one string: lists of prompts and token arrays are not supported.",
-                param="prompt",
-            )
+        raise InvalidRequestError(
+            "prompt must be one string: lists of prompts and token arrays are not supported.",
+            param="prompt",
+        )
     rejections = [
         (n is not None and n != 1, "n", "n must be 1: the server returns one choice"),
         (bool(echo), "echo", "echo is not supported"),
