@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from gmlx.engine.governor import Band, Governor, ShedError, default_floor
 from gmlx.engine.types import FinishReason, GenerateRequest, SamplingParams
 from gmlx.engine.worker import ModelWorker
@@ -92,10 +90,21 @@ def test_orange_holds_new_prefills_and_red_sheds_the_largest(demo_model):
         probe.value = 150 * MiB  # orange: new requests wait, running ones go on
         gov.update(force=True)
         waiting = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=3, sampling=greedy))
-        time.sleep(0.3)
+
+        def generated() -> int:
+            return next(r["generated"] for r in worker.rows() if r["id"] == small.id)
+
+        # Paced by the running stream, no clock: the worker takes the request from its
+        # inbox into its queue, then decodes two more steps without admitting it.
+        for _ in small_events:
+            if worker.waiting == 1:
+                break
+        held_at = generated()
+        for _ in small_events:
+            if generated() >= held_at + 2:
+                break
         assert [r["state"] for r in worker.rows() if r["id"] == waiting.id] == ["queued"]
         assert worker.waiting == 1 and worker.in_flight == 2  # held back: reported as waiting
-        next(small_events)
 
         probe.value = 10 * MiB  # red: the largest running request is shed
         for event in big_events:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 
@@ -422,6 +421,7 @@ def test_handing_out_first_tokens_changes_no_output(demo_model, monkeypatch):
     import threading
 
     from gmlx.engine import mlxlm
+    from gmlx.engine.requests import ActiveRequest
     from gmlx.engine.worker import ModelWorker
 
     base = prompt(demo_model, "Tell me a story about a ship.")
@@ -431,31 +431,60 @@ def test_handing_out_first_tokens_changes_no_output(demo_model, monkeypatch):
     finally:
         probe.close()
     requests = [
-        GenerateRequest(base, max_tokens=12, sampling=GREEDY, logprobs=True, top_logprobs=3),
+        GenerateRequest(base, max_tokens=12, sampling=GREEDY, logprobs=True, top_logprobs=3, id="first"),
         GenerateRequest(base, max_tokens=12, sampling=GREEDY, stop=(first,)),
         GenerateRequest(prompt(demo_model, "One"), max_tokens=1, sampling=GREEDY),
         GenerateRequest(prompt(demo_model, "Two"), max_tokens=2, sampling=GREEDY),
-        GenerateRequest(prompt(demo_model, "Three, later"), max_tokens=9, sampling=GREEDY),
+        GenerateRequest(prompt(demo_model, "Three, later"), max_tokens=9, sampling=GREEDY, id="joiner"),
     ]
 
     def streams() -> list:
+        """Every request's events; the last one submitted while the first is held at its
+        third decode step, so it joins a batch that is decoding (checked, not hoped)."""
         worker = ModelWorker(demo_model, decode_batch=4, prompt_cache_bytes=0)
         out = [None] * len(requests)
+        held, joined = threading.Event(), threading.Event()
+        joined_beside: list[bool] = []  # at each step of the joiner: is the first still running?
+
+        def gate(tokens, logits):  # the first request's: waits at its third step for the joiner
+            if len(tokens) - len(base) == 2 and not joined.is_set():
+                held.set()
+                joined.wait(30)
+            return logits
+
+        def watch(tokens, logits):  # the joiner's: notes whether the first is decoding beside it
+            joined_beside.append(worker.has_request("first"))
+            return logits
+
+        real = ActiveRequest.prepare.__func__
+
+        def prepare(cls, handle, tokenizer, **kwargs):
+            active = real(cls, handle, tokenizer, **kwargs)
+            if handle.id in ("first", "joiner"):
+                active.processors.append(gate if handle.id == "first" else watch)
+            return active
 
         def one(i):
-            if i == len(requests) - 1:
-                time.sleep(0.05)  # joins a batch that is decoding
-            events = list(worker.generate(requests[i]))
+            if requests[i].id == "joiner":
+                assert held.wait(30), "the first request never reached its third step"
+                handle = worker.submit(requests[i])
+                joined.set()
+                events = list(handle)
+            else:
+                events = list(worker.generate(requests[i]))
             out[i] = [(e.text, e.token_ids, e.logprob, e.top_logprobs, e.finish_reason) for e in events]
 
-        try:
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-        finally:
-            worker.close()
+        with monkeypatch.context() as patch:
+            patch.setattr(ActiveRequest, "prepare", classmethod(prepare))
+            try:
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+            finally:
+                worker.close()
+        assert joined_beside and joined_beside[0], "the joiner did not start beside a decoding request"
         return out
 
     early = streams()

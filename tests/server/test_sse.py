@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 from collections.abc import AsyncIterator
 
 from gmlx.engine.chat import Job
@@ -23,28 +23,38 @@ async def _collect(source: AsyncIterator[str]) -> list[str]:
 
 def test_a_silent_request_ticks_and_a_busy_one_does_not():
     """The handle yields None for each silence of ``idle_s`` (the stream's keep-alive),
-    events in order, and nothing extra when ticks are off."""
+    events in order, and nothing extra when ticks are off or events come sooner. The
+    worker's side speaks only once the reader has seen the ticks it waits for, so no
+    clock decides what is seen."""
 
-    async def run(idle_s: float) -> list[Event | None]:
+    async def run(idle_s: float, ticks_first: int) -> list[Event | None]:
         handle = RequestHandle(GenerateRequest((1, 2)), cancel=lambda request_id: None)
         loop = asyncio.get_running_loop()
+        heard = threading.Event()
 
         def produce() -> None:  # the worker's side, from another thread
-            time.sleep(0.3)
+            assert heard.wait(30), "the reader never saw its ticks"
             handle._emit(Event(handle.id, text="a", token_ids=(5,)))
             handle._emit(Event(handle.id, finish_reason=FinishReason.STOP, usage=Usage(2, 1)))
 
+        if ticks_first == 0:
+            heard.set()
         producer = loop.run_in_executor(None, produce)
-        out = [ev async for ev in handle.stream(idle_s)]
+        out: list[Event | None] = []
+        async for ev in handle.stream(idle_s):
+            out.append(ev)
+            if out.count(None) == ticks_first:
+                heard.set()
         await producer
         return out
 
-    ticked = asyncio.run(run(0.05))
+    ticked = asyncio.run(run(0.01, ticks_first=3))
     assert [ev.text for ev in ticked if ev is not None] == ["a", ""]
     assert ticked[-1] is not None and ticked[-1].final
-    assert 2 <= ticked.index(next(ev for ev in ticked if ev is not None)) <= 7  # ~0.3 s / 0.05 s
-    plain = asyncio.run(run(0))
-    assert None not in plain and len(plain) == 2
+    assert ticked[:3] == [None, None, None]  # silence ticks, before any event
+    for idle_s in (0, 3600):  # ticks off; ticks on, but the events come first
+        plain = asyncio.run(run(idle_s, ticks_first=0))
+        assert None not in plain and len(plain) == 2
 
 
 class FailingHandle:
