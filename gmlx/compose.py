@@ -8,11 +8,12 @@ is the one place that turns them into running parts (the engine's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gmlx.config import ModelConfig, Settings, load_settings
+from gmlx.engine.drafting import DraftSpec
 from gmlx.engine.residency import ModelSpec, Registry
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
     from gmlx.engine.residency import ReloadResult
 
 
-def model_spec(model_id: str, model: ModelConfig, *, at_start: bool = False) -> ModelSpec:
+def model_spec(model_id: str, model: ModelConfig, *, at_start: bool = False,
+               models: Mapping[str, ModelConfig] | None = None) -> ModelSpec:
     """The engine's view of one ``models:`` entry. A model loaded at start (``at_start``:
     named on the command line, or ``preload``) stays resident until told otherwise: it
     idles out only when its own entry sets an ``idle_timeout``."""
@@ -33,6 +35,8 @@ def model_spec(model_id: str, model: ModelConfig, *, at_start: bool = False) -> 
         id=model_id,
         source=model.source,
         max_kv_size=model.max_kv_size,
+        kv_quant=model.kv_quant.to_kv_quant() if model.kv_quant is not None else None,
+        draft=draft_spec(model, models or {}),
         profile=model.profile,
         default=model.default,
         pinned=model.pinned,
@@ -40,6 +44,18 @@ def model_spec(model_id: str, model: ModelConfig, *, at_start: bool = False) -> 
         preload=model.preload,
         idle_timeout=idle_timeout,
     )
+
+
+def draft_spec(model: ModelConfig, models: Mapping[str, ModelConfig]) -> DraftSpec | None:
+    """A model's drafting, its ``draft_model`` resolved to a source through ``models``
+    (the served models) when it names one (None: it does not draft)."""
+    if model.prompt_lookup:
+        return DraftSpec(prompt_lookup=True, draft_tokens=model.draft_tokens)
+    if model.draft_model is None:
+        return None
+    named = models.get(model.draft_model)
+    return DraftSpec(draft_source=named.source if named is not None else model.draft_model,
+                     draft_tokens=model.draft_tokens)
 
 
 def served_models(settings: Settings) -> dict[str, ModelConfig]:
@@ -108,7 +124,8 @@ def build_registry(
 def model_specs(settings: Settings) -> list[ModelSpec]:
     """Every served model (configured and discovered) as the engine sees it."""
     at_start = set(settings.preload)
-    return [model_spec(mid, m, at_start=mid in at_start) for mid, m in served_models(settings).items()]
+    served = served_models(settings)
+    return [model_spec(mid, m, at_start=mid in at_start, models=served) for mid, m in served.items()]
 
 
 def build_app(

@@ -5,9 +5,11 @@ The file has four sections, all optional::
     server:   {host, port, api_key, cors, decode_batch, queue_depth_cap, sse_keepalive_s,
                prompt_cache_bytes, governor, governor_floor_bytes, preflight_mem, overcommit,
                warmup, top_logprobs_k, idle_timeout, models_dir, image_fetch, image_fetch_private,
-               image_max_bytes, image_fetch_timeout_s}
+               image_max_bytes, image_fetch_timeout_s, max_body_bytes, max_messages, max_stop,
+               shutdown_timeout_s}
     models:   {id: {source, max_kv_size, profile, default, pinned, mmproj, preload,
-              idle_timeout}}  (or id: source;
+              idle_timeout, kv_quant: {scheme, bits, group_size, value_bits, tail_tokens,
+              start}, draft_model, prompt_lookup, draft_tokens}}  (or id: source;
               a source is ``demo``, a GGUF file, an MLX folder or ``hf:org/repo[/file]``)
     aliases:  {alias: id or id@profile}
     profiles: {name: {<every sampling field>, max_tokens, system, stop, chat_template_kwargs}}
@@ -18,7 +20,8 @@ The file has four sections, all optional::
 ``GMLX_OVERCOMMIT``, ``GMLX_WARMUP`` ...); ``top_logprobs_k`` by ``TOP_LOGPROBS_K``, the
 name the HTTP spec gives it. A profile's sampling fields are the request's
 (:mod:`gmlx.sampling_fields`), range-checked by the engine's own rules as the file loads.
-Every problem is raised as one :class:`ConfigError` naming the file, the key and the reason.
+Every problem is raised as one :class:`ConfigError` naming the file, the key and the reason;
+keys the spec names for what gmlx does not do yet (:data:`NOT_SUPPORTED`) as "not supported yet".
 
 Turning settings into a running registry or app is :mod:`gmlx.compose`'s job.
 """
@@ -38,19 +41,23 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
-    model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gmlx.config_entries import KVQuantConfig, ModelConfig, ProfileConfig
 from gmlx.engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from gmlx.engine.loading import DEMOS, source_kind
 from gmlx.engine.loading.hf_cache import PREFIX as HF_PREFIX
-from gmlx.engine.profiles import Profile, ProfileBook
+from gmlx.engine.profiles import ProfileBook
 from gmlx.engine.types import SamplingParams
 from gmlx.paths import config_file
-from gmlx.sampling_fields import SamplingFields, sampling_values
+from gmlx.sampling_fields import sampling_values
 
 ENV_PREFIX = "GMLX_"
+
+# Keys the HTTP spec names for what gmlx does not do yet: a config that sets one fails at
+# start saying so (not "unknown key"), so a user knows the key is right and the feature absent.
+NOT_SUPPORTED: tuple[str, ...] = ("server.hf_cache", "stt", "tts", "embeddings", "rerank")
 
 
 class ServerSettings(BaseSettings):
@@ -67,6 +74,8 @@ class ServerSettings(BaseSettings):
     decode_batch: int | None = Field(None, ge=1, le=512)
     queue_depth_cap: int | None = Field(None, ge=0)  # default: 4 x decode_batch
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0 turns the keep-alive comments off
+    # On SIGTERM / Ctrl-C: seconds requests in flight get to finish before they are cut.
+    shutdown_timeout_s: float = Field(10.0, ge=0)
     prompt_cache_bytes: int | None = Field(None, ge=0)  # None: the engine's default; 0: off
     governor: bool = True  # GMLX_GOVERNOR=0 turns the memory governor off
     governor_floor_bytes: int | None = Field(None, ge=1)  # None: 5% of memory, 512 MiB..4 GiB
@@ -84,6 +93,12 @@ class ServerSettings(BaseSettings):
     image_fetch_private: bool = False
     image_max_bytes: int = Field(20 << 20, ge=1)
     image_fetch_timeout_s: float = Field(10.0, gt=0)
+    # Request limits: a body over max_body_bytes is refused (413) before it is read whole
+    # (it must hold a base64 image of image_max_bytes); more messages (or Responses input
+    # items) or stop strings than these are a 400 naming the field.
+    max_body_bytes: int = Field(32 << 20, ge=1024)
+    max_messages: int = Field(4096, ge=1)
+    max_stop: int = Field(16, ge=1)
     # Most alternatives per token that `top_logprobs` may ask for (0: none). The spec
     # names the variable TOP_LOGPROBS_K, without the prefix; GMLX_TOP_LOGPROBS_K works too.
     top_logprobs_k: int = Field(
@@ -116,53 +131,6 @@ class ServerSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The file's values arrive as init arguments; the environment must beat them.
         return (env_settings, init_settings)
-
-
-class ProfileConfig(SamplingFields):
-    """One ``profiles:`` entry: any sampling field a request may set, an output cap,
-    a system prompt, stop strings and chat-template variables.
-
-    Types are checked here; value ranges by the engine's rules when the file loads
-    (:func:`load_settings`).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int | None = Field(None, ge=1)
-    system: str | None = None
-    stop: list[str] = Field(default_factory=list)
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    def to_profile(self, name: str) -> Profile:
-        """This entry as the engine's profile called ``name``."""
-        return Profile(
-            name=name,
-            sampling=sampling_values(self),
-            max_tokens=self.max_tokens,
-            system=self.system,
-            stop=tuple(self.stop),
-            chat_template_kwargs=self.chat_template_kwargs,
-        )
-
-
-class ModelConfig(BaseModel):
-    """One ``models:`` entry; a bare string is its source."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: str = Field(validation_alias=AliasChoices("source", "path"))
-    max_kv_size: int | None = Field(None, ge=1)
-    profile: str | None = None
-    default: bool = False
-    pinned: bool = False
-    mmproj: str | None = None
-    preload: bool = False  # load at start (like a command-line model), but never pin
-    idle_timeout: float | None = Field(None, ge=0)  # None: server.idle_timeout; 0: never
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bare_source(cls, value: Any) -> Any:
-        return {"source": value} if isinstance(value, str) else value
 
 
 class ConfigFile(BaseModel):
@@ -198,6 +166,35 @@ class Settings(BaseModel):
     def profile_book(self) -> ProfileBook:
         """The profiles these settings know: the built-in intents and the file's."""
         return ProfileBook({name: p.to_profile(name) for name, p in self.profiles.items()})
+
+    def with_kv_quant(self, name: str, kv_quant: KVQuantConfig) -> Settings:
+        """These settings with the model that ``name`` addresses (an id or alias, with
+        or without ``@profile``) quantizing its KV as ``kv_quant`` says."""
+        model_id = _model_of(self, self.models, name)
+        if model_id is None:
+            raise ModelNotFoundError(f"{name!r} is not a configured model.", param="model")
+        models = dict(self.models)
+        models[model_id] = models[model_id].model_copy(update={"kv_quant": kv_quant})
+        return self.model_copy(update={"models": models})
+
+    def with_drafting(self, name: str, draft_model: str | None, prompt_lookup: bool,
+                      draft_tokens: int | None = None) -> Settings:
+        """These settings with the model that ``name`` addresses drafting as given
+        (``gmlx run --draft/--prompt-lookup``). Raises ConfigError for a drafter that
+        is no model or two drafters at once."""
+        model_id = _model_of(self, self.models, name)
+        if model_id is None:
+            raise ModelNotFoundError(f"{name!r} is not a configured model.", param="model")
+        if draft_model is not None and draft_model not in self.models and not _is_source(draft_model):
+            raise ConfigError(f"The draft model {draft_model!r} is neither a configured model nor a model path.")
+        update = {"draft_model": draft_model, "prompt_lookup": prompt_lookup}
+        if draft_tokens is not None:
+            update["draft_tokens"] = draft_tokens
+        try:
+            model = ModelConfig.model_validate({**self.models[model_id].model_dump(exclude_unset=True), **update})
+        except ValidationError as e:
+            raise ConfigError(f"Drafting for {model_id}: {e.errors()[0]['msg'].removeprefix('Value error, ')}.") from e
+        return self.model_copy(update={"models": {**self.models, model_id: model}})
 
     def with_models(self, refs: Iterable[str]) -> tuple[Settings, list[str]]:
         """Add command-line models: each ref that is not already addressable (an id,
@@ -295,6 +292,7 @@ def load_settings(path: Path | str | None = None) -> Settings:
         raise ConfigError(
             f"Config file {file} must hold a mapping of sections, not {type(raw).__name__}."
         )
+    _check_not_supported(raw, file)
     try:
         parsed = ConfigFile.model_validate(raw)
     except ValidationError as e:
@@ -308,8 +306,21 @@ def load_settings(path: Path | str | None = None) -> Settings:
         source_file=file,
     )
     _check_references(settings, file)
+    _check_drafters(settings, file)
     _check_sampling(settings, file)
     return settings
+
+
+def _check_not_supported(raw: dict[str, Any], file: Path) -> None:
+    server = raw.get("server")
+    for key in NOT_SUPPORTED:
+        section, _, sub = key.rpartition(".")
+        scope = raw if not section else server if isinstance(server, dict) else {}
+        if sub in scope:
+            raise ConfigError(
+                f"Config file {file} is invalid at {key}: not supported yet "
+                "(the spec names it; this gmlx does not implement it)."
+            )
 
 
 def _server_settings(values: dict[str, Any], file: Path) -> ServerSettings:
@@ -363,6 +374,17 @@ def _check_sampling(settings: Settings, file: Path) -> None:
                 f"Config file {file} is invalid at profiles.{name}.{e.param}: "
                 f"{e.message.rstrip('.')}."
             ) from e
+
+
+def _check_drafters(settings: Settings, file: Path) -> None:
+    """A ``draft_model`` names a configured model or a model source."""
+    for mid, model in settings.models.items():
+        ref = model.draft_model
+        if ref is not None and ref not in settings.models and not _is_source(ref):
+            raise ConfigError(
+                f"Config file {file} is invalid at models.{mid}.draft_model: {ref!r} is neither "
+                "a configured model nor a model path."
+            )
 
 
 def _check_references(settings: Settings, file: Path) -> None:

@@ -15,6 +15,7 @@ from rich.console import Console
 from gmlx.cli.errors import err_console, fail
 from gmlx.cli.local import load_here
 from gmlx.cli.options import MaxTokensOpt, ModelArg, SeedOpt, SystemOpt, TemperatureOpt
+from gmlx.cli.plan import KVBitsOpt, KVGroupOpt, kv_quant_config
 from gmlx.engine.errors import GmlxError
 from gmlx.engine.types import (
     ChatRequest,
@@ -128,12 +129,20 @@ def run_command(
     think: Annotated[bool | None, typer.Option("--think/--no-think", help="Ask a reasoning model to think first (or not); reasoning shows dimmed on stderr.")] = None,
     thinking_budget: Annotated[int | None, typer.Option("--thinking-budget", min=0, help="Close the thinking block after this many tokens.")] = None,
     image: Annotated[list[Path] | None, typer.Option("--image", help="Attach this image file to the prompt (repeat for several); needs a vision model.", dir_okay=False)] = None,
+    kv_bits: KVBitsOpt = None,
+    kv_group_size: KVGroupOpt = 64,
+    draft: Annotated[str | None, typer.Option("--draft", help="Decode speculatively with this draft model (a configured id or a path) of the same tokenizer.")] = None,
+    prompt_lookup: Annotated[bool, typer.Option("--prompt-lookup", help="Decode speculatively, drafting from n-gram matches in the conversation itself (no draft model).")] = False,
+    draft_tokens: Annotated[int | None, typer.Option("--draft-tokens", min=1, max=16, help="Tokens drafted per round with --draft or --prompt-lookup (default 4).")] = None,
 ) -> None:
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")
     images = tuple(image_part(path) for path in image or ())
     fmt = response_format(json_schema, json_object)
-    engine, _, name = load_here(model, top_logprobs_cap=LOGPROB_ALTERNATIVES)
+    engine, _, name = load_here(model, top_logprobs_cap=LOGPROB_ALTERNATIVES,
+                                kv_quant=kv_quant_config(kv_bits, kv_group_size),
+                                drafting={"draft_model": draft, "prompt_lookup": prompt_lookup,
+                                          "draft_tokens": draft_tokens} if draft or prompt_lookup else None)
     # Explicit flags win over the profile, as request fields do on the server.
     explicit = {"temperature": temperature, "seed": seed, "top_p": top_p, "top_k": top_k,
                 "min_p": min_p, "repetition_penalty": repetition_penalty}

@@ -61,6 +61,17 @@ DecodeBatchOpt = Annotated[
         show_default=False,
     ),
 ]
+ShutdownTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--shutdown-timeout",
+        min=0,
+        help="On SIGTERM or Ctrl-C, seconds the requests in flight get to finish; new ones "
+        "get 503 meanwhile, and those still running are then cut with a typed error "
+        "(default: the config's server.shutdown_timeout_s, 10).",
+        show_default=False,
+    ),
+]
 
 
 # 3 is uvicorn's own startup failure (it exits so when the address cannot be bound).
@@ -70,6 +81,7 @@ EXIT_CODES = (
     "not this machine's)."
 )
 SWITCH_INTERVAL_S = 0.0005
+STARTUP_FAILURE = 3
 
 
 def serve_command(
@@ -79,13 +91,12 @@ def serve_command(
     port: PortOpt = None,
     api_key: ApiKeyOpt = None,
     decode_batch: DecodeBatchOpt = None,
+    shutdown_timeout: ShutdownTimeoutOpt = None,
 ) -> None:
     """Serve until Ctrl-C; the named models load as the server starts.
 
     Flags win over ``GMLX_*`` environment variables, which win over the file.
     """
-    import uvicorn
-
     from gmlx.compose import build_app, served_models
     from gmlx.config import load_settings
 
@@ -95,7 +106,8 @@ def serve_command(
     # per token. A shorter interval keeps the hand-off well under a decode step.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     settings = load_settings(config)
-    flags = {"host": host, "port": port, "api_key": api_key, "decode_batch": decode_batch}
+    flags = {"host": host, "port": port, "api_key": api_key, "decode_batch": decode_batch,
+             "shutdown_timeout_s": shutdown_timeout}
     server = settings.server.model_copy(update={k: v for k, v in flags.items() if v is not None})
     settings, _ = settings.model_copy(update={"server": server}).with_models(models or [])
     if not served_models(settings):
@@ -105,9 +117,13 @@ def serve_command(
     # The port opens at once; the named, pinned and preload models load in the background
     # (`/health?ready=1` says `loading` meanwhile, and requests for them wait).
     from gmlx.engine.loading import progress
+    from gmlx.server import shutdown
 
     with progress.listening(_print_progress):
-        uvicorn.run(build_app(settings), host=server.host, port=server.port, log_level="info")
+        started = shutdown.serve(build_app(settings), server.host, server.port,
+                                 settings.server.shutdown_timeout_s)
+    if not started:  # as uvicorn's own runner: the address could not be bound
+        raise typer.Exit(STARTUP_FAILURE)
 
 
 def _print_progress(model_id: str, status: LoadStatus) -> None:

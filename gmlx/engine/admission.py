@@ -23,6 +23,7 @@ from gmlx.engine.governor import Band
 from gmlx.engine.scheduling import DEFAULT_REQUEST_S
 
 if TYPE_CHECKING:
+    from gmlx.engine.kv_quant import KVQuant
     from gmlx.engine.residency import Registry
     from gmlx.engine.worker import ModelWorker
 
@@ -263,15 +264,23 @@ def plan(registry: Registry, width: int, depth: int, worker: ModelWorker | None)
     )
 
 
-def offline_plan(registry: Registry, width: int, depth: int, worker: ModelWorker) -> Plan:
+def offline_plan(registry: Registry, width: int, depth: int, worker: ModelWorker,
+                 kv_quant: KVQuant | None = None) -> Plan:
     """The plan for a model loaded in this process (``gmlx plan MODEL``): its table
-    against this machine's free memory; nothing runs, so ``admit_now`` is None."""
+    against this machine's free memory; nothing runs, so ``admit_now`` is None. With
+    ``kv_quant``, the plan as it would be with the model's full KV layers quantized so
+    (same budget and prefill chunk, KV priced at the quantized width)."""
     table = registry.capacity
     geom = registry.geometry(worker.loaded.id)
     if table is None or geom is None:
         return Plan(width, depth, worker.loaded.id, ok=None, admit_now=None, reason="no_table",
                     detail="the model's memory geometry cannot be measured",
                     table_width=None, max_ctx=None)
+    if kv_quant is not None:
+        from gmlx.engine.capacity import quantized_geometry
+
+        geom = quantized_geometry(geom, worker.loaded.config, kv_quant)
+        table = capacity.capacity_table(geom, table.budget_bytes, table.chunk)
     ok, detail = capacity.plan(table, width, depth)
     return Plan(
         width=width,

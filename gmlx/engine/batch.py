@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Any
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from gmlx.engine import mlxlm, scheduling
 from gmlx.engine.errors import EngineError, GmlxError
+from gmlx.engine.kv_cache import make_cache
+from gmlx.engine.kv_quant import KVQuant
 from gmlx.engine.loading import LoadedModel
 from gmlx.engine.prompt_cache import PromptCache, with_room
 from gmlx.engine.requests import ActiveRequest, RequestState
@@ -38,6 +38,7 @@ class Batch:
         width: the decode batch.
         prefill_step_size: prompt tokens a step prefills while nothing decodes.
         prompt_cache: where requests start from and leave their KV.
+        kv_quant: the KV quantization of the model's caches (None: full precision).
     """
 
     def __init__(
@@ -47,8 +48,12 @@ class Batch:
         width: int,
         prefill_step_size: int,
         prompt_cache: PromptCache,
+        kv_quant: KVQuant | None = None,
+        speculation: Any = None,
     ) -> None:
         self.loaded = loaded
+        self.speculation = speculation  # drafting (``gmlx.engine.speculative``), or None
+        self.kv_quant = kv_quant
         self.width = width
         self.prefill_step_size = prefill_step_size
         self.prompt_cache = prompt_cache
@@ -67,6 +72,10 @@ class Batch:
         """Slots no request holds."""
         return max(0, self.width - len(self.running))
 
+    def new_cache(self) -> list[Any]:
+        """A fresh cache for one request (its KV layers quantized under ``kv_quant``)."""
+        return make_cache(self.loaded, self.kv_quant)
+
     def open(self) -> None:
         """Start mlx-lm's generator, on the thread that steps it."""
         # Prompts prefill in chunks between decode steps; how many share a step is set
@@ -74,6 +83,20 @@ class Batch:
         # transient, and a burst of long prompts must not multiply it.
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
                                           self.width, self.prefill_step_size)
+        if self.speculation is not None:  # decoding streams verify drafts in rounds
+            mlxlm.use_generation_batch(self._gen, self.speculation.generation_batch(
+                self.loaded.model, self._draft_policy, self.prefill_step_size))
+
+    def _draft_policy(self, uid: int, has_processors: bool) -> Any:
+        """How the stream ``uid`` drafts (``speculative.policy_for``); its counts go to
+        its request's metrics row."""
+        from gmlx.engine.drafting import SpecStats
+        from gmlx.engine.speculative import PLAIN, policy_for
+
+        if (active := self.running.get(uid)) is None:
+            return PLAIN
+        active.speculative = SpecStats()
+        return policy_for(active.request.sampling, has_processors, active.speculative)
 
     def close(self) -> None:
         """Stop the generator and wait for its work: no asynchronous work may outlive
@@ -106,7 +129,7 @@ class Batch:
         req = active.request
         rest = prompt[warm:]
         if cache is None:  # a miss merges like a hit (whole-step arrays, `with_room`)
-            cache = with_room(make_prompt_cache(self.loaded.model), len(rest))
+            cache = with_room(self.new_cache(), len(rest))
         (uid,) = self._gen.insert(
             [rest],
             max_tokens=[req.max_tokens],
@@ -139,7 +162,7 @@ class Batch:
         if lookup.warm_tokens >= end:
             self._insert(active, prompt, sampler, lookup.cache, lookup.warm_tokens)
             return
-        cache = lookup.cache or make_prompt_cache(self.loaded.model)
+        cache = lookup.cache or self.new_cache()
         self._staged_uid -= 1
         active.uid = self._staged_uid
         active.state = RequestState.PREFILL
@@ -222,7 +245,13 @@ class Batch:
         active = self.running.get(r.uid)
         if active is None:
             return
-        finish = active.take(r.token, r.logprobs, r.finish_reason)
+        try:
+            finish = active.take(r.token, r.logprobs, r.finish_reason)
+        except Exception as e:  # noqa: BLE001 - its own text pipeline failed
+            if r.finish_reason is None:  # mlx-lm ends it otherwise, and keeps no state of it
+                self.remove(active, keep_kv=False)
+            self._fail(active, e)
+            return
         if r.finish_reason is not None and r.prompt_cache is not None:
             self.prompt_cache.insert(active.cache_tokens(r.all_tokens), r.prompt_cache)
         if finish is not None:
@@ -258,6 +287,28 @@ class Batch:
     def _drop_failed(self) -> None:
         """End the requests whose own sampler or processor failed in this step."""
         for active in [a for a in self.running.values() if a.failure is not None]:
-            log.error("request %s failed: %r", active.request.id, active.failure)
             self.remove(active, keep_kv=False)
-            self._end(active, FinishReason.ERROR, EngineError(f"Generation failed: {active.failure}."))
+            self._fail(active, active.failure)
+
+    def _fail(self, active: ActiveRequest, failure: BaseException | None) -> None:
+        """End ``active`` alone with an ``engine_error`` naming it (it is out of the
+        generator already); the rest of the batch goes on."""
+        rid = active.request.id
+        log.error("request %s failed: %r", rid, failure, exc_info=failure)
+        self._end(active, FinishReason.ERROR, EngineError(f"Request {rid} failed: {failure}."))
+
+    def reset(self) -> list[ActiveRequest]:
+        """Drop every running request and start a fresh generator (after a failure
+        outside any one request: the generator's state cannot be trusted). Returns the
+        requests that were running, for the worker to finish."""
+        dropped = list(self.running.values())
+        self.running.clear()
+        self._staged.clear()
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            try:
+                gen.close()
+            except Exception:  # it is being replaced
+                log.exception("closing the failed generator of %s", self.loaded.id)
+        self.open()
+        return dropped

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gmlx.engine.kv_quant import KVQuant
     from gmlx.engine.loading import LoadedModel
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many tokens
@@ -224,25 +225,29 @@ def default_decode_batch(table: CapacityTable, context: int, cap: int = 32) -> i
 # -- probes (read facts off a model and the machine) ------------------------------------
 
 
-def probe_geometry(loaded: LoadedModel) -> Geometry:
-    """Measure a model's cache layout by running one token through fresh caches."""
+def probe_geometry(loaded: LoadedModel, kv_quant: KVQuant | None = None) -> Geometry:
+    """Measure a model's cache layout by running one token through fresh caches (its
+    KV layers quantized by ``kv_quant``: codes, scales and biases per token, and the
+    full-precision tail and start as fixed bytes)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import (
-        ArraysCache,
-        KVCache,
-        QuantizedKVCache,
-        RotatingKVCache,
-        make_prompt_cache,
-    )
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+    from gmlx.engine import kv_quant as kvq
+    from gmlx.engine.kv_cache import QuantKVCache, make_cache
 
     model = loaded.model
-    caches = make_prompt_cache(model)
+    caches = make_cache(loaded, kv_quant)
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
     layers = []
     for c in caches:
-        if isinstance(c, RotatingKVCache):
+        if isinstance(c, QuantKVCache):
+            per = sum(a.nbytes for a in (*c.kq, *c.vq)) // c.kq[0].shape[2]  # type: ignore[misc]
+            heads, k_dim, v_dim = c.kq[0].shape[1], c.head_dims[0], c.head_dims[1]  # type: ignore[index]
+            fixed = kvq.layer_fixed_bytes(c.kvq, heads, k_dim, v_dim, c.dtype_bytes)
+            layers.append(LayerKV(per, fixed_bytes=fixed))
+        elif isinstance(c, RotatingKVCache):
             per = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
             layers.append(LayerKV(per, window=c.max_size))
         elif isinstance(c, QuantizedKVCache):
@@ -348,3 +353,24 @@ def human(n: float) -> str:
         n /= 1024
     return str(n)
 
+
+def quantized_geometry(geom: Geometry, config: dict[str, Any], kvq: KVQuant) -> Geometry:
+    """``geom`` as it would be with ``kvq``: every full KV layer priced at the quantized
+    width (what ``gmlx plan --kv-bits`` compares against)."""
+    from dataclasses import replace
+
+    from gmlx.engine.kv_quant import head_geometry, layer_bytes_per_token, layer_fixed_bytes
+
+    heads = head_geometry(config)
+    if heads is None or heads[1] % kvq.group_size:
+        return geom
+    kv_heads, dim = heads
+    b = geom.dtype_bytes
+    full = 2 * kv_heads * dim * b
+    layers = tuple(
+        LayerKV(layer_bytes_per_token(kvq, kv_heads, dim, dim, b),
+                fixed_bytes=layer_fixed_bytes(kvq, kv_heads, dim, dim, b))
+        if layer.window is None and not layer.fixed_bytes and layer.bytes_per_token == full else layer
+        for layer in geom.layers
+    )
+    return replace(geom, layers=layers)

@@ -142,3 +142,23 @@ class PayloadTooLargeError(GmlxError):
     openai_type = "payload_too_large"
     anthropic_type = "request_too_large"
     code = "payload_too_large"
+
+
+class ShuttingDownError(GmlxError):
+    """The server is shutting down: a new request is refused, and a stream still
+    running when the grace period ends is cut with this error (never a normal finish)."""
+
+    status = 503
+    openai_type = "server_shutting_down"
+    anthropic_type = "overloaded_error"
+    code = "server_shutting_down"
+
+
+class SlowClientError(GmlxError):
+    """A streaming client read so slowly that its stream's backlog passed the bound:
+    the stream is cut and its slot freed."""
+
+    status = 408
+    openai_type = "client_too_slow"
+    anthropic_type = "api_error"
+    code = "client_too_slow"

@@ -32,6 +32,8 @@ class ModelInfo:
     weight_bytes: int | None = None  # measured, while resident
     idle_s: float | None = None  # seconds since last use, while resident and idle
     loading: dict[str, Any] | None = None  # while it loads: {phase, done, total}
+    kv_bytes_per_token: int | None = None  # while resident: KV bytes one more token costs
+    kv_quant: dict[str, Any] | None = None  # while resident with kv_quant configured
 
 
 def model_info(
@@ -52,7 +54,7 @@ def model_info(
         id=name,
         resident=entry is not None,
         pinned=spec.pinned,
-        speculative=False,
+        speculative=spec.draft is not None,
         vlm=worker is not None and worker.loaded.vision is not None,
         profile=target.profile_name,
         default=spec.default and alias_of is None,
@@ -65,7 +67,26 @@ def model_info(
         weight_bytes=worker.weight_bytes if worker else None,
         idle_s=entry.idle_s(now) if entry is not None else None,
         loading=_loading(spec.id) if entry is None else None,
+        kv_bytes_per_token=_kv_bytes_per_token(entry),
+        kv_quant=_kv_quant(entry),
     )
+
+
+def _kv_bytes_per_token(entry: Resident | None) -> int | None:
+    """What one more token of context costs the resident model, at its KV's width."""
+    if entry is None:
+        return None
+    if entry.geometry is not None:
+        return entry.geometry.kv_bytes_per_token
+    return entry.table.kv_bytes_per_token if entry.table is not None else None
+
+
+def _kv_quant(entry: Resident | None) -> dict[str, Any] | None:
+    if entry is None or entry.spec.kv_quant is None:
+        return None
+    from gmlx.engine.kv_cache import describe
+
+    return describe(entry.worker.loaded, entry.spec.kv_quant, entry.worker.speculation is not None)
 
 
 def _loading(model_id: str) -> dict[str, Any] | None:

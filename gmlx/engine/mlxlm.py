@@ -22,9 +22,11 @@ __all__ = [
     "infer_tool_parser",
     "kv_used",
     "model_classes",
+    "pending_tokens",
     "prefill_lengths",
     "route_clear_cache",
     "set_kv_used",
+    "use_generation_batch",
 ]
 
 
@@ -108,6 +110,21 @@ def first_token(gen: Any, uid: int) -> FirstToken | None:
     with mx.stream(gen.stream):
         token = batch._next_tokens[row].item()
     return FirstToken(uid, token, batch._next_logprobs[row])
+
+
+def use_generation_batch(gen: Any, batch: Any) -> None:
+    """Make ``gen`` decode with ``batch`` (a speculative batch, shaped as mlx-lm's
+    ``GenerationBatch``) in place of its own, before it decodes anything
+    (``BatchGenerator._generation_batch``)."""
+    if len(gen._generation_batch):
+        raise RuntimeError("the generator is decoding already")
+    gen._generation_batch = batch
+
+
+def pending_tokens(batch: Any) -> tuple[Any, list[Any]]:
+    """The tokens a fresh ``GenerationBatch`` sampled for its streams and has not
+    returned yet, and their log-probabilities (``_next_tokens``, ``_next_logprobs``)."""
+    return batch._next_tokens, list(batch._next_logprobs)
 
 
 # -- KV caches --------------------------------------------------------------------------

@@ -124,11 +124,22 @@ def _start_model(
         loaded.notes.append(note)
     for note in loaded.notes:
         log.info("%s: %s", spec.id, note)
+    speculation = None
+    if spec.draft is not None:  # the drafter loads with its model: a bad one fails the load
+        from gmlx.engine.speculative import load_speculation
+
+        speculation = load_speculation(spec.draft, loaded)
+    # Verification trims each stream's KV rows, which a quantized cache cannot: a
+    # speculative model runs full-precision KV (its listing says `dropped`).
+    kv_quant = spec.kv_quant if speculation is None else None
+    if spec.kv_quant is not None and kv_quant is None:
+        log.warning("%s: kv_quant is not applied: the model decodes speculatively, "
+                    "which needs full-precision KV", spec.id)
     chunk = default_prefill_step()
     geom: capacity.Geometry | None = None
     table: capacity.CapacityTable | None = None
     try:
-        measured = capacity.probe_geometry(loaded)
+        measured = capacity.probe_geometry(loaded, kv_quant)
         table = capacity.capacity_table(measured, free_bytes() or 0, chunk)
         geom = measured
     except Exception:  # a model the probe does not understand still serves
@@ -147,6 +158,8 @@ def _start_model(
         queue_cap=settings.queue_cap,
         prompt_cache_bytes=DEFAULT_PROMPT_CACHE_BYTES if cache_bytes is None else cache_bytes,
         governor=settings.governor,
+        kv_quant=kv_quant,
+        speculation=speculation,
         # The transient of one full prefill chunk at the model's context: what the
         # capacity model sets aside for prefill, so what the worker may keep of MLX's
         # buffer cache between chunks.

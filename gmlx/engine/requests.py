@@ -4,6 +4,7 @@ per-request state (its text pipeline, logits processors and timings)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import time
 from collections import deque
@@ -13,7 +14,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from gmlx.engine import sampling
-from gmlx.engine.errors import InvalidRequestError, PromptTooLongError
+from gmlx.engine.errors import InvalidRequestError, PromptTooLongError, SlowClientError
 from gmlx.engine.pipeline import TextPipeline, pipeline_for
 from gmlx.engine.reasoning import make_thinking_budget_processor, prompt_opens_thinking
 from gmlx.engine.structured import make_grammar_processor
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from gmlx.engine.tokenizer import Tokenizer
     from gmlx.engine.tools import ToolParser
 
+log = logging.getLogger("gmlx.engine")
+
 
 class RequestState(StrEnum):
     QUEUED = "queued"
@@ -33,6 +36,12 @@ class RequestState(StrEnum):
 
 
 _DECODE = RequestState.DECODE  # read once: an enum member costs a lookup on every token
+
+
+# Events a stream may hold that its reader has not taken yet: past this the reader (a
+# client that stopped reading its stream) is too slow, and the stream is cut
+# (``SlowClientError``) and its slot freed. A reader that keeps pace holds a few.
+MAX_BACKLOG = 4096
 
 
 class RequestHandle:
@@ -53,6 +62,9 @@ class RequestHandle:
         # asyncio.Queue, which matters where a decode step takes a few milliseconds).
         self._ready: deque[Event | None] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._cut: GmlxError | None = None  # why the stream was cut on the reader's side
+        # called (on the event loop) with the error when the stream is cut
+        self.on_cut: Callable[[GmlxError], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             self._loop = asyncio.get_running_loop()
@@ -70,10 +82,31 @@ class RequestHandle:
             pass
 
     def _push(self, item: Event | None) -> None:
-        """On the event loop: queue an event (``None``: a silence tick) and wake the reader."""
-        self._ready.append(item)
+        """On the event loop: queue an event (``None``: a silence tick) and wake the
+        reader; cut the stream when the reader has fallen ``MAX_BACKLOG`` events behind."""
+        if self._cut is not None:
+            return
+        ready = self._ready
+        ready.append(item)
+        if len(ready) > MAX_BACKLOG:
+            self._cut_slow_reader()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _cut_slow_reader(self) -> None:
+        """Drop the backlog for one final error event, free the request's slot (its
+        later events are dropped) and tell the sender (``on_cut``), which may be
+        blocked on a client that does not read."""
+        self._cut = error = SlowClientError(
+            f"Request {self.id} was cut: the client read its stream too slowly "
+            f"(more than {MAX_BACKLOG} events unread)."
+        )
+        log.warning("%s", error)
+        self._ready.clear()
+        self._ready.append(Event(self.id, finish_reason=FinishReason.ERROR, error=error))
+        self._cancel(self.id)
+        if self.on_cut is not None:
+            self.on_cut(error)
 
     def cancel(self) -> None:
         """Stop the request at its worker's next step; the stream ends ``cancelled``."""
@@ -182,6 +215,7 @@ class ActiveRequest:
     failure: Exception | None = None  # raised by this request's own sampler or processors
     handed_out: int | None = None  # the first token, handed out before mlx-lm returns it
     image_key: list[int] | None = None  # an image prompt's prompt-cache key (images by digest)
+    speculative: Any = None  # its drafting counts (``drafting.SpecStats``) on a speculative model
 
     @classmethod
     def prepare(
@@ -303,7 +337,7 @@ class ActiveRequest:
             "ttft_s": round(self.first_token_at - self.submitted_at, 3) if self.first_token_at else None,
             "decode_tok_s": round((self.generated - 1) / decode_s, 2) if decode_s > 0 and self.generated > 1 else None,
             "cache": {"tier": self.cache_tier, "warm_tokens": self.warm_tokens} if self.cache_tier else None,
-            "speculative": None,
+            "speculative": self.speculative.row() if self.speculative is not None else None,
         }
 
 

@@ -61,3 +61,19 @@ async def run(fn: Callable[..., T], *args: Any) -> T:
     """``await`` ``fn(*args)`` run on a long-lived MLX thread (see the module docstring):
     what ``asyncio.to_thread`` would do, for calls that touch MLX."""
     return await asyncio.wrap_future(submit(fn, *args))
+
+
+# A finished worker thread never returns: it parks here. MLX keeps a compile cache
+# per thread whose destructor takes the GIL when the thread exits; a thread that
+# exits while the interpreter finalizes is killed inside that destructor and the
+# process aborts. A parked thread holds no GIL and dies quietly with the process.
+_PARK = threading.Event()
+
+
+def run_then_park(holder: list[Callable[[], Any]]) -> None:
+    """A thread's target: run the one callable in ``holder`` (taken out, so that the
+    thread keeps no reference to it and an unloaded model is freed), then park."""
+    run = holder.pop()
+    run()
+    del run
+    _PARK.wait()

@@ -28,8 +28,10 @@ from typing import Any
 from gmlx.engine import scheduling
 from gmlx.engine.batch import Batch
 from gmlx.engine.capacity import backend
+from gmlx.engine.drafting import refuse_structured
 from gmlx.engine.errors import EngineError, GmlxError, ServerOverloadedError
 from gmlx.engine.governor import Governor, ShedError
+from gmlx.engine.kv_quant import KVQuant
 from gmlx.engine.loading import LoadedModel
 from gmlx.engine.prompt_cache import PromptCache
 from gmlx.engine.reasoning import thinking_markers
@@ -42,6 +44,7 @@ from gmlx.engine.requests import (
 )
 from gmlx.engine.scheduling import DEFAULT_DECODE_BATCH, default_prefill_step
 from gmlx.engine.stats import WorkerStats
+from gmlx.engine.threads import run_then_park
 from gmlx.engine.tools import tool_parser_for
 from gmlx.engine.types import Event, FinishReason, GenerateRequest
 
@@ -58,25 +61,13 @@ log = logging.getLogger("gmlx.engine")
 
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
 WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
+MAX_RESTARTS = 5  # failures outside a request within RESTART_WINDOW_S before the worker stops
+RESTART_WINDOW_S = 60.0
 
 
 # Workers still running at interpreter exit are closed first: MLX aborts the process
 # if its scheduler still holds a thread's asynchronous work during finalization.
 _live_workers: weakref.WeakSet[ModelWorker] = weakref.WeakSet()
-
-
-# A finished worker thread never returns: it parks here. MLX keeps a compile cache
-# per thread whose destructor takes the GIL when the thread exits; a thread that
-# exits while the interpreter finalizes is killed inside that destructor and the
-# process aborts. A parked thread holds no GIL and dies quietly with the process.
-_PARK = threading.Event()
-
-
-def _thread_main(holder: list[ModelWorker]) -> None:
-    worker = holder.pop()  # the thread keeps no reference: an unloaded model is freed
-    worker._run()
-    del worker
-    _PARK.wait()
 
 
 @atexit.register
@@ -109,6 +100,9 @@ class ModelWorker:
         buffer_cache_bytes: how much of MLX's buffer cache the worker keeps across
             prefill chunks (``gmlx.engine.buffers``); None empties it after every
             chunk, as mlx-lm does.
+        kv_quant: the KV quantization of the model's caches (None: full precision).
+        speculation: the model's drafting (``gmlx.engine.speculative.Speculation``),
+            or None: without it every step decodes one token per stream.
         governor: the memory governor shared by the server's workers; in orange
             no new prefill starts, in red the largest running request is shed.
     """
@@ -123,6 +117,8 @@ class ModelWorker:
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         governor: Governor | None = None,
         buffer_cache_bytes: int | None = None,
+        kv_quant: KVQuant | None = None,
+        speculation: Any = None,
     ) -> None:
         if decode_batch < 1:
             raise ValueError("decode_batch must be >= 1")
@@ -143,12 +139,17 @@ class ModelWorker:
         self._cancel_request = _canceller(self._inbox)
         self._pending: deque[ActiveRequest] = deque()
         self._batch = Batch(loaded, width=decode_batch, prefill_step_size=self.prefill_step_size,
-                            prompt_cache=self.prompt_cache)
+                            prompt_cache=self.prompt_cache, kv_quant=kv_quant,
+                            speculation=speculation)
+        self.speculation = speculation  # drafting (``gmlx.engine.speculative``), or None
         self._requests: dict[str, ActiveRequest] = {}
         self._closed = threading.Event()
         self._done = threading.Event()
+        self.restarts = 0  # times the loop failed outside a request and started again
+        self._restarts: list[float] = []  # when, within the last RESTART_WINDOW_S
+        self._close_error: str | None = None  # why requests end when the worker stops
         self._thread = threading.Thread(
-            target=_thread_main, args=([self],), name=f"gmlx-worker-{loaded.id}", daemon=True
+            target=run_then_park, args=([self._run],), name=f"gmlx-worker-{loaded.id}", daemon=True
         )
         self._thread.start()
         _live_workers.add(self)
@@ -158,6 +159,8 @@ class ModelWorker:
     def submit(self, request: GenerateRequest) -> RequestHandle:
         """Validate and queue a request. Raises GmlxError for a request that cannot run."""
         check_request(request, self.vocab_size, self.loaded.context_length)
+        if self.speculation is not None:
+            refuse_structured(self.loaded.id, request.grammar)
         if self._closed.is_set():
             raise EngineError(f"The worker for {self.loaded.id} is shut down.")
         with self._admission:
@@ -246,10 +249,22 @@ class ModelWorker:
         self._cancel_request(request_id)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Cancel everything and stop the thread."""
+        """Stop the thread; requests still queued or running end with an
+        ``engine_error`` (an unfinished answer is never reported as finished)."""
         if not self._done.is_set():
+            self._close_error = self._close_error or f"the worker for {self.loaded.id} closed"
             self._inbox.put(("close", None))
             self._done.wait(timeout)
+
+    def abort(self, error: GmlxError) -> None:
+        """End every queued and running request with ``error`` at the next step (a
+        server shutting down); the worker serves on."""
+        self._inbox.put(("abort", error))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker still takes requests."""
+        return not self._closed.is_set()
 
     @functools.cached_property
     def weight_bytes(self) -> int:
@@ -288,18 +303,10 @@ class ModelWorker:
         batch.open()
         try:
             while not self._closed.is_set():
-                idle = not batch.running and not self._pending
-                self._drain_inbox(block=idle)
-                if self._closed.is_set():
-                    break
-                if self._govern():
-                    self._admit()
-                if not batch.running:
-                    if self._pending:  # held back by the governor: wait, do not spin
-                        self._drain_inbox(block=True, timeout=0.05)
-                    continue
-                for active, reason, error in batch.step(self.stats):
-                    self._finish(active, reason, error)
+                try:
+                    self._loop(batch)
+                except Exception as e:  # noqa: BLE001 - outside any one request: restart
+                    self._restart(e)
         finally:
             self._closed.set()
             while True:  # requests submitted while closing end too, never hang
@@ -309,14 +316,65 @@ class ModelWorker:
                     break
                 if kind == "submit":
                     self._pending.append(payload)
-            for active in [*self._pending, *batch.running.values()]:
-                self._finish(active, FinishReason.CANCELLED)
-            with self._admission:
-                self._waiting -= len(self._pending)
-            self._pending.clear()
+            self._end_all(self._close_error)
             batch.close()
             self._closed.set()
             self._done.set()
+
+    def _loop(self, batch: Batch) -> None:
+        while not self._closed.is_set():
+            idle = not batch.running and not self._pending
+            self._drain_inbox(block=idle)
+            if self._closed.is_set():
+                break
+            if self._govern():
+                self._admit()
+            if not batch.running:
+                if self._pending:  # held back by the governor: wait, do not spin
+                    self._drain_inbox(block=True, timeout=0.05)
+                continue
+            for active, reason, error in batch.step(self.stats):
+                self._finish(active, reason, error)
+
+    def _restart(self, error: Exception) -> None:
+        """The loop failed outside any one request: end the requests in flight with an
+        ``engine_error``, start a fresh generator, and serve on. A worker that keeps
+        failing (``MAX_RESTARTS`` within ``RESTART_WINDOW_S``) stops instead: its
+        requests end with the error and later ones are refused."""
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+        self.restarts += 1
+        log.error("the worker for %s failed (%r); restarting it", self.loaded.id, error, exc_info=error)
+        if len(self._restarts) > MAX_RESTARTS:
+            log.error("the worker for %s failed %d times in %.0f s; stopping it",
+                      self.loaded.id, len(self._restarts), RESTART_WINDOW_S)
+            self._close_error = f"its worker failed repeatedly ({error})"
+            self._closed.set()
+            return
+        self._end_all(f"its worker failed ({error}) and was restarted")
+        try:
+            self._batch.reset()
+        except Exception as e:  # no generator to serve with: stop
+            log.exception("cannot restart the worker for %s", self.loaded.id)
+            self._close_error = f"its worker failed and could not restart ({e})"
+            self._closed.set()
+
+    def _end_all(self, why: str | GmlxError | None) -> None:
+        """End every queued and running request: ``cancelled`` (``why`` None), with
+        ``why`` (a typed error), or with an ``engine_error`` whose message is ``why``
+        completed with each request's id."""
+        live = [*self._pending, *self._batch.running.values()]
+        with self._admission:
+            self._waiting -= len(self._pending)
+        self._pending.clear()
+        for active in live:
+            if why is None:
+                self._finish(active, FinishReason.CANCELLED)
+            else:
+                error = why if isinstance(why, GmlxError) else EngineError(
+                    f"Request {active.request.id} ended: {why}.")
+                self._finish(active, FinishReason.ERROR, error)
+        self._batch.running.clear()
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         while True:
@@ -330,6 +388,9 @@ class ModelWorker:
                     self._pending.append(payload)
             elif kind == "cancel":
                 self._cancel(payload)
+            elif kind == "abort":
+                self._end_all(payload)
+                self._batch.reset()
             elif kind == "close":
                 self._closed.set()
                 return

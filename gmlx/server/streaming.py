@@ -75,8 +75,13 @@ class Renderer(Protocol):
         """Frames after the final event or an error (``[DONE]``), if the protocol has any."""
 
 
-async def _frames(job: Job, renderer: Renderer, keepalive_s: float) -> AsyncIterator[str]:
+async def _frames(job: Job, renderer: Renderer, keepalive_s: float,
+                  cut: sse.Cut | None = None) -> AsyncIterator[str]:
     finished = False
+    cut = cut or sse.Cut()
+    # A client too slow for its stream: the response ends with the protocol's error
+    # event, wherever the sending waits.
+    job.handle.on_cut = lambda error: cut(renderer.error(error) + renderer.closing())
     try:
         if opening := renderer.opening():
             yield opening
@@ -102,6 +107,7 @@ async def _frames_after_start(
     renderer_for: Callable[[Job], Renderer],
     failed: Callable[[GmlxError], str],
     keepalive_s: float,
+    cut: sse.Cut,
 ) -> AsyncIterator[str]:
     task = asyncio.ensure_future(start)
     try:
@@ -116,7 +122,7 @@ async def _frames_after_start(
     finally:
         if not task.done():  # the client left during the load: cancel what it started
             task.add_done_callback(_cancel_started)
-    async for frames in _frames(job, renderer_for(job), keepalive_s):
+    async for frames in _frames(job, renderer_for(job), keepalive_s, cut):
         yield frames
 
 
@@ -137,14 +143,16 @@ def stream_after_start(
     failed, the prompt does not fit) is sent as ``failed(error)``: the status line has
     gone out already."""
     keepalive_s = request.app.state.settings.server.sse_keepalive_s
-    return sse.stream_response(_frames_after_start(start, renderer_for, failed, keepalive_s))
+    cut = sse.Cut()
+    return sse.stream_response(_frames_after_start(start, renderer_for, failed, keepalive_s, cut), cut=cut)
 
 
 def stream(job: Job, renderer: Renderer, request: Request) -> StreamingResponse:
     """The SSE response of a request: ``renderer``'s frames, with a keep-alive comment
     after every ``sse_keepalive_s`` of silence (a queued request, a long prefill)."""
     keepalive_s = request.app.state.settings.server.sse_keepalive_s
-    return sse.stream_response(_frames(job, renderer, keepalive_s), headers(job))
+    cut = sse.Cut()
+    return sse.stream_response(_frames(job, renderer, keepalive_s, cut), headers(job), cut)
 
 
 async def start_stream(

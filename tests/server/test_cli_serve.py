@@ -88,13 +88,13 @@ def test_run_takes_profiles_like_the_server():
 
 def test_decode_batch_flag_beats_env_and_file(tmp_path, monkeypatch):
     """`--decode-batch` wins over GMLX_DECODE_BATCH, which wins over server.decode_batch."""
-    import uvicorn
     from typer.testing import CliRunner
 
     from gmlx.cli.main import app
+    from gmlx.server import shutdown
 
     served = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(shutdown, "serve", lambda app, *args: served.append(app) or True)
     config = tmp_path / "gmlx.yaml"
     config.write_text("server: {decode_batch: 2}\nmodels: {demo: {source: demo, pinned: true}}\n")
     monkeypatch.setenv("GMLX_DECODE_BATCH", "5")

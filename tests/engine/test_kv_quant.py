@@ -1,0 +1,184 @@
+"""KV-cache quantization in the engine: the config, greedy equality batched and alone
+and across prefix-cache hits, the listing's object, and the memory it is priced at."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from gmlx.config import load_settings
+from gmlx.engine import capacity as cap
+from gmlx.engine.capacity import quantized_geometry
+from gmlx.engine.errors import ConfigError
+from gmlx.engine.kv_cache import QuantKVCache, describe, make_cache
+from gmlx.engine.kv_quant import KVQuant
+from gmlx.engine.types import GenerateRequest, SamplingParams
+from gmlx.engine.worker import ModelWorker
+
+# The demo's head dimension is 32, so its layers quantize in groups of 32.
+UNIFORM8 = KVQuant("uniform", 8, 32)
+UNIFORM4 = KVQuant("uniform", 4, 32)
+KVARN = KVQuant("kvarn", 4, 32, value_bits=2, tail_tokens=16)
+LATE = KVQuant("uniform", 4, 32, start=100)
+SCHEMES = [UNIFORM4, KVARN, LATE]
+PROMPTS = [[(i * 7 + j * 13) % 700 + 3 for i in range(n)] for j, n in enumerate((30, 300, 77, 5))]
+
+
+def _tokens(worker: ModelWorker, prompt: list[int], n: int = 24) -> list[int]:
+    out: list[int] = []
+    req = GenerateRequest(tuple(prompt), max_tokens=n, sampling=SamplingParams(temperature=0))
+    for event in worker.generate(req):
+        out += list(event.token_ids or ())
+    return out
+
+
+def _together(worker: ModelWorker, prompts: list[list[int]]) -> list[list[int]]:
+    outs: list[list[int]] = [[] for _ in prompts]
+
+    def one(i: int) -> None:
+        outs[i] = _tokens(worker, prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return outs
+
+
+@pytest.fixture
+def workers(demo_model):
+    made: list[ModelWorker] = []
+
+    def make(kvq: KVQuant | None, **kw) -> ModelWorker:
+        kw.setdefault("prompt_cache_bytes", 0)
+        made.append(ModelWorker(demo_model, kv_quant=kvq, **kw))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "gmlx.yaml"
+    path.write_text(f"models:\n  m:\n    source: demo\n    kv_quant: {body}\n")
+    return path
+
+
+def test_a_kv_quant_config_loads_into_the_models_spec(tmp_path):
+    from gmlx.compose import model_spec
+
+    settings = load_settings(_config(tmp_path, "{scheme: kvarn, bits: 4, value_bits: 2, tail_tokens: 64, start: 10}"))
+    spec = model_spec("m", settings.models["m"])
+    assert spec.kv_quant == KVQuant("kvarn", 4, 64, value_bits=2, tail_tokens=64, start=10)
+    assert spec.kv_quant.tail == 64 and spec.kv_quant.val_bits == 2
+
+
+@pytest.mark.parametrize(("body", "key", "why"), [
+    ("{scheme: fancy}", "models.m.kv_quant.scheme", "uniform"),
+    ("{bits: 7}", "models.m.kv_quant.bits", "cannot be packed"),
+    ("{bits: 4, group_size: 48}", "models.m.kv_quant.group_size", "not a group size"),
+    ("{scheme: kvarn, value_bits: 1}", "models.m.kv_quant.value_bits", "cannot be packed"),
+    ("{scheme: uniform, tail_tokens: 8}", "models.m.kv_quant.tail_tokens", "only the kvarn"),
+    ("{start: -1}", "models.m.kv_quant.start", "greater than or equal"),
+    ("{bitz: 4}", "models.m.kv_quant.bitz", "unknown key"),
+])
+def test_a_bad_kv_quant_is_a_config_error_naming_the_key(tmp_path, body, key, why):
+    with pytest.raises(ConfigError) as err:
+        load_settings(_config(tmp_path, body))
+    assert f"invalid at {key}:" in str(err.value) and why in str(err.value)
+
+
+# -- exactness ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kvq", [UNIFORM8, *SCHEMES], ids=lambda k: f"{k.scheme}{k.bits}s{k.start}")
+def test_greedy_output_batched_equals_alone(workers, kvq):
+    alone = workers(kvq, decode_batch=1)
+    solo = [_tokens(alone, p) for p in PROMPTS]
+    assert _together(workers(kvq, decode_batch=4), PROMPTS) == solo
+
+
+def test_the_quantized_cache_changes_what_the_model_reads(workers):
+    """At 4 bits the KV is lossy: greedy output parts from full precision somewhere."""
+    full = [_tokens(workers(None, decode_batch=1), p) for p in PROMPTS]
+    quant = [_tokens(workers(UNIFORM4, decode_batch=1), p) for p in PROMPTS]
+    assert full != quant
+
+
+@pytest.mark.parametrize("kvq", SCHEMES, ids=lambda k: f"{k.scheme}{k.bits}s{k.start}")
+def test_a_prefix_hit_and_chunked_prefill_are_exact_against_the_quantized_cache(workers, kvq):
+    prompt = [(i * 7) % 700 + 3 for i in range(200)]
+    cold = workers(kvq, decode_batch=1)
+    chunked = workers(kvq, decode_batch=1, prefill_step_size=37)
+    warm = workers(kvq, decode_batch=1, prompt_cache_bytes=1 << 30)
+    first = _tokens(warm, prompt)
+    assert first == _tokens(cold, prompt) == _tokens(chunked, prompt)
+    follow = prompt + first + [5, 6, 7] + prompt[:20]
+    assert _tokens(warm, follow) == _tokens(cold, follow)
+    assert warm.prompt_cache.stats()["tiers"]["block"] == 1  # the second turn hit
+    entry = next(iter(warm.prompt_cache._entries.values()))
+    assert all(isinstance(layer, QuantKVCache) for layer in entry.cache)  # stored quantized
+
+
+def test_an_exact_repeat_hits_the_uniform_cache_and_matches(workers):
+    prompt = [(i * 11) % 700 + 3 for i in range(150)]
+    warm = workers(UNIFORM4, decode_batch=1, prompt_cache_bytes=1 << 30)
+    first = _tokens(warm, prompt)
+    assert _tokens(warm, prompt) == first
+    assert warm.prompt_cache.stats()["tiers"]["exact"] == 1
+
+
+# -- listing, pricing, memory ---------------------------------------------------------------
+
+
+def test_describe_says_which_layers_took(demo_model):
+    out = describe(demo_model, KVARN)
+    assert out == {"scheme": "kvarn", "bits": 4, "group_size": 32, "start": 0, "layers_quantized": 2,
+                   "layers_fp16": 0, "verdict": "full", "verdict_batched": "full",
+                   "value_bits": 2, "tail_tokens": 16}
+    dropped = describe(demo_model, KVQuant("uniform", 8, 64))  # 64 does not divide 32
+    assert dropped["verdict"] == "dropped" and dropped["layers_fp16"] == 2
+    assert "value_bits" not in dropped
+
+
+def test_kv_is_priced_at_the_quantized_width(demo_model):
+    fp = cap.probe_geometry(demo_model)
+    q8, q4 = cap.probe_geometry(demo_model, UNIFORM8), cap.probe_geometry(demo_model, UNIFORM4)
+    # float32 heads of 32: 8 bits -> 32 code bytes + 2 x 4 bytes of scale and bias, vs 128
+    assert fp.kv_bytes_per_token / q8.kv_bytes_per_token == 128 / 40
+    assert fp.kv_bytes_per_token / q4.kv_bytes_per_token == 128 / 24
+    assert quantized_geometry(fp, demo_model.config, UNIFORM8) == q8  # what `gmlx plan --kv-bits` uses
+    depth, chunk = 8192, 512  # the demo's whole context
+    budget = 8 * cap.kv_bytes(fp, depth) + cap.prefill_transient(fp, chunk, depth)
+    assert cap.max_width(fp, depth, budget, chunk) == 8
+    assert cap.max_width(q8, depth, budget, chunk) == int(8 * 128 / 40)  # 25: the factor, floored
+    kvarn = cap.probe_geometry(demo_model, KVARN)
+    assert kvarn.layers[0].fixed_bytes == 16 * 2 * 2 * 32 * 4  # the full-precision tail
+
+
+@pytest.mark.parametrize("kvq", [UNIFORM8, KVARN], ids=["uniform8", "kvarn"])
+def test_active_memory_after_a_long_prompt_matches_the_prediction(demo_model, kvq):
+    """The cache's arrays after a 3000-token prompt are what the memory model says."""
+    geom = cap.probe_geometry(demo_model, kvq)
+    tokens = 3000
+    mx.synchronize()
+    base = mx.get_active_memory()
+    cache = make_cache(demo_model, kvq)
+    prompt = mx.array([[(i * 7) % 700 + 3 for i in range(tokens)]])
+    for at in range(0, tokens, 512):
+        demo_model.model(prompt[:, at : at + 512], cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.synchronize()
+    held = mx.get_active_memory() - base
+    predicted = cap.kv_bytes(geom, tokens)
+    assert sum(c.nbytes for c in cache) == predicted
+    assert 0.85 <= predicted / held <= 1.15, f"predicted/measured = {predicted / held:.3f}"
+    del cache
