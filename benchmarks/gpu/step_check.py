@@ -1,0 +1,74 @@
+"""Whole decode steps of a quantized model with and without the decode-sized paths, in
+one process: what ``fast_linear`` chose per row bucket, the whole-step speed-up it
+measured while choosing, and the steps timed again afterwards.
+
+Random weights of a real shape in MLX's affine layouts as a Q4_K_M GGUF loads (4-bit
+group 32, the output layer 6-bit group 32), built in memory: no model files needed, so it
+runs right after ``setup.sh install``.
+
+    python benchmarks/gpu/step_check.py [--shape llama3-8b] [--rows 1,8,32]
+    python benchmarks/gpu/step_check.py --shape tiny   # here, on the CPU (no paths apply)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.decode_throughput import SHAPES
+from gmlx.engine.kernels import fast_linear
+
+
+def build(shape: str) -> nn.Module:
+    from mlx_lm.models import llama
+
+    s = SHAPES[shape]
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                           tie_word_embeddings=False, **s)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path != "lm_head")
+    nn.quantize(model, group_size=32, bits=6,
+                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path == "lm_head")
+    mx.eval(model.parameters())
+    return model
+
+
+def steps(model: nn.Module, rows: list[int]) -> dict[int, float]:
+    """Milliseconds per decode step (each waited for) at each row count."""
+    return {r: fast_linear._step_time(model, r, context=128, steps=16) * 1e3 for r in rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="1,8,32")
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    t = time.perf_counter()
+    model = build(args.shape)
+    print(f"{args.shape}: built and quantized in {time.perf_counter() - t:.1f} s on {mx.default_device()}",
+          flush=True)
+    before = steps(model, rows)
+    t = time.perf_counter()
+    note = fast_linear.use_fast_kernels(model)
+    print(f"tuner: {time.perf_counter() - t:.1f} s; {note}", flush=True)
+    after = steps(model, rows)
+    print("| rows | MLX ms/step | chosen paths ms/step | speed-up | tok/s chosen |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r} | {before[r]:.2f} | {after[r]:.2f} | {before[r] / after[r]:.2f}x | "
+              f"{r / after[r] * 1e3:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
