@@ -59,6 +59,7 @@ def main() -> None:
     print(f"{args.shape}: built and quantized in {time.perf_counter() - t:.1f} s on {mx.default_device()}",
           flush=True)
     before = steps(model, rows)
+    print("MLX's product, ms/step: " + ", ".join(f"{r} rows {ms:.2f}" for r, ms in before.items()), flush=True)
     t = time.perf_counter()
     note = fast_linear.use_fast_kernels(model)
     print(f"tuner: {time.perf_counter() - t:.1f} s; {note}", flush=True)
