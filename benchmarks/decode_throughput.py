@@ -19,6 +19,10 @@ from dataclasses import replace
 import mlx.core as mx
 
 SHAPES = {
+    # steps of a millisecond or so on a CPU: the worker's own per-step work shows, as it
+    # does on an accelerator at an 8B's step rate
+    "micro": {"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 8192},
     "tiny": {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 704,
              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 8192},
     "llama3-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
