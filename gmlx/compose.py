@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from gmlx.engine.chat import Engine
-    from gmlx.engine.residency import ReloadResult
+    from gmlx.engine.reloading import ReloadResult
 
 
 def model_spec(model_id: str, model: ModelConfig, *, at_start: bool = False,

@@ -77,9 +77,11 @@ def clear_command(
         Path | None,
         typer.Argument(metavar="SOURCE", help="A GGUF file: remove its cached conversions."),
     ] = None,
-    all_: Annotated[bool, typer.Option("--all", help="Remove every cached conversion.")] = False,
+    all_: Annotated[bool, typer.Option(
+        "--all", help="Remove every cached conversion, and the compiled GPU kernels kept beside them.")] = False,
 ) -> None:
-    """Remove the cached conversions of SOURCE, or all of them with --all."""
+    """Remove the cached conversions of SOURCE, or all of them (and the compiled GPU
+    kernels) with --all."""
     from gmlx.engine.capacity import human
     from gmlx.engine.loading import convert_cache
 
@@ -91,3 +93,5 @@ def clear_command(
     freed = sum(e.bytes for e in removed)
     noun = "entry" if len(removed) == 1 else "entries"
     Console(highlight=False).print(f"removed {len(removed)} {noun} ({human(freed)})", markup=False)
+    if all_ and (kernels := convert_cache.clear_kernels()):
+        Console(highlight=False).print(f"removed the compiled GPU kernels ({human(kernels)})", markup=False)

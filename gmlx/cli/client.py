@@ -13,38 +13,9 @@ from typing import Any, NoReturn
 from rich.markup import escape
 
 from gmlx.cli.errors import fail
+from gmlx.replies import refusal, unreachable
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-
-# A gmlx error body's message is one sentence a user can act on, so it is said as is.
-# The CLI adds only what the server cannot know (HINTS, by the body's ``type``), and
-# speaks for a server that sent no message (FALLBACKS, by HTTP status).
-HINTS: dict[str, str] = {
-    "authentication_error": "pass the server's key with --api-key or GMLX_API_KEY",
-}
-FALLBACKS: dict[int, str] = {
-    409: "The model is streaming a request; retry when it finishes",
-    503: "The server cannot take this now; retry {retry}",
-}
-
-
-def refusal(status: int, body: Any, url: str, retry_after: str | None = None) -> str:
-    """The sentence for an error answer: the error body's message (else the fallback
-    for its status, else the status), then the hint for its type, if any."""
-    err = body.get("error") if isinstance(body, dict) else None
-    err = err if isinstance(err, dict) else {}
-    retry = f"in {retry_after} s" if retry_after and retry_after.isdigit() else "later"
-    fallback = FALLBACKS.get(status, f"The server at {url} answered {status}")
-    message = str(err.get("message") or fallback.format(retry=retry)).rstrip(". ")
-    hint = HINTS.get(str(err.get("type") or ""))
-    return f"{message}: {hint}." if hint else f"{message}."
-
-
-def unreachable(url: str, exc: Exception) -> str:
-    """The sentence for a server that cannot be reached, with the transport's reason."""
-    why = str(exc).rstrip(". ") or type(exc).__name__
-    return f"Cannot reach a gmlx server at {url}: {why}."
-
 
 def _fail(sentence: str) -> NoReturn:
     fail(escape(sentence))  # a server's message may hold [brackets] that are not markup

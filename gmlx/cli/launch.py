@@ -24,11 +24,11 @@ import typer
 from rich.markup import escape
 
 from gmlx.cli.agents import AGENTS, Agent, Served, Setup, output_cap
-from gmlx.cli.client import DEFAULT_URL, call_server, unreachable
+from gmlx.cli.client import DEFAULT_URL, call_server
 from gmlx.cli.errors import err_console, fail
 from gmlx.cli.options import ApiKeyOpt, UrlOpt
-from gmlx.cli.residency import keep_line
 from gmlx.paths import launch_dir
+from gmlx.replies import keep_line, unreachable
 
 EXIT_CODES = (
     "Exit codes: 0 --print-env or --stop done; once the agent starts, the agent's own; "

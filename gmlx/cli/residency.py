@@ -20,6 +20,7 @@ from rich.table import Table
 from gmlx.cli.client import DEFAULT_URL, call_server
 from gmlx.cli.errors import fail
 from gmlx.cli.options import ApiKeyOpt, JsonOpt, UrlOpt
+from gmlx.replies import keep_line, unload_line
 
 EXIT_CODES = "Exit codes: 0 done; 1 failed or refused by the server; 2 usage error."
 
@@ -39,27 +40,6 @@ def _say(line: str, as_json: bool, body: dict[str, Any]) -> None:
 
 
 # -- keep -------------------------------------------------------------------------------
-
-
-def keep_line(body: dict[str, Any]) -> str:
-    """One line for a ``/v1/keep`` answer, e.g. ``kept qwen (loaded now, warmed in 3.2 s)``."""
-    model = body.get("model")
-    if not body.get("kept"):
-        where = (
-            "still resident; its idle timeout applies again"
-            if body.get("resident")
-            else "not resident"
-        )
-        return f"released {model} ({where})"
-    if body.get("loaded"):
-        parts = ["loaded now"]
-    elif body.get("resident"):
-        parts = ["already resident"]
-    else:
-        parts = ["loads on its next request"]
-    if body.get("warmed_s") is not None:
-        parts.append(f"warmed in {body['warmed_s']:.1f} s")
-    return f"kept {model} ({', '.join(parts)})"
 
 
 def keep_command(
@@ -94,16 +74,6 @@ def keep_command(
 
 
 # -- unload -----------------------------------------------------------------------------
-
-
-def unload_line(body: dict[str, Any], model: str | None) -> str:
-    """One line for a ``/unload`` answer: what it unloaded, or why nothing."""
-    unloaded = body.get("unloaded") or []
-    if unloaded:
-        return "unloaded " + ", ".join(unloaded)
-    if model is not None:
-        return f"{model} was not resident; nothing unloaded"
-    return "no idle model was resident; nothing unloaded"
 
 
 def unload_command(

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING
 from gmlx.engine import capacity
 from gmlx.engine.addressing import ModelBook, ModelSpec, Target
 from gmlx.engine.governor import Governor, default_floor
+from gmlx.engine.headroom import running_kv_bytes, total_memory, usable_bytes
 from gmlx.engine.listing import ModelInfo, model_info
 from gmlx.engine.load_gate import LoadGate
 from gmlx.engine.model_start import Loads, WorkerSettings, start_model, warm_up
 from gmlx.engine.profiles import Profile, ProfileBook
+from gmlx.engine.reloading import ReloadResult, reload_result
 from gmlx.engine.residents import Reaper, Residents, release_memory
 from gmlx.engine.sizing import Prices
 
@@ -40,15 +42,9 @@ if TYPE_CHECKING:
     from gmlx.engine.loading import LoadedModel
     from gmlx.engine.worker import ModelWorker
 
-__all__ = ["KeepResult", "ModelInfo", "ModelSpec", "Registry", "ReloadResult", "Target"]
+__all__ = ["KeepResult", "ModelInfo", "ModelSpec", "Registry", "Target"]
 
 log = logging.getLogger("gmlx.engine")
-
-
-def _total_memory() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().total)
 
 
 @dataclass(frozen=True)
@@ -61,17 +57,6 @@ class KeepResult:
     resident: bool
     loaded: bool
     warmed_s: float | None
-
-
-@dataclass(frozen=True)
-class ReloadResult:
-    """Model ids by what a reconfiguration did to them: ``changed`` ones changed their
-    load parameters (they load anew), ``unchanged`` ones kept them (and their worker)."""
-
-    added: list[str]
-    removed: list[str]
-    changed: list[str]
-    unchanged: list[str]
 
 
 class Registry:
@@ -130,7 +115,7 @@ class Registry:
         if isinstance(governor, Governor):
             self.governor = governor
         else:
-            floor = governor_floor_bytes or default_floor(_total_memory())
+            floor = governor_floor_bytes or default_floor(total_memory())
             self.governor = Governor(self.probe, floor_bytes=floor, enabled=governor)
         # ``_lock`` makes a reload one step; ``_gate`` makes loads one at a time (each
         # is priced against what the one before left).
@@ -334,13 +319,7 @@ class Registry:
         self._residents.close(idle, "reloaded")
         for spec in new.values():  # here, so the next listing reads no file
             self._prices.get(spec.source)
-        changed = [i for i in new if i in old and new[i].load_parameters != old[i].load_parameters]
-        return ReloadResult(
-            added=[i for i in new if i not in old],
-            removed=[i for i in old if i not in new],
-            changed=changed,
-            unchanged=[i for i in new if i in old and i not in changed],
-        )
+        return reload_result(old, new)
 
     # -- what is resident (never loads, never counts as use) ------------------------
 
@@ -371,27 +350,12 @@ class Registry:
         working set less the governor's reserve, twice its floor. Whatever fits this
         keeps the band at yellow or better, so a plan that says it fits is never shed.
         """
-        try:
-            free = int(self.probe())
-        except Exception:
-            log.warning("the free-memory probe failed", exc_info=True)
-            return None
-        reserve = 2 * self.governor.floor_bytes if self.governor.enabled else 0
-        return max(0, free - reserve)
+        return usable_bytes(self.probe, self.governor)
 
     def running_kv_bytes(self) -> int:
         """KV bytes the running requests of every worker hold now: what finishing
         them would give back (the drained working set is free memory plus this)."""
-        total = 0
-        for entry in self._residents.entries():
-            if entry.geometry is None:
-                continue
-            for row in entry.worker.rows():
-                if row["state"] in ("prefill", "decode"):
-                    total += capacity.kv_bytes(
-                        entry.geometry, row["prompt_tokens"] + row["generated"]
-                    )
-        return total
+        return running_kv_bytes(self._residents.entries())
 
     def table_for_requests(self) -> CapacityTable | None:
         """The boot table when it may judge requests (None under overcommit)."""

@@ -111,7 +111,7 @@ def _gguf_size(path: Path) -> SourceSize:
     from gmlx.engine.loading import gguf_arch
     from gmlx.engine.loading.gguf_file import GGUFFile
 
-    f = GGUFFile(path)
+    f = GGUFFile(path, defer_strings=True)  # pricing needs no vocabulary decoded
     weights = path.stat().st_size
     shapes = {name: t.shape for name, t in f.tensors.items()}
     try:

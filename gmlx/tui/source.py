@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gmlx.cli.client import refusal, unreachable
+from gmlx.replies import keep_line, refusal, unload_line, unreachable
 
 if TYPE_CHECKING:
     import httpx
@@ -165,14 +165,10 @@ class HttpSource:
         return failed or ActionResult(True, f"cancelled {request_id}")
 
     async def unload(self, model: str) -> ActionResult:
-        from gmlx.cli.residency import unload_line  # the words `gmlx unload` prints
-
         body, failed = await self._act("/unload", {"model": model})
         return failed or ActionResult(True, unload_line(body, model))
 
     async def keep(self, model: str, keep: bool) -> ActionResult:
-        from gmlx.cli.residency import keep_line  # the words `gmlx keep` prints
-
         # Keeping warms the model, which takes a while on a large one.
         body, failed = await self._act("/v1/keep", {"model": model, "keep": keep}, timeout=300.0)
         return failed or ActionResult(True, keep_line(body))

@@ -14,8 +14,8 @@ import pytest
 from cli_runner import gmlx, one_error_line
 from live_server import LiveServer, serve_config
 
-from gmlx.cli.client import refusal
-from gmlx.cli.residency import human_idle, keep_line, summary, unload_line
+from gmlx.cli.residency import human_idle, summary
+from gmlx.replies import keep_line, refusal, unload_line
 
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
 KEY = "sk-residency"

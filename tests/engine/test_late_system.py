@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gmlx.engine.chat import fold_late_system
+from gmlx.engine.rendering import fold_late_system
 
 S, U, A = "system", "user", "assistant"
 

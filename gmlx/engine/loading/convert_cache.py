@@ -182,6 +182,19 @@ def keep_compiled_kernels() -> Path | None:
     return folder
 
 
+def clear_kernels() -> int:
+    """Remove gmlx's folder of MLX's compiled CUDA kernels (:func:`keep_compiled_kernels`);
+    returns the bytes it held (they compile again at their next first use)."""
+    import shutil
+
+    folder = paths.cache_dir() / "kernels"
+    if not folder.is_dir():
+        return 0
+    freed = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    shutil.rmtree(folder, ignore_errors=True)
+    return freed
+
+
 def entries() -> list[Entry]:
     """Every complete entry, most recently used first."""
     root = cache_root()

@@ -176,8 +176,9 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned codes (rows, n) into MLX's uint32 words (rows, n * bits / 32).
 
     The stream is cut into runs of ``per`` codes that fill whole bytes (2 codes at 4
-    bits, 4 at 6, 8 at 3 or 5); each run is OR-ed into one little-endian word, of which
-    the low ``per * bits / 8`` bytes are kept.
+    bits, 4 at 6, 8 at 3 or 5); each byte of a run is OR-ed together, in uint8, from the
+    codes whose bits fall in it (shifted into place; numpy's uint8 shifts drop what
+    leaves the byte), so nothing wider than the codes themselves is ever allocated.
     """
     rows, n = codes.shape
     codes = codes.astype(np.uint8, copy=False)
@@ -185,15 +186,15 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
         return np.ascontiguousarray(codes).view(np.uint32)
     per = 8 // np.gcd(bits, 8)
     nbytes = per * bits // 8
-    wtype = np.uint8 if nbytes == 1 else np.uint32 if nbytes <= 4 else np.uint64
     runs = codes.reshape(rows, n // per, per)
-    word = runs[..., 0].astype(wtype)
-    for j in range(1, per):
-        word |= runs[..., j].astype(wtype) << wtype(j * bits)
-    if nbytes == 1:
-        return word.view(np.uint32)
-    stream = word[..., None].view(np.uint8)[..., :nbytes]
-    return np.ascontiguousarray(stream).reshape(rows, -1).view(np.uint32)
+    out = np.zeros((rows, n // per, nbytes), np.uint8)
+    for j in range(per):
+        first, last = j * bits, (j + 1) * bits - 1  # the bits code j occupies in its run
+        for k in range(first // 8, last // 8 + 1):
+            shift = first - 8 * k
+            part = runs[..., j] << np.uint8(shift) if shift >= 0 else runs[..., j] >> np.uint8(-shift)
+            out[..., k] |= part
+    return out.reshape(rows, -1).view(np.uint32)
 
 
 def _run_chunks(work: Callable[[slice], object], chunks: Iterable[slice], threads: int) -> list:

@@ -193,3 +193,17 @@ def test_cli_lists_and_clears(gguf_copy) -> None:
     assert r.exit_code == 2 or r.exit_code == 1
     r = gmlx("cache", "clear", "--all")
     assert r.exit_code == 0 and convert_cache.entries() == []
+
+
+def test_clear_all_removes_the_compiled_kernels_too(gguf_copy) -> None:
+    """`gmlx cache clear --all` also empties the folder MLX keeps compiled CUDA kernels
+    in (written here by hand: this machine runs MLX on the CPU, which keeps none there)."""
+    from gmlx import paths
+
+    kernels = paths.cache_dir() / "kernels" / "mlx-test" / "arch"
+    kernels.mkdir(parents=True)
+    (kernels / "kernel.ptx").write_bytes(b"x" * 2048)
+    load(gguf_copy("llama-Q4_0"))
+    r = gmlx("cache", "clear", "--all")
+    assert r.exit_code == 0 and "compiled GPU kernels (2.0 KiB)" in r.stdout, r.output
+    assert not (paths.cache_dir() / "kernels").exists() and convert_cache.entries() == []
