@@ -4,6 +4,7 @@ model as an MLX folder.
 
     python benchmarks/cold_start.py                  # a test-size Q4_K GGUF written here
     python benchmarks/cold_start.py --gguf M.gguf [--mlx DIR] [--repeat N]
+    python benchmarks/cold_start.py --processes       # first token, kernel caches cold/warm
     python benchmarks/cold_start.py --vocab qwen2 --before c9e50d1 --repeat 3
         # a Q4_K_M-like model with the real 151,936-token vocabulary; also the code of
         # commit c9e50d1 (before the cache and the faster converter)
@@ -184,12 +185,51 @@ def _before(rev: str, gguf_path: Path, work: Path, repeat: int) -> float:
     return seconds
 
 
+_FIRST_TOKEN = """
+import sys, time
+t0 = time.perf_counter()
+import mlx.core as mx
+from gmlx.engine.loading import load_model
+loaded = load_model(sys.argv[1])
+t1 = time.perf_counter()
+ids = mx.array([loaded.tokenizer.encode("Hello, world. Tell me a story.")])
+t = time.perf_counter()
+mx.eval(loaded.model(ids)[:, -1, :].argmax(-1))
+first = time.perf_counter() - t
+t = time.perf_counter()
+mx.eval(loaded.model(ids)[:, -1, :].argmax(-1))
+again = time.perf_counter() - t
+print(t1 - t0, first, again)
+"""
+
+
+def _processes(gguf_path: Path, work: Path) -> None:
+    """Start-up to first token in two fresh processes sharing MLX's compiled-kernel
+    caches (the CPU backend's under the temp dir, CUDA's under MLX_PTX_CACHE_DIR),
+    empty before the first: what the second process saves is what the caches keep
+    across processes."""
+    import subprocess
+
+    tmp, ptx = work / "proc-tmp", work / "proc-ptx"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "MLX_PTX_CACHE_DIR": str(ptx)}
+    root = Path(__file__).resolve().parents[1]
+    for label in ("cold caches", "warm caches"):
+        out = subprocess.run([sys.executable, "-c", _FIRST_TOKEN, str(gguf_path)], env=env, cwd=root,
+                             check=True, capture_output=True, text=True).stdout
+        start, first, again = (float(v) for v in out.split()[-3:])
+        print(f"process, {label}: imports + load {start:6.3f} s  first token {first:6.3f} s  "
+              f"(the same prompt again {again:6.3f} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF file (default: a test-size Q4_K model)")
     ap.add_argument("--mlx", type=Path, help="the same model as an MLX folder, for comparison")
     ap.add_argument("--repeat", type=int, default=1, help="best of N loads per row")
     ap.add_argument("--before", metavar="REV", help="also load with the code of commit REV")
+    ap.add_argument("--processes", action="store_true",
+                    help="also start-up to first token in two fresh processes: compiled-kernel caches cold, then warm")
     ap.add_argument("--vocab", help="write the test GGUF with this real vocabulary from "
                     "../shared/fixtures/vocab (e.g. qwen2: 151,936 tokens) instead of a tiny one")
     args = ap.parse_args()
@@ -218,6 +258,8 @@ def main() -> None:
         if args.before:
             before = _before(args.before, gguf_path, work, args.repeat)
             print(f"cached load is {before / cached:.1f}x faster than commit {args.before}'s load")
+        if args.processes:
+            _processes(gguf_path, work)
         if args.mlx:
             _measure("mlx", lambda: load_model(str(args.mlx)), args.repeat)
     finally:

@@ -10,8 +10,9 @@ not a decode step, though (on the H200 the kernel won alone at one row and lost 
 served step, where dozens of small launches queue together), so each bucket's choices are
 then confirmed on the whole model: a decode step of that many streams, timed with and
 without them, and the bucket goes back to MLX's path unless its step got faster. Timing
-every path also compiles it, before the model reports ready. ``GMLX_QMV_KERNEL=0`` turns it off (to
-measure MLX's own path).
+every path also compiles it, before the model reports ready. The decisions are kept per
+machine (:mod:`gmlx.engine.kernels.tuning`), so a later load of the same shapes times
+nothing. ``GMLX_QMV_KERNEL=0`` turns it off (to measure MLX's own path).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from mlx import nn
 
 from gmlx.engine.kernels import qmv_cuda
+from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 MLX = "mlx"
@@ -35,7 +37,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose products of a row bucket in ``paths`` take that path
     (the kernel with the launch shape it was timed fastest at)."""
 
-    paths: dict[int, tuple[str, tuple[int, int]]]  # set when a layer is swapped to this class
+    paths: Paths  # set when a layer is swapped to this class
 
     def __call__(self, x: Any) -> Any:
         rows = 1
@@ -60,20 +62,33 @@ def use_fast_kernels(model: nn.Module) -> str | None:
                   1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine"))]
     if not layers:
         return None
-    chosen: dict[tuple[int, int, int, int], dict[int, tuple[str, tuple[int, int]]]] = {}
+    tuning = Tuning()
+    chosen: dict[tuple[int, int, int, int], Paths] = {}
+    keys: dict[tuple[int, int, int, int], str] = {}
     for m in layers:
         if (key := _key(m)) not in chosen:
-            chosen[key] = _measure(m)
+            keys[key] = layer_key(m.scales.dtype, *key)
+            known = tuning.layer(keys[key])
+            if known is None:
+                known = _measure(m)
+                tuning.set_layer(keys[key], known)
+            chosen[key] = known
     swapped = [m for m in layers if chosen[_key(m)]]
     for m in swapped:
         m.__class__ = FastQuantizedLinear
         m.paths = dict(chosen[_key(m)])
-    confirmed = _confirm(model, swapped, sorted({r for p in chosen.values() for r in p}))
+    whole = model_key(keys[_key(m)] for m in layers)
+    confirmed = tuning.confirmed(whole)
+    if confirmed is None:
+        confirmed = _confirm(model, swapped, sorted({r for p in chosen.values() for r in p}))
+        tuning.set_confirmed(whole, confirmed)
+    tuning.save()
     for paths in chosen.values():
         for rows in list(paths):
             if rows not in confirmed:
                 del paths[rows]
     for m in swapped:
+        m.paths = {r: c for r, c in m.paths.items() if r in confirmed}
         if not m.paths:
             m.__class__ = nn.QuantizedLinear
     swapped = [m for m in swapped if m.paths]
@@ -94,7 +109,7 @@ def _key(layer: Any) -> tuple[int, int, int, int]:
     return (_in_features(layer), layer.weight.shape[0], layer.bits, layer.group_size)
 
 
-def _measure(layer: Any, reps: int = 20) -> dict[int, tuple[str, tuple[int, int]]]:
+def _measure(layer: Any, reps: int = 20) -> Paths:
     """The row buckets where a path beat MLX's quantized matmul on this layer: which path,
     and for the kernel the launch shape (of ``qmv_cuda.configs``) it was fastest at."""
     import mlx.core as mx
@@ -102,7 +117,7 @@ def _measure(layer: Any, reps: int = 20) -> dict[int, tuple[str, tuple[int, int]
     k = _in_features(layer)
     args = (layer.weight, layer.scales, layer.biases)
     g, bits = layer.group_size, layer.bits
-    paths: dict[int, tuple[str, tuple[int, int]]] = {}
+    paths: Paths = {}
     for rows in BUCKETS:
         x = mx.random.normal((rows, k)).astype(layer.scales.dtype)
         candidates: dict[tuple[str, tuple[int, int]], Callable[[], Any]] = {

@@ -110,6 +110,12 @@ def _tiny_quantized_llama() -> nn.Module:
     return model
 
 
+@pytest.fixture(autouse=True)
+def _own_tuning_file(tmp_path, monkeypatch) -> None:
+    """Each test tunes afresh: the tuner's decisions are kept per machine on disk."""
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> None:
     """Per-layer choices are confirmed on the model's decode step: here the step is made
     (by a stand-in clock) faster with the one-row choices and slower with the two-row
@@ -148,6 +154,49 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
     note = use_fast_kernels(model)
     assert note is not None and "none faster" in note
     assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
+
+
+def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
+    """The tuner's decisions are kept per machine: a second model of the same shapes
+    measures nothing and times no step, and takes the same paths."""
+    from gmlx import paths
+    from gmlx.engine.kernels import fast_linear
+
+    calls = {"measure": 0, "step": 0}
+
+    def measure(layer: nn.Module) -> dict:
+        calls["measure"] += 1
+        return {1: (fast_linear.DENSE, (0, 0))}
+
+    def step_time(model: nn.Module, rows: int) -> float:
+        calls["step"] += 1
+        return 0.5 if any(rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0
+
+    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", measure)
+    monkeypatch.setattr(fast_linear, "_step_time", step_time)
+    first = use_fast_kernels(_tiny_quantized_llama())
+    assert calls["measure"] > 0 and calls["step"] == 2
+    assert (paths.cache_dir() / "kernels" / "tuning.json").is_file()
+    calls.update(measure=0, step=0)
+    model = _tiny_quantized_llama()
+    assert use_fast_kernels(model) == first and calls == {"measure": 0, "step": 0}
+    swapped = [m for _, m in model.named_modules() if isinstance(m, FastQuantizedLinear)]
+    assert swapped and all(m.paths == {1: (fast_linear.DENSE, (0, 0))} for m in swapped)
+
+
+def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
+    from gmlx import paths
+    from gmlx.engine.kernels import fast_linear
+
+    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
+    file = paths.cache_dir() / "kernels" / "tuning.json"
+    file.parent.mkdir(parents=True)
+    file.write_text("{not json")
+    assert "none faster" in (use_fast_kernels(_tiny_quantized_llama()) or "")
+    assert file.read_text().startswith("{") and '"format": 1' in file.read_text()
 
 
 def test_the_step_timer_runs_a_real_decode_step() -> None:

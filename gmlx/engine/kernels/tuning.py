@@ -1,0 +1,90 @@
+"""What the load-time tuner decided, kept on disk per machine, so it runs once.
+
+Timing every decode-sized path of a model compiles and runs dozens of kernels (minutes
+for an 8B on the H200, most of it compiling); the answers depend only on the GPU, MLX's
+version, the activation dtype and the layer's shape (per layer) or the model's set of
+layer shapes (the whole-step confirmation), so they are kept in
+``cache_dir()/kernels/tuning.json`` beside MLX's compiled kernels (``gmlx cache clear
+--all`` removes both). A missing, unreadable or foreign file is simply tuned again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from gmlx import paths
+
+FORMAT = 1
+Paths = dict[int, tuple[str, tuple[int, int]]]  # row bucket -> (path, launch shape)
+
+
+def machine() -> str:
+    """The GPU and MLX this tuning is for."""
+    import mlx.core as mx
+
+    try:
+        arch = str(mx.device_info().get("architecture", "unknown"))
+    except Exception:  # noqa: BLE001 - a backend without device information
+        arch = "unknown"
+    return f"mlx-{mx.__version__}/{arch}"
+
+
+def layer_key(dtype: Any, k: int, n: int, bits: int, group: int) -> str:
+    return f"{dtype}:{k}x{n}:{bits}/{group}"
+
+
+def model_key(layer_keys: Iterable[str]) -> str:
+    """The model's set of layer shapes (with their counts), as one short key."""
+    text = "\n".join(sorted(layer_keys))
+    return "model:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Tuning:
+    """The tuner's decisions for this machine: read once, written back when they grew."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or paths.cache_dir() / "kernels" / "tuning.json"
+        self.machine = machine()
+        self._data: dict[str, Any] = {}
+        self._dirty = False
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(self.path.read_text())
+            if data.get("format") == FORMAT and data.get("machine") == self.machine:
+                self._data = data.get("entries", {})
+
+    def layer(self, key: str) -> Paths | None:
+        entry = self._data.get(key)
+        if not isinstance(entry, dict):
+            return None
+        return {int(rows): (p, (c[0], c[1])) for rows, (p, c) in entry.items()}
+
+    def set_layer(self, key: str, chosen: Paths) -> None:
+        self._data[key] = {str(rows): [p, list(c)] for rows, (p, c) in chosen.items()}
+        self._dirty = True
+
+    def confirmed(self, key: str) -> dict[int, float] | None:
+        entry = self._data.get(key)
+        return {int(r): float(x) for r, x in entry.items()} if isinstance(entry, dict) else None
+
+    def set_confirmed(self, key: str, confirmed: dict[int, float]) -> None:
+        self._data[key] = {str(r): x for r, x in confirmed.items()}
+        self._dirty = True
+
+    def save(self) -> None:
+        """Write the file if anything was added (a temp file, then a rename: a reader
+        never sees half of it). A failure to write only costs a re-tune next time."""
+        if not self._dirty:
+            return
+        body = {"format": FORMAT, "machine": self.machine, "entries": self._data}
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+            self._dirty = False
