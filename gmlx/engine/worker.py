@@ -27,7 +27,6 @@ from typing import Any
 
 from gmlx.engine import scheduling
 from gmlx.engine.batch import Batch
-from gmlx.engine.capacity import backend
 from gmlx.engine.drafting import refuse_structured
 from gmlx.engine.errors import EngineError, GmlxError, ServerOverloadedError
 from gmlx.engine.governor import Governor, ShedError
@@ -60,7 +59,6 @@ __all__ = [
 log = logging.getLogger("gmlx.engine")
 
 DEFAULT_PROMPT_CACHE_BYTES = 512 * 1024**2
-WARMUP_MAX_WIDTH = 32  # wider batches compile their shapes on first use
 MAX_RESTARTS = 5  # failures outside a request within RESTART_WINDOW_S before the worker stops
 RESTART_WINDOW_S = 60.0
 
@@ -202,39 +200,12 @@ class ModelWorker:
         return scheduling.queue_eta_s(self.queued, self.decode_batch, self.stats.mean_request_s())
 
     def warm_up(self, prefills: bool | None = None) -> float:
-        """Run every decode-batch width once, and with ``prefills`` the prefill shapes (a
-        whole chunk alone, a prompt-cache hit, the smaller chunk beside a decoding
-        stream), before the first client does: on an accelerator each new shape of a
-        step compiles its kernels on first use (up to seconds), which would otherwise
-        land in some client's time to first token. The model is not ready until this
-        ends. ``prefills`` defaults to "on an accelerator": on the CPU a chunk-long
-        prefill of a large model costs minutes and compiles little.
+        """Run every decode width (and on an accelerator the prefill shapes) once before
+        the first client does; the model is not ready until this ends
+        (``gmlx.engine.warmup`` says what and why). Returns the seconds it took."""
+        from gmlx.engine.warmup import warm_up
 
-        ``decode_batch`` short requests (at most ``WARMUP_MAX_WIDTH``) go in together and
-        leave one by one (``scheduling.warm_up_requests``), so the batch passes through
-        every width down to 1. The chat template
-        is rendered once first (its compilation would also land in the first client's
-        time). The prompt cache and the statistics are cleared afterwards. Returns the
-        seconds it took.
-        """
-        started = time.monotonic()
-        try:  # the chat template compiles on its first render (~10 ms on a CPU)
-            self.loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello."}])
-        except Exception as e:  # noqa: BLE001 - a real request will report it properly
-            log.debug("%s: warm-up render failed: %r", self.loaded.id, e)
-        eos = self.loaded.tokenizer.eos_token_ids
-        ramp = scheduling.warm_up_requests(min(self.decode_batch, WARMUP_MAX_WIDTH), self.vocab_size, eos)
-        rounds = [ramp]
-        if prefills if prefills is not None else backend() != "cpu":
-            rounds += scheduling.warm_up_prefills(self.prefill_step_size, self.loaded.context_length,
-                                                  self.vocab_size, eos)
-        for round_ in rounds:
-            for handle in [self.submit(request) for request in round_]:
-                for _ in handle:
-                    pass
-        self.prompt_cache.reset(stats=True)
-        self.stats = WorkerStats()
-        return time.monotonic() - started
+        return warm_up(self, prefills)
 
     def generate(self, request: GenerateRequest) -> Iterator[Event]:
         """Submit and iterate; cancels the request if the consumer stops early."""
