@@ -109,6 +109,9 @@ def plan_command(
             verdict = "fits" if quantized.get("ok") else f"does not fit: {quantized.get('detail')}"
             out.print(f"with --kv-bits {quantized['kv_bits']}: {verdict} (max context at width {width}: "
                       f"{quantized.get('max_ctx')} against {result.get('max_ctx')}).")
+            if quantized.get("kv_bytes_per_token") == result.get("kv_bytes_per_token"):
+                out.print(f"(no layer's KV quantizes at group {quantized['kv_group_size']}: the model's "
+                          "head size must be a multiple of it; see --kv-group-size)", markup=False)
         if fits:
             out.print("[bold green]fits[/]" + _admit_line(result) + ".")
         elif result.get("ok") is None:

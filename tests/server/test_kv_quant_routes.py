@@ -169,6 +169,9 @@ def test_plan_kv_bits_prints_the_fit_both_ways():
     assert quant["budget_bytes"] == body["budget_bytes"]  # the same memory, priced both ways
     text = _gmlx("plan", "-w", "8", "-d", "4000", "demo", "--kv-bits", "4", "--kv-group-size", "32")
     assert text.exit_code == 0 and "with --kv-bits 4: fits" in text.stdout
+    assert "no layer's KV quantizes" not in text.stdout
+    dropped = _gmlx("plan", "-w", "8", "-d", "4000", "demo", "--kv-bits", "8")  # group 64: the demo's heads are 32
+    assert dropped.exit_code == 0 and "no layer's KV quantizes at group 64" in " ".join(dropped.stdout.split())
     bad = _gmlx("plan", "-w", "8", "-d", "4000", "demo", "--kv-bits", "7")
     assert bad.exit_code == 2 and "cannot be packed" in bad.stderr
 

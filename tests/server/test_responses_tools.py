@@ -79,6 +79,8 @@ def test_a_streamed_function_call_is_the_whole_ones_item(openai_client):
 # -- shedding --------------------------------------------------------------------------
 
 FLOOR = 1000
+
+
 @pytest.fixture(scope="module")
 def probe() -> Headroom:
     return Headroom()

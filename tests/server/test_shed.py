@@ -11,6 +11,8 @@ import pytest
 from live_server import GREEN, RED, Headroom, LiveServer, serve_config
 
 FLOOR = 1000
+
+
 @pytest.fixture(scope="module")
 def probe() -> Headroom:
     return Headroom()
