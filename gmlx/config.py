@@ -170,30 +170,30 @@ class Settings(BaseModel):
     def with_kv_quant(self, name: str, kv_quant: KVQuantConfig) -> Settings:
         """These settings with the model that ``name`` addresses (an id or alias, with
         or without ``@profile``) quantizing its KV as ``kv_quant`` says."""
-        model_id = _model_of(self, self.models, name)
-        if model_id is None:
-            raise ModelNotFoundError(f"{name!r} is not a configured model.", param="model")
-        models = dict(self.models)
-        models[model_id] = models[model_id].model_copy(update={"kv_quant": kv_quant})
-        return self.model_copy(update={"models": models})
+        return self._with_entry(name, {"kv_quant": kv_quant}, "KV quantization")
 
     def with_drafting(self, name: str, draft_model: str | None, prompt_lookup: bool,
                       draft_tokens: int | None = None) -> Settings:
         """These settings with the model that ``name`` addresses drafting as given
         (``gmlx run --draft/--prompt-lookup``). Raises ConfigError for a drafter that
         is no model or two drafters at once."""
+        if draft_model is not None and draft_model not in self.models and not _is_source(draft_model):
+            raise ConfigError(f"The draft model {draft_model!r} is neither a configured model nor a model path.")
+        update: dict[str, Any] = {"draft_model": draft_model, "prompt_lookup": prompt_lookup}
+        if draft_tokens is not None:
+            update["draft_tokens"] = draft_tokens
+        return self._with_entry(name, update, "Drafting")
+
+    def _with_entry(self, name: str, update: dict[str, Any], what: str) -> Settings:
+        """These settings with ``update`` applied to the entry of the model ``name``
+        addresses, validated as the file's entries are (ConfigError naming ``what``)."""
         model_id = _model_of(self, self.models, name)
         if model_id is None:
             raise ModelNotFoundError(f"{name!r} is not a configured model.", param="model")
-        if draft_model is not None and draft_model not in self.models and not _is_source(draft_model):
-            raise ConfigError(f"The draft model {draft_model!r} is neither a configured model nor a model path.")
-        update = {"draft_model": draft_model, "prompt_lookup": prompt_lookup}
-        if draft_tokens is not None:
-            update["draft_tokens"] = draft_tokens
         try:
             model = ModelConfig.model_validate({**self.models[model_id].model_dump(exclude_unset=True), **update})
         except ValidationError as e:
-            raise ConfigError(f"Drafting for {model_id}: {e.errors()[0]['msg'].removeprefix('Value error, ')}.") from e
+            raise ConfigError(f"{what} for {model_id}: {e.errors()[0]['msg'].removeprefix('Value error, ')}.") from e
         return self.model_copy(update={"models": {**self.models, model_id: model}})
 
     def with_models(self, refs: Iterable[str]) -> tuple[Settings, list[str]]:

@@ -16,7 +16,9 @@ from gmlx.cli.errors import err_console, fail
 from gmlx.cli.local import load_here
 from gmlx.cli.options import MaxTokensOpt, ModelArg, SeedOpt, SystemOpt, TemperatureOpt
 from gmlx.cli.plan import KVBitsOpt, KVGroupOpt, kv_quant_config
+from gmlx.engine.drafting import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from gmlx.engine.errors import GmlxError
+from gmlx.engine.kv_quant import DEFAULT_GROUP_SIZE
 from gmlx.engine.types import (
     ChatRequest,
     Event,
@@ -130,10 +132,10 @@ def run_command(
     thinking_budget: Annotated[int | None, typer.Option("--thinking-budget", min=0, help="Close the thinking block after this many tokens.")] = None,
     image: Annotated[list[Path] | None, typer.Option("--image", help="Attach this image file to the prompt (repeat for several); needs a vision model.", dir_okay=False)] = None,
     kv_bits: KVBitsOpt = None,
-    kv_group_size: KVGroupOpt = 64,
+    kv_group_size: KVGroupOpt = DEFAULT_GROUP_SIZE,
     draft: Annotated[str | None, typer.Option("--draft", help="Decode speculatively with this draft model (a configured id or a path) of the same tokenizer.")] = None,
     prompt_lookup: Annotated[bool, typer.Option("--prompt-lookup", help="Decode speculatively, drafting from n-gram matches in the conversation itself (no draft model).")] = False,
-    draft_tokens: Annotated[int | None, typer.Option("--draft-tokens", min=1, max=16, help="Tokens drafted per round with --draft or --prompt-lookup (default 4).")] = None,
+    draft_tokens: Annotated[int | None, typer.Option("--draft-tokens", min=1, max=MAX_DRAFT_TOKENS, help=f"Tokens drafted per round with --draft or --prompt-lookup (default {DEFAULT_DRAFT_TOKENS}).")] = None,
 ) -> None:
     if prompt is not None and not prompt.strip():
         fail("The prompt given with -p is empty.")

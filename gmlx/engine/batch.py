@@ -217,9 +217,7 @@ class Batch:
             error = EngineError(f"Generation failed: {e}.")
             for failed in list(self.running.values()):
                 self._end(failed, FinishReason.ERROR, error)
-            self._staged.clear()
-            gen.close()
-            self.open()
+            self.reset()
             return self._ended
         started: list[ActiveRequest] = []
         for pr in prompt_responses:
@@ -297,11 +295,9 @@ class Batch:
         log.error("request %s failed: %r", rid, failure, exc_info=failure)
         self._end(active, FinishReason.ERROR, EngineError(f"Request {rid} failed: {failure}."))
 
-    def reset(self) -> list[ActiveRequest]:
-        """Drop every running request and start a fresh generator (after a failure
-        outside any one request: the generator's state cannot be trusted). Returns the
-        requests that were running, for the worker to finish."""
-        dropped = list(self.running.values())
+    def reset(self) -> None:
+        """Drop every running request and start a fresh generator (after a failure: the
+        generator's state cannot be trusted). The caller has ended the requests."""
         self.running.clear()
         self._staged.clear()
         gen, self._gen = self._gen, None
@@ -311,4 +307,3 @@ class Batch:
             except Exception:  # it is being replaced
                 log.exception("closing the failed generator of %s", self.loaded.id)
         self.open()
-        return dropped

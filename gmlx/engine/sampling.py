@@ -125,14 +125,9 @@ def apply_xtc(
     return mx.where(active & drop, NEG_INF, logprobs)
 
 
-def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None) -> Sampler:
-    """A sampler over log-probabilities of shape (1, vocab) for one request.
-
-    Greedy requests share mlx-lm's ``greedy_sampler`` object, so a batch of them
-    is sampled in one call. ``protected_ids`` (EOS, newline) are never excluded by XTC.
-    """
-    if params.greedy:
-        return greedy_sampler
+def logit_filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
+    """The filters a sampled request's log-probabilities go through, in order, before
+    XTC, the temperature and the draw (the deterministic part of its sampler)."""
     filters: list[Callable[[mx.array], mx.array]] = []
     if params.top_n_sigma > 0:
         filters.append(lambda x: apply_top_n_sigma(x, params.top_n_sigma))
@@ -147,6 +142,18 @@ def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None)
         filters.append(lambda x: apply_min_p(x, params.min_p, 1))
     if params.p_less:
         filters.append(apply_p_less)
+    return filters
+
+
+def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None) -> Sampler:
+    """A sampler over log-probabilities of shape (1, vocab) for one request.
+
+    Greedy requests share mlx-lm's ``greedy_sampler`` object, so a batch of them
+    is sampled in one call. ``protected_ids`` (EOS, newline) are never excluded by XTC.
+    """
+    if params.greedy:
+        return greedy_sampler
+    filters = logit_filters(params)
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     key = mx.random.key(seed % 2**64)  # MLX keys are unsigned; OpenAI seeds may be negative
     inv_temp = 1.0 / params.temperature

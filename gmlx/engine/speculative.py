@@ -51,9 +51,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import TokenBuffer
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from gmlx.engine import mlxlm, spec_cache
+from gmlx.engine import mlxlm, sampling, spec_cache
 from gmlx.engine.drafting import DraftSpec, SpecStats
 from gmlx.engine.errors import ModelSourceError
 from gmlx.engine.types import SamplingParams
@@ -87,14 +86,11 @@ def policy_for(params: SamplingParams, has_processors: bool, stats: SpecStats) -
             or params.xtc_probability > 0):
         return StreamPolicy(False, stats=stats)
     inv_temp = 1.0 / params.temperature
+    filters = sampling.logit_filters(params)
 
     def distribution(logprobs: mx.array) -> mx.array:  # the sampler's own filters, in order
-        if 0 < params.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, params.top_k)
-        if 0 < params.top_p < 1:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        if params.min_p > 0:
-            logprobs = apply_min_p(logprobs, params.min_p, 1)
+        for f in filters:
+            logprobs = f(logprobs)
         return logprobs * inv_temp
 
     seed = params.seed if params.seed is not None else random.getrandbits(63)

@@ -4,8 +4,8 @@ A body larger than ``server.max_body_bytes`` is refused with a 413 in the route'
 protocol shape before it is read whole: a ``Content-Length`` over the limit is refused
 before any of the body is read (what the client still sends is then dropped for a
 moment, so that it reads the refusal rather than a reset connection), and a body sent
-without one (chunked) is read only until it passes the limit. A body within the limit is read once and replayed to the
-app, so the routes parse it as before.
+without one (chunked) is read only until it passes the limit. A body within the limit
+is read once and replayed to the app, so the routes parse it as before.
 """
 
 from __future__ import annotations

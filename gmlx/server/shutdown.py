@@ -27,7 +27,6 @@ from gmlx.server.errors import error_response, protocol_for
 
 log = logging.getLogger("gmlx.server")
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 CUT_WAIT_S = 5.0  # after the cut: how long the cut responses get to send their error
 
 
@@ -122,7 +121,7 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: Any, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
+def serve(app: Any, host: str, port: int, shutdown_timeout: float) -> bool:
     """Serve ``app`` (a server app from ``gmlx.compose.build_app``) until SIGTERM or
     Ctrl-C, draining for up to ``shutdown_timeout`` seconds. Returns whether it started
     (False: the address could not be bound)."""
