@@ -360,10 +360,8 @@ def describe(loaded: LoadedModel, kvq: KVQuant, speculative: bool = False) -> di
     """The listing's ``kv_quant`` object for a resident model. A speculative model runs
     full-precision KV (its verification trims each stream's rows, which a quantized cache
     cannot): every layer counts as fp16 and the verdicts say ``dropped``."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    layers = make_prompt_cache(loaded.model)
-    quantized = 0 if speculative else sum(isinstance(c, QuantKVCache) for c in make_cache(loaded, kvq))
+    layers = make_cache(loaded, kvq)
+    quantized = 0 if speculative else sum(isinstance(c, QuantKVCache) for c in layers)
     fp16 = len(layers) - quantized
     verdict = "full" if fp16 == 0 else "partial" if quantized else "dropped"
     out: dict[str, Any] = {
