@@ -22,14 +22,13 @@ import time
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import qmv_cuda
+from gmlx.engine.kernels import qmma_cuda, qmv_cuda
 from gmlx.engine.kernels.fast_linear import agrees, exact_product
 
 # (in, out) of Llama-3-8B's products: q/o, k/v, gate/up, down, lm_head
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 LAYOUTS = [(4, 32), (6, 32), (4, 64)]
-ROWS = (1, 2, 4, 8, 16, 32)
-CONFIGS = [(nr, warps) for nr, warps in itertools.product((1, 2, 4, 8), (2, 4, 8))]
+ROWS = (1, 2, 4, 8, 16, 32, 64, 512)
 # A Q4_K_M Llama-3-8B decode step: (in, out, bits, count); llama.cpp gives attn_v and
 # ffn_down 6 bits in about half the layers, and the output layer 6 bits.
 STEP = [(4096, 4096, 4, 64), (4096, 1024, 4, 48), (4096, 1024, 6, 16), (4096, 14336, 4, 64),
@@ -45,6 +44,20 @@ def timed(fn, reps: int = 50) -> float:
     return (time.perf_counter() - start) / reps * 1e6
 
 
+def check(fn, x, q, g, bits) -> tuple[str, float]:
+    """("yes"/"NO"/"error", microseconds) of one path against MLX's CPU product."""
+    with mx.stream(mx.cpu):
+        want = mx.quantized_matmul(x, *q, transpose=True, group_size=g, bits=bits)
+        exact = exact_product(x, *q, g, bits)
+        mx.eval(want, exact)
+    try:
+        good = agrees(fn(), want, exact)
+    except RuntimeError as e:
+        print(f"  error: {str(e)[:2000]}", flush=True)
+        return "error", float("nan")
+    return ("yes", timed(fn)) if good else ("NO", float("nan"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -53,63 +66,56 @@ def main() -> None:
                         default=SHAPES, help="KxN,... (default: the 8B's)")
     parser.add_argument("--layouts", type=lambda v: [tuple(map(int, s.split("/"))) for s in v.split(",")],
                         default=LAYOUTS, help="bits/group,... (default: 4/32,6/32,4/64)")
+    parser.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=ROWS)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     args = parser.parse_args()
     assert qmv_cuda.available(), "MLX does not run on CUDA here"
+    dtype = getattr(mx, args.dtype)
     mx.random.seed(0)
-    lines = [f"mlx {mx.__version__}, {mx.default_device()}", "",
-             ("| K x N | bits/g | rows | ok | mlx us | dense us | kernel us | best cfg | best us | "
-              "bf16 us | best path | speed-up | kernel GB/s |"),
-             "|---|---|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
+    lines = [f"mlx {mx.__version__}, {mx.default_device()}, activations {args.dtype}", "",
+             ("| K x N | bits/g | rows | mlx us | dense us | float us | qmv ok | qmv us | "
+              "tc ok | tc us | tc cfg | best path | speed-up | tc GB/s |"),
+             "|---|---|---:|---:|---:|---:|---|---:|---|---:|---|---|---:|---:|"]
     print("\n".join(lines), flush=True)
     best_times: dict[tuple[int, ...], dict[str, float]] = {}
     for (k, n), (bits, g) in itertools.product(args.shapes, args.layouts):
         if g == 64 and (k, n) == (4096, 128256):
             continue
-        w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+        w = (mx.random.normal((n, k)) * 0.02).astype(dtype)
         wq, s, b = mx.quantize(w, group_size=g, bits=bits)
         mx.eval(wq, s, b)
+        q = (wq, s, b)
         weight_bytes = wq.nbytes + s.nbytes + b.nbytes
-        explore = not args.quick and (k, n) in ((4096, 4096), (4096, 14336)) and (bits, g) == (4, 32)
-        for rows in ROWS:
-            x = mx.random.normal((rows, k)).astype(mx.bfloat16)
-            q = (wq, s, b)
-            t_mlx = timed(lambda x=x, q=q, g=g, bits=bits: mx.quantized_matmul(
-                x, *q, transpose=True, group_size=g, bits=bits))
+        for rows in args.rows:
+            x = mx.random.normal((rows, k)).astype(dtype)
+            t_mlx = timed(lambda x=x, q=q, g=g, bits=bits: mx.quantized_matmul(x, *q, transpose=True, group_size=g, bits=bits))
             t_dense = timed(lambda x=x, q=q, g=g, bits=bits: qmv_cuda.dequantized(x, *q, g, bits))
-            wd = mx.dequantize(*q, group_size=g, bits=bits)
+            wd = mx.dequantize(*q, group_size=g, bits=bits).astype(dtype)
             mx.eval(wd)
-            t_bf16 = timed(lambda x=x, wd=wd: x @ wd.T)
+            t_float = timed(lambda x=x, wd=wd: x @ wd.T)
             del wd
-            ok, t_kernel, best_cfg, t_best = "—", float("nan"), "—", float("nan")
-            if rows <= qmv_cuda.KERNEL_ROWS[-1]:
-                with mx.stream(mx.cpu):
-                    want = mx.quantized_matmul(x, *q, transpose=True, group_size=g, bits=bits)
-                    exact = exact_product(x, *q, g, bits)
-                    mx.eval(want, exact)
-                configs = CONFIGS if explore else [qmv_cuda.default_config(qmv_cuda.row_bucket(rows))]
-                results = {}
-                for cfg in configs:
-                    if qmv_cuda.row_bucket(rows) * cfg[0] > 64:
-                        continue
-                    got = qmv_cuda.qmv(x, *q, g, bits, config=cfg)
-                    good = agrees(got, want, exact)
-                    if cfg == qmv_cuda.default_config(qmv_cuda.row_bucket(rows)):
-                        ok = "yes" if good else "NO"
-                    if good:
-                        results[cfg] = timed(lambda x=x, q=q, g=g, bits=bits, cfg=cfg: qmv_cuda.qmv(
-                            x, *q, g, bits, config=cfg))
-                t_kernel = results.get(qmv_cuda.default_config(qmv_cuda.row_bucket(rows)), float("nan"))
-                if results:
-                    cfg = min(results, key=results.__getitem__)
-                    best_cfg, t_best = f"{cfg[0]}x{cfg[1]}", results[cfg]
             paths = {"mlx": t_mlx, "dense": t_dense}
-            if not math.isnan(t_best):
-                paths["kernel"] = t_best
+            ok_old, t_old = "—", float("nan")
+            if rows <= qmv_cuda.KERNEL_ROWS[-1]:
+                ok_old, t_old = check(lambda x=x, q=q, g=g, bits=bits: qmv_cuda.qmv(x, *q, g, bits), x, q, g, bits)
+                if not math.isnan(t_old):
+                    paths["qmv"] = t_old
+            ok_tc, t_tc, cfg_tc = "—", float("nan"), "—"
+            if qmma_cuda.supports(rows, k, g, bits):
+                configs = qmma_cuda.configs(rows)[:1] if args.quick else qmma_cuda.configs(rows)
+                for cfg in configs:
+                    ok, t = check(lambda x=x, cfg=cfg, q=q, g=g, bits=bits: qmma_cuda.qmm(x, *q, g, bits, config=cfg),
+                                  x, q, g, bits)
+                    ok_tc = ok if ok_tc in ("—", "yes") else ok_tc
+                    if not math.isnan(t) and not t_tc <= t:
+                        t_tc, cfg_tc = t, f"{cfg[0]}x{cfg[1]}"
+                if not math.isnan(t_tc):
+                    paths["tc"] = t_tc
             best = min(paths, key=paths.__getitem__)
             best_times[(k, n, bits, g, rows)] = paths
-            gbs = weight_bytes / (t_best * 1e-6) / 1e9 if not math.isnan(t_best) else float("nan")
-            line = (f"| {k}x{n} | {bits}/{g} | {rows} | {ok} | {t_mlx:.1f} | {t_dense:.1f} | "
-                    f"{t_kernel:.1f} | {best_cfg} | {t_best:.1f} | {t_bf16:.1f} | {best} | "
+            gbs = weight_bytes / (t_tc * 1e-6) / 1e9 if not math.isnan(t_tc) else float("nan")
+            line = (f"| {k}x{n} | {bits}/{g} | {rows} | {t_mlx:.1f} | {t_dense:.1f} | {t_float:.1f} | "
+                    f"{ok_old} | {t_old:.1f} | {ok_tc} | {t_tc:.1f} | {cfg_tc} | {best} | "
                     f"{t_mlx / paths[best]:.2f}x | {gbs:.0f} |")
             lines.append(line)
             print(line, flush=True)
@@ -117,16 +123,18 @@ def main() -> None:
                 with open(args.out, "w") as f:
                     f.write("\n".join(lines) + "\n")
     lines += ["", "Q4_K_M 8B decode step from these products (ms; layers only, no attention):", "",
-              "| rows | mlx | best path | tok/s at best |", "|---:|---:|---:|---:|"]
-    for rows in ROWS:
-        step = {"mlx": 0.0, "best": 0.0}
+              "| rows | mlx | tc | best path | tok/s at best |", "|---:|---:|---:|---:|---:|"]
+    for rows in args.rows:
+        step = {"mlx": 0.0, "tc": 0.0, "best": 0.0}
         for k, n, bits, count in STEP:
             paths = best_times.get((k, n, bits, 32, rows))
             if paths is None:
                 continue
             step["mlx"] += count * paths["mlx"] / 1e3
+            step["tc"] += count * paths.get("tc", float("nan")) / 1e3
             step["best"] += count * min(paths.values()) / 1e3
-        lines.append(f"| {rows} | {step['mlx']:.2f} | {step['best']:.2f} | {rows / step['best'] * 1e3:.0f} |")
+        lines.append(f"| {rows} | {step['mlx']:.2f} | {step['tc']:.2f} | {step['best']:.2f} | "
+                     f"{rows / step['best'] * 1e3:.0f} |")
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

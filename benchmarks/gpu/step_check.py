@@ -3,8 +3,9 @@ one process: what ``fast_linear`` chose per row bucket, the whole-step speed-up 
 measured while choosing, and the steps timed again afterwards.
 
 Random weights of a real shape in MLX's affine layouts as a Q4_K_M GGUF loads (4-bit
-group 32, the output layer 6-bit group 32), built in memory: no model files needed, so it
-runs right after ``setup.sh install``.
+group 32; 6-bit group 32 for the output layer and, in the layers llama.cpp gives more
+bits, ``v_proj`` and ``down_proj``), built in memory: no model files needed, so it runs
+right after ``setup.sh install``. Rows past 64 are a prefill of one prompt that long.
 
     python benchmarks/gpu/step_check.py [--shape llama3-8b] [--rows 1,8,32]
     python benchmarks/gpu/step_check.py --shape tiny   # here, on the CPU (no paths apply)
@@ -35,23 +36,34 @@ def build(shape: str) -> nn.Module:
     mx.random.seed(0)
     model = llama.Model(args)
     model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=32, bits=4,
-                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path != "lm_head")
+    n = args.num_hidden_layers
+
+    def six_bits(path: str) -> bool:  # llama.cpp's Q4_K_M: more bits in some layers
+        if path == "lm_head":
+            return True
+        if not path.endswith(("v_proj", "down_proj")):
+            return False
+        i = int(path.split(".")[2])
+        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
     nn.quantize(model, group_size=32, bits=6,
-                class_predicate=lambda path, m: isinstance(m, nn.Linear) and path == "lm_head")
+                class_predicate=lambda path, m: isinstance(m, nn.Linear) and six_bits(path))
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda path, m: isinstance(m, nn.Linear))
     mx.eval(model.parameters())
     return model
 
 
 def steps(model: nn.Module, rows: list[int]) -> dict[int, float]:
-    """Milliseconds per decode step (each waited for) at each row count."""
+    """Milliseconds per decode step (each waited for) at each row count; past 64 rows,
+    per prefill of a prompt that long."""
     return {r: fast_linear._step_time(model, r, context=128, steps=16) * 1e3 for r in rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--rows", default="1,8,32,64,512")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     t = time.perf_counter()

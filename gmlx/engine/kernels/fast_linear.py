@@ -1,9 +1,12 @@
 """Quantized layers that take a faster decode-sized path where one wins (CUDA only).
 
 At load, on CUDA, every distinct (in, out, bits, group) shape of a model's affine
-quantized layers is timed at each row bucket a decode step can have (1, 2, 4, 8, 16, 32
-rows) three ways: MLX's ``quantized_matmul``, ``qmv_cuda.qmv`` (the kernel, up to 16 rows)
-and ``qmv_cuda.dequantized`` (dequantize, then a dense matmul). A bucket takes the fastest
+quantized layers is timed at each row bucket a decode step can have (1, 2, 4, 8, 16, 32,
+64 rows) and at a prefill chunk's size (``LARGE`` rows, for every product over 64 rows)
+three ways: MLX's ``quantized_matmul``, ``qmma_cuda.qmm`` (the tensor-core kernel, bf16
+and fp16 activations, up to 64 rows) and ``qmv_cuda.dequantized`` (dequantize, then a
+dense matmul: where it wins, at prefill sizes, it is what MLX's float prefill does plus
+one pass over the weights). A bucket takes the fastest
 path that agrees with a float32 product as closely as MLX's own does; the layer swaps to
 :class:`FastQuantizedLinear` when any bucket leaves MLX's path. A product timed alone is
 not a decode step, though (on the H200 the kernel won alone at one row and lost in the
@@ -17,6 +20,7 @@ nothing. ``GMLX_QMV_KERNEL=0`` turns it off (to measure MLX's own path).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -24,13 +28,20 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import qmv_cuda
+from gmlx.engine.kernels import qmma_cuda, qmv_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
+LARGE = 512  # the bucket every product of more than 64 rows (a prefill chunk) takes
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, LARGE)
+log = logging.getLogger(__name__)
 MLX = "mlx"
 KERNEL = "kernel"
 DENSE = "dense"
+
+
+def bucket(rows: int) -> int:
+    """The row bucket a product of ``rows`` rows takes its path from."""
+    return qmv_cuda.row_bucket(rows) if rows <= 64 else LARGE
 
 
 class FastQuantizedLinear(nn.QuantizedLinear):
@@ -43,12 +54,12 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
-        chosen = self.paths.get(qmv_cuda.row_bucket(rows)) if rows <= qmv_cuda.MAX_ROWS else None
+        chosen = self.paths.get(bucket(rows))
         if chosen is None:
             return super().__call__(x)
         path, config = chosen
         q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-        y = qmv_cuda.qmv(x, *q, config=config) if path == KERNEL else qmv_cuda.dequantized(x, *q)
+        y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else qmv_cuda.dequantized(x, *q)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -58,7 +69,7 @@ def use_fast_kernels(model: nn.Module) -> str | None:
     if os.environ.get("GMLX_QMV_KERNEL", "1") == "0" or not qmv_cuda.available():
         return None
     layers = [m for _, m in model.named_modules()
-              if type(m) is nn.QuantizedLinear and qmv_cuda.supports(
+              if type(m) is nn.QuantizedLinear and qmma_cuda.supports(
                   1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine"))]
     if not layers:
         return None
@@ -108,7 +119,7 @@ def _key(layer: Any) -> tuple[int, int, int, int]:
 
 def _measure(layer: Any, reps: int = 20) -> Paths:
     """The row buckets where a path beat MLX's quantized matmul on this layer: which path,
-    and for the kernel the launch shape (of ``qmv_cuda.configs``) it was fastest at."""
+    and for the kernel the launch shape (of ``qmma_cuda.configs``) it was fastest at."""
     import mlx.core as mx
 
     k = _in_features(layer)
@@ -122,14 +133,14 @@ def _measure(layer: Any, reps: int = 20) -> Paths:
                                                            group_size=g, bits=bits),
             (DENSE, (0, 0)): lambda x=x: qmv_cuda.dequantized(x, *args, g, bits),
         }
-        if rows <= qmv_cuda.KERNEL_ROWS[-1]:
-            for config in qmv_cuda.configs(rows):
+        if qmma_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
+            for config in qmma_cuda.configs(rows):
                 candidates[(KERNEL, config)] = (
-                    lambda x=x, c=config: qmv_cuda.qmv(x, *args, g, bits, config=c))
+                    lambda x=x, c=config: qmma_cuda.qmm(x, *args, g, bits, config=c))
         exact = exact_product(x, *args, g, bits)
         want = candidates[(MLX, (0, 0))]()
         times = {name: _time(fn, reps) for name, fn in candidates.items()
-                 if name[0] == MLX or agrees(fn(), want, exact)}  # never a path that disagrees
+                 if name[0] == MLX or _agrees(fn, want, exact)}  # never a path that disagrees
         best = min(times, key=lambda name: times[name])
         if best[0] != MLX:
             paths[rows] = best
@@ -157,10 +168,18 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
 
 def _step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 8) -> float:
     """Seconds per decode step of ``rows`` streams after a ``context``-token prompt, each
-    step waited for, as the worker does."""
+    step waited for, as the worker does; past 64 rows, per prefill of one ``rows``-token
+    prompt (the products a prefill chunk makes)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    if rows > 64:
+        prompt = mx.zeros((1, rows), mx.int32)
+        mx.eval(model(prompt))
+        start = time.perf_counter()
+        for _ in range(2):
+            mx.eval(model(prompt))
+        return (time.perf_counter() - start) / 2
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
     token = mx.zeros((rows, 1), mx.int32)
@@ -170,6 +189,15 @@ def _step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 8) -
     for _ in range(steps):
         mx.eval(model(token, cache=cache))
     return (time.perf_counter() - start) / steps
+
+
+def _agrees(fn: Callable[[], Any], want: Any, exact: Any) -> bool:
+    """Whether a path runs here and agrees (a kernel that does not compile is no path)."""
+    try:
+        return agrees(fn(), want, exact)
+    except RuntimeError as e:  # NVRTC's compile error, or a launch MLX refused
+        log.warning("cuda: a decode-sized path is not used: %s", str(e).splitlines()[0][:200])
+        return False
 
 
 def agrees(got: Any, want: Any, exact: Any) -> bool:
