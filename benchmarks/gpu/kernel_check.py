@@ -77,6 +77,14 @@ def main() -> None:
               "tc ok | tc us | tc cfg | best path | speed-up | tc GB/s |"),
              "|---|---|---:|---:|---:|---:|---|---:|---|---:|---|---|---:|---:|"]
     print("\n".join(lines), flush=True)
+    small = mx.random.normal((256, 256)).astype(dtype)
+    sq = mx.quantize(small, group_size=32, bits=4)
+    xs = mx.random.normal((1, 256)).astype(dtype)
+    floor = {"add": timed(lambda: xs + 1), "float": timed(lambda: xs @ small.T),
+             "mlx": timed(lambda: mx.quantized_matmul(xs, *sq, transpose=True, group_size=32, bits=4)),
+             "tc": timed(lambda: qmma_cuda.qmm(xs, *sq, 32, 4))}
+    lines.insert(1, "per-call floor (256x256, 1 row, us): " + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
+    print(lines[1], flush=True)
     best_times: dict[tuple[int, ...], dict[str, float]] = {}
     for (k, n), (bits, g) in itertools.product(args.shapes, args.layouts):
         if g == 64 and (k, n) == (4096, 128256):
