@@ -29,6 +29,8 @@ from gmlx.engine.kernels.fast_linear import agrees, exact_product
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 LAYOUTS = [(4, 32), (6, 32), (4, 64)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 512)
+# (feature tiles, warps, chunks in flight) tried by --explore
+EXPLORE = [(1, 4, 1), (1, 4, 4), (1, 8, 2), (1, 8, 8), (1, 2, 8), (2, 4, 4), (2, 8, 2), (1, 16, 2)]
 # A Q4_K_M Llama-3-8B decode step: (in, out, bits, count); llama.cpp gives attn_v and
 # ffn_down 6 bits in about half the layers, and the output layer 6 bits.
 STEP = [(4096, 4096, 4, 64), (4096, 1024, 4, 48), (4096, 1024, 6, 16), (4096, 14336, 4, 64),
@@ -67,6 +69,8 @@ def main() -> None:
     parser.add_argument("--layouts", type=lambda v: [tuple(map(int, s.split("/"))) for s in v.split(",")],
                         default=LAYOUTS, help="bits/group,... (default: 4/32,6/32,4/64)")
     parser.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=ROWS)
+    parser.add_argument("--explore", action="store_true",
+                        help="time every launch shape of EXPLORE on two shapes (4/32)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     args = parser.parse_args()
     assert qmv_cuda.available(), "MLX does not run on CUDA here"
@@ -83,6 +87,16 @@ def main() -> None:
     floor = {"add": timed(lambda: xs + 1), "float": timed(lambda: xs @ small.T),
              "mlx": timed(lambda: mx.quantized_matmul(xs, *sq, transpose=True, group_size=32, bits=4)),
              "tc": timed(lambda: qmma_cuda.qmm(xs, *sq, 32, 4))}
+    built = time.perf_counter()
+    outs = [qmma_cuda.qmm(xs, *sq, 32, 4) for _ in range(200)]
+    built, start = time.perf_counter() - built, time.perf_counter()
+    mx.eval(outs)
+    floor["tc build"], floor["tc eval"] = built / 200 * 1e6, (time.perf_counter() - start) / 200 * 1e6
+    built = time.perf_counter()
+    outs = [xs @ small.T for _ in range(200)]
+    built, start = time.perf_counter() - built, time.perf_counter()
+    mx.eval(outs)
+    floor["float build"], floor["float eval"] = built / 200 * 1e6, (time.perf_counter() - start) / 200 * 1e6
     lines.insert(1, "per-call floor (256x256, 1 row, us): " + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
     print(lines[1], flush=True)
     best_times: dict[tuple[int, ...], dict[str, float]] = {}
@@ -111,12 +125,17 @@ def main() -> None:
             ok_tc, t_tc, cfg_tc = "—", float("nan"), "—"
             if qmma_cuda.supports(rows, k, g, bits):
                 configs = qmma_cuda.configs(rows)[:1] if args.quick else qmma_cuda.configs(rows)
+                if args.explore and (bits, g) == (4, 32) and (k, n) in ((4096, 4096), (4096, 14336)):
+                    configs = [c for c in EXPLORE if qmma_cuda.fits(rows, c)]
                 for cfg in configs:
                     ok, t = check(lambda x=x, cfg=cfg, q=q, g=g, bits=bits: qmma_cuda.qmm(x, *q, g, bits, config=cfg),
                                   x, q, g, bits)
                     ok_tc = ok if ok_tc in ("—", "yes") else ok_tc
                     if not math.isnan(t) and not t_tc <= t:
-                        t_tc, cfg_tc = t, f"{cfg[0]}x{cfg[1]}"
+                        t_tc, cfg_tc = t, "x".join(map(str, cfg))
+                    if args.explore:
+                        print(f"  {k}x{n} {bits}/{g} rows {rows} tc {'x'.join(map(str, cfg))}: {ok} {t:.1f} us",
+                              flush=True)
                 if not math.isnan(t_tc):
                     paths["tc"] = t_tc
             best = min(paths, key=paths.__getitem__)

@@ -101,7 +101,7 @@ def use_fast_kernels(model: nn.Module) -> str | None:
             m.__class__ = nn.QuantizedLinear
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
-        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + (f"{c[0]}x{c[1]}" if p == KERNEL else "")
+        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p == KERNEL else "")
                                              for r, (p, c) in sorted(paths.items())) or "mlx")
         for (k, n, bits, _), paths in chosen.items())
     steps = ", ".join(f"{r}: {t:.2f}x" for r, t in confirmed.items()) or "none faster"
@@ -128,7 +128,7 @@ def _measure(layer: Any, reps: int = 20) -> Paths:
     paths: Paths = {}
     for rows in BUCKETS:
         x = mx.random.normal((rows, k)).astype(layer.scales.dtype)
-        candidates: dict[tuple[str, tuple[int, int]], Callable[[], Any]] = {
+        candidates: dict[tuple[str, tuple[int, ...]], Callable[[], Any]] = {
             (MLX, (0, 0)): lambda x=x: mx.quantized_matmul(x, *args, transpose=True,
                                                            group_size=g, bits=bits),
             (DENSE, (0, 0)): lambda x=x: qmv_cuda.dequantized(x, *args, g, bits),

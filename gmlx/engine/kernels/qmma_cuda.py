@@ -19,7 +19,8 @@ one contiguous run of bits (one 32-bit word at 4 bits), and pairs code ``j`` wit
 ``x`` is paired the same way (``__byte_perm`` of one 16-byte load).
 
 A block of ``WARPS`` warps owns ``16 * FT`` output features and splits ``K`` between its
-warps (chunk ``c`` to warp ``c % WARPS``); the warps' float32 sums meet in shared memory.
+warps (``U`` consecutive chunks at a time, all loaded before any is used: a decode-sized
+product is bound by memory latency); the warps' float32 sums meet in shared memory.
 ``RT`` tiles of 8 rows cover the rows of ``x`` (rows past the end read as zeros).
 
 Only built where MLX runs on CUDA (sm_80 and later: ``mma.sync`` with bf16); Metal and
@@ -44,7 +45,6 @@ _SOURCE = r"""
     constexpr bool PAIRED = BF == 0 || BITS < 8;   // codes enter the product as OFF + q
     constexpr float OFF = !PAIRED ? 0.0f : (BF ? 128.0f : 1024.0f);
     constexpr unsigned MAGIC = BF ? 0x43004300u : 0x64006400u;
-    constexpr int U = RT >= 4 ? 2 : (RT == 2 ? 4 : 8);  // chunks in flight per warp
     const int rows = x_shape[0];
     const int K = x_shape[1];
     const int N = w_shape[0];
@@ -252,18 +252,24 @@ def row_tiles(rows: int) -> int:
     return tiles
 
 
-def default_config(rows: int) -> tuple[int, int]:
-    """(feature tiles of 16 per block, warps per block) for this many rows."""
-    return (1, 8)
+def default_config(rows: int) -> tuple[int, int, int]:
+    """(feature tiles of 16 per block, warps per block, chunks in flight per warp)."""
+    tiles = row_tiles(rows)
+    return (1, 8, 8 if tiles == 1 else (4 if tiles == 2 else 2))
 
 
-def configs(rows: int) -> list[tuple[int, int]]:
+def configs(rows: int) -> list[tuple[int, int, int]]:
     """The launch shapes the load-time tuner times (the default first): each is one
     more kernel to compile at load, so two per row-tile count."""
     tiles = row_tiles(rows)
-    other = (1, 16) if tiles <= 2 else (1, 4)
-    return [c for c in dict.fromkeys([default_config(rows), other])
-            if (c[1] - 1) * c[0] * tiles * 128 <= MAX_SHARED_FLOATS]
+    other = (1, 4, 4) if tiles <= 2 else (1, 4, 2)
+    return [c for c in dict.fromkeys([default_config(rows), other]) if fits(rows, c)]
+
+
+def fits(rows: int, config: tuple[int, ...]) -> bool:
+    """Whether a launch shape's cross-warp sums fit the shared memory allowed."""
+    ft, warps = config[0], config[1]
+    return (warps - 1) * ft * row_tiles(rows) * 128 <= MAX_SHARED_FLOATS
 
 
 @cache
@@ -279,7 +285,7 @@ def _kernel() -> Any:
 
 
 def qmm(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
-        config: tuple[int, int] | None = None) -> Any:
+        config: tuple[int, ...] | None = None) -> Any:
     """``x [..., K] @ dequantize(w [N, K*bits/32], scales, biases).T`` -> ``[..., N]``
     on tensor cores, for at most ``MAX_ROWS`` rows in ``x``'s leading dimensions
     (``x`` bf16 or fp16)."""
@@ -289,11 +295,11 @@ def qmm(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    ft, warps = config or default_config(rows)
+    ft, warps, unroll = config or default_config(rows)
     (out,) = _kernel()(
         inputs=[x2, w, scales, biases],
         template=[("T", x.dtype), ("S", scales.dtype), ("RT", row_tiles(rows)), ("BITS", bits),
-                  ("G", group_size), ("FT", ft), ("WARPS", warps),
+                  ("G", group_size), ("FT", ft), ("WARPS", warps), ("U", unroll),
                   ("BF", int(x.dtype == mx.bfloat16))],
         grid=(-(-n // (16 * ft)) * 32 * warps, 1, 1),
         threadgroup=(32 * warps, 1, 1),

@@ -20,8 +20,8 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 1
-Paths = dict[int, tuple[str, tuple[int, int]]]  # row bucket -> (path, launch shape)
+FORMAT = 2  # 2: the tensor-core kernel, launch shapes of any length
+Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 
 def machine() -> str:
@@ -62,7 +62,7 @@ class Tuning:
         entry = self._data.get(key)
         if not isinstance(entry, dict):
             return None
-        return {int(rows): (p, (c[0], c[1])) for rows, (p, c) in entry.items()}
+        return {int(rows): (p, tuple(int(v) for v in c)) for rows, (p, c) in entry.items()}
 
     def set_layer(self, key: str, chosen: Paths) -> None:
         self._data[key] = {str(rows): [p, list(c)] for rows, (p, c) in chosen.items()}

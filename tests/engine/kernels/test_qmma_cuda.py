@@ -125,5 +125,5 @@ def test_launch_shapes_fit_shared_memory() -> None:
     for rows in (1, 8, 9, 16, 32, 64):
         tiles = qmma_cuda.row_tiles(rows)
         assert tiles * 8 >= rows and tiles in (1, 2, 4, 8)
-        for ft, warps in qmma_cuda.configs(rows):
+        for ft, warps, _ in qmma_cuda.configs(rows):
             assert (warps - 1) * ft * tiles * 128 * 4 <= 48 * 1024

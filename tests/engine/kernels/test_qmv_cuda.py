@@ -187,7 +187,7 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
 
 def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     from gmlx import paths
-    from gmlx.engine.kernels import fast_linear
+    from gmlx.engine.kernels import fast_linear, tuning
 
     monkeypatch.setattr(qmv_cuda, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
@@ -196,7 +196,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     file.parent.mkdir(parents=True)
     file.write_text("{not json")
     assert "none faster" in (use_fast_kernels(_tiny_quantized_llama()) or "")
-    assert file.read_text().startswith("{") and '"format": 1' in file.read_text()
+    assert file.read_text().startswith("{") and f'"format": {tuning.FORMAT}' in file.read_text()
 
 
 def test_the_step_timer_runs_a_real_decode_step() -> None:
