@@ -64,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="1,8,32,64,512")
+    parser.add_argument("--no-tune", action="store_true", help="MLX's paths only (2-D and 3-D x)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     t = time.perf_counter()
@@ -72,6 +73,14 @@ def main() -> None:
           flush=True)
     before = steps(model, rows)
     print("MLX's product, ms/step: " + ", ".join(f"{r} rows {ms:.2f}" for r, ms in before.items()), flush=True)
+    if args.no_tune:  # the same products with x as (rows, K): what MLX does with a 2-D input
+        call = nn.QuantizedLinear.__call__
+        nn.QuantizedLinear.__call__ = lambda self, x: call(self, x.reshape(-1, x.shape[-1])).reshape(
+            *x.shape[:-1], -1)
+        flat = steps(model, rows)
+        print("MLX's product, x flattened, ms/step: " + ", ".join(
+            f"{r} rows {ms:.2f}" for r, ms in flat.items()), flush=True)
+        return
     t = time.perf_counter()
     note = fast_linear.use_fast_kernels(model)
     print(f"tuner: {time.perf_counter() - t:.1f} s; {note}", flush=True)
