@@ -1,15 +1,17 @@
 """The decode-sized quantized paths against MLX's own quantized matmul, on the GPU machine.
 
-For Llama-3-8B's layer shapes, at 1-32 rows, in the layouts a Q4_K_M GGUF loads as
-(4-bit and 6-bit, group 32) and mlx-lm's 4-bit (group 64): correctness of the kernel
-(``fast_linear.agrees``: within twice MLX's own error against a float32 product, MLX's
-product taken on the CPU backend from the same inputs) and microseconds per product
-(50 queued per wait) for MLX's quantized matmul, the dequantize+dense path, the kernel
-with its default launch shape and the best of the shapes tried, and a dense bf16
-matmul of the same weights (the float reference). Then a decode step of the 8B built
-from those figures (Q4_K_M's mix of 4- and 6-bit layers), per path and width.
+For Llama-3-8B's layer shapes, at 1-64 rows and a prefill chunk's 512, in the layouts a
+Q4_K_M GGUF loads as (4-bit and 6-bit, group 32) and mlx-lm's 4-bit (group 64):
+correctness of the tensor-core kernel (``qmma_cuda``; ``fast_linear.agrees``: within
+twice MLX's own error against a float32 product, MLX's product taken on the CPU backend
+from the same inputs) and microseconds per product (50 queued per wait, x as (rows, K))
+for MLX's quantized matmul, the dequantize+dense path, the kernel at the best of its
+launch shapes, and a dense matmul of the same weights (the float reference). First a
+per-call floor (a 256x256 product, and the cost of building vs evaluating 200 of them),
+last a decode step of the 8B built from those figures (Q4_K_M's mix of 4- and 6-bit
+layers), per path and width.
 
-    python benchmarks/gpu/kernel_check.py [--out FILE.md] [--quick]
+    python benchmarks/gpu/kernel_check.py [--out FILE.md] [--quick] [--explore]
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import time
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import qmma_cuda, qmv_cuda
-from gmlx.engine.kernels.fast_linear import agrees, exact_product
+from gmlx.engine.kernels import qmma_cuda
+from gmlx.engine.kernels.fast_linear import agrees, dequantized, exact_product
 
 # (in, out) of Llama-3-8B's products: q/o, k/v, gate/up, down, lm_head
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -73,13 +75,13 @@ def main() -> None:
                         help="time every launch shape of EXPLORE on two shapes (4/32)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     args = parser.parse_args()
-    assert qmv_cuda.available(), "MLX does not run on CUDA here"
+    assert qmma_cuda.available(), "MLX does not run on CUDA here"
     dtype = getattr(mx, args.dtype)
     mx.random.seed(0)
     lines = [f"mlx {mx.__version__}, {mx.default_device()}, activations {args.dtype}", "",
-             ("| K x N | bits/g | rows | mlx us | dense us | float us | qmv ok | qmv us | "
+             ("| K x N | bits/g | rows | mlx us | dense us | float us | "
               "tc ok | tc us | tc cfg | best path | speed-up | tc GB/s |"),
-             "|---|---|---:|---:|---:|---:|---|---:|---|---:|---|---|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---|---:|---|---|---:|---:|"]
     print("\n".join(lines), flush=True)
     small = mx.random.normal((256, 256)).astype(dtype)
     sq = mx.quantize(small, group_size=32, bits=4)
@@ -111,17 +113,12 @@ def main() -> None:
         for rows in args.rows:
             x = mx.random.normal((rows, k)).astype(dtype)
             t_mlx = timed(lambda x=x, q=q, g=g, bits=bits: mx.quantized_matmul(x, *q, transpose=True, group_size=g, bits=bits))
-            t_dense = timed(lambda x=x, q=q, g=g, bits=bits: qmv_cuda.dequantized(x, *q, g, bits))
+            t_dense = timed(lambda x=x, q=q, g=g, bits=bits: dequantized(x, *q, g, bits))
             wd = mx.dequantize(*q, group_size=g, bits=bits).astype(dtype)
             mx.eval(wd)
             t_float = timed(lambda x=x, wd=wd: x @ wd.T)
             del wd
             paths = {"mlx": t_mlx, "dense": t_dense}
-            ok_old, t_old = "—", float("nan")
-            if rows <= qmv_cuda.KERNEL_ROWS[-1]:
-                ok_old, t_old = check(lambda x=x, q=q, g=g, bits=bits: qmv_cuda.qmv(x, *q, g, bits), x, q, g, bits)
-                if not math.isnan(t_old):
-                    paths["qmv"] = t_old
             ok_tc, t_tc, cfg_tc = "—", float("nan"), "—"
             if qmma_cuda.supports(rows, k, g, bits):
                 configs = qmma_cuda.configs(rows)[:1] if args.quick else qmma_cuda.configs(rows)
@@ -142,7 +139,7 @@ def main() -> None:
             best_times[(k, n, bits, g, rows)] = paths
             gbs = weight_bytes / (t_tc * 1e-6) / 1e9 if not math.isnan(t_tc) else float("nan")
             line = (f"| {k}x{n} | {bits}/{g} | {rows} | {t_mlx:.1f} | {t_dense:.1f} | {t_float:.1f} | "
-                    f"{ok_old} | {t_old:.1f} | {ok_tc} | {t_tc:.1f} | {cfg_tc} | {best} | "
+                    f"{ok_tc} | {t_tc:.1f} | {cfg_tc} | {best} | "
                     f"{t_mlx / paths[best]:.2f}x | {gbs:.0f} |")
             lines.append(line)
             print(line, flush=True)

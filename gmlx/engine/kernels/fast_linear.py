@@ -4,7 +4,7 @@ At load, on CUDA, every distinct (in, out, bits, group) shape of a model's affin
 quantized layers is timed at each row bucket a decode step can have (1, 2, 4, 8, 16, 32,
 64 rows) and at a prefill chunk's size (``LARGE`` rows, for every product over 64 rows)
 three ways: MLX's ``quantized_matmul``, ``qmma_cuda.qmm`` (the tensor-core kernel, bf16
-and fp16 activations, up to 64 rows) and ``qmv_cuda.dequantized`` (dequantize, then a
+and fp16 activations, up to 64 rows) and ``dequantized`` (dequantize, then a
 dense matmul: where it wins, at prefill sizes, it is what MLX's float prefill does plus
 one pass over the weights). A bucket takes the fastest
 path that agrees with a float32 product as closely as MLX's own does; the layer swaps to
@@ -28,7 +28,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import qmma_cuda, qmv_cuda
+from gmlx.engine.kernels import qmma_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 64 rows (a prefill chunk) takes
@@ -41,38 +41,90 @@ DENSE = "dense"
 
 def bucket(rows: int) -> int:
     """The row bucket a product of ``rows`` rows takes its path from."""
-    return qmv_cuda.row_bucket(rows) if rows <= 64 else LARGE
+    if rows > 64:
+        return LARGE
+    power = 1
+    while power < rows:
+        power *= 2
+    return power
+
+
+def dequantized(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
+    """``x @ dequantize(w).T`` through MLX's dequantize and a dense matmul."""
+    import mlx.core as mx
+
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    return x @ dense.astype(x.dtype).T
 
 
 class FastQuantizedLinear(nn.QuantizedLinear):
-    """A QuantizedLinear whose products of a row bucket in ``paths`` take that path
-    (the kernel with the launch shape it was timed fastest at)."""
+    """A QuantizedLinear that hands MLX its input as ``(rows, K)``, and whose products of
+    a row bucket in ``paths`` take that path (the kernel with the launch shape it was
+    timed fastest at).
+
+    A decode step's activations are ``(streams, 1, K)``; for that shape MLX's CUDA
+    quantized matmul runs ``streams`` one-row products, each reading every weight
+    again (on the H200 an 8B Q4_K_M step took 51 ms at 8 streams and 172 ms at 32 with
+    it, against about 10 and 15 ms for the same products as ``(rows, K)``): so the rows
+    are flattened first, which changes nothing but the kernel MLX picks."""
 
     paths: Paths  # set when a layer is swapped to this class
 
     def __call__(self, x: Any) -> Any:
-        rows = 1
-        for d in x.shape[:-1]:
-            rows *= d
-        chosen = self.paths.get(bucket(rows))
+        k = x.shape[-1]
+        rows = x.size // k if k else 0
+        chosen = self.paths.get(bucket(rows)) if self.paths else None
         if chosen is None:
-            return super().__call__(x)
+            if x.ndim <= 2:
+                return super().__call__(x)
+            return super().__call__(x.reshape(rows, k)).reshape(*x.shape[:-1], -1)
         path, config = chosen
         q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-        y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else qmv_cuda.dequantized(x, *q)
+        y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else dequantized(x, *q)
         return y + self["bias"] if "bias" in self else y
 
 
+class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A QuantizedEmbedding whose use as the output layer (tied weights) hands MLX its
+    input as ``(rows, K)``, for the reason :class:`FastQuantizedLinear` gives."""
+
+    def as_linear(self, x: Any) -> Any:
+        if x.ndim <= 2:
+            return super().as_linear(x)
+        return super().as_linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
 def use_fast_kernels(model: nn.Module) -> str | None:
-    """Swap the model's quantized layers to :class:`FastQuantizedLinear` where a path
-    measured faster; returns the load note, or None when there is nothing to decide."""
-    if os.environ.get("GMLX_QMV_KERNEL", "1") == "0" or not qmv_cuda.available():
+    """On CUDA, swap the model's quantized layers to :class:`FastQuantizedLinear` (and
+    :class:`FlatQuantizedEmbedding`), with the paths that measured faster; returns the
+    load note, or None when there is nothing to do. ``GMLX_QMV_KERNEL=0`` leaves the
+    model as it is; ``GMLX_QMV_KERNEL=flat`` only flattens (no tuning)."""
+    mode = os.environ.get("GMLX_QMV_KERNEL", "1")
+    if mode == "0" or not qmma_cuda.available():
         return None
-    layers = [m for _, m in model.named_modules()
-              if type(m) is nn.QuantizedLinear and qmma_cuda.supports(
-                  1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine"))]
-    if not layers:
+    modules = [m for _, m in model.named_modules()]
+    for m in modules:
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = FastQuantizedLinear
+            m.paths = {}
+        elif type(m) is nn.QuantizedEmbedding:
+            m.__class__ = FlatQuantizedEmbedding
+    flat = sum(isinstance(m, FastQuantizedLinear | FlatQuantizedEmbedding) for m in modules)
+    if not flat:
         return None
+    layers = [m for m in modules if isinstance(m, FastQuantizedLinear) and qmma_cuda.supports(
+        1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine"))]
+    note = f"cuda: {flat} quantized layer(s) take their input as (rows, K)"
+    if mode == "flat" or not layers:
+        return note
+    return f"{note}; {_tune(model, layers)}"
+
+
+def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
+    """Give ``layers`` the paths that measured faster and made the whole step faster;
+    returns what was decided, for the load note."""
+    import mlx.core as mx
+
     tuning = Tuning()
     chosen: dict[tuple[int, int, int, int], Paths] = {}
     keys: dict[tuple[int, int, int, int], str] = {}
@@ -86,7 +138,6 @@ def use_fast_kernels(model: nn.Module) -> str | None:
             chosen[key] = known
     swapped = [m for m in layers if chosen[_key(m)]]
     for m in swapped:
-        m.__class__ = FastQuantizedLinear
         m.paths = dict(chosen[_key(m)])
     whole = model_key(keys[_key(m)] for m in layers)
     confirmed = tuning.confirmed(whole)
@@ -94,19 +145,18 @@ def use_fast_kernels(model: nn.Module) -> str | None:
         confirmed = _confirm(model, swapped, sorted({r for p in chosen.values() for r in p}))
         tuning.set_confirmed(whole, confirmed)
     tuning.save()
+    mx.clear_cache()  # the timing's temporaries (dequantized weights among them)
     chosen = {key: {r: c for r, c in paths.items() if r in confirmed} for key, paths in chosen.items()}
     for m in swapped:
         m.paths = dict(chosen[_key(m)])
-        if not m.paths:
-            m.__class__ = nn.QuantizedLinear
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
         f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p == KERNEL else "")
                                              for r, (p, c) in sorted(paths.items())) or "mlx")
         for (k, n, bits, _), paths in chosen.items())
     steps = ", ".join(f"{r}: {t:.2f}x" for r, t in confirmed.items()) or "none faster"
-    return (f"cuda: decode-sized paths on {len(swapped)} of {len(layers)} quantized layers "
-            f"({summary}); whole-step speed-up by rows: {steps}")
+    return (f"decode-sized paths on {len(swapped)} of {len(layers)} ({summary}); "
+            f"whole-step speed-up by rows: {steps}")
 
 
 def _in_features(layer: Any) -> int:
@@ -131,7 +181,7 @@ def _measure(layer: Any, reps: int = 20) -> Paths:
         candidates: dict[tuple[str, tuple[int, ...]], Callable[[], Any]] = {
             (MLX, (0, 0)): lambda x=x: mx.quantized_matmul(x, *args, transpose=True,
                                                            group_size=g, bits=bits),
-            (DENSE, (0, 0)): lambda x=x: qmv_cuda.dequantized(x, *args, g, bits),
+            (DENSE, (0, 0)): lambda x=x: dequantized(x, *args, g, bits),
         }
         if qmma_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
             for config in qmma_cuda.configs(rows):

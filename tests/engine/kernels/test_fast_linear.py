@@ -1,74 +1,33 @@
-"""The decode-sized quantized paths: never used where they are not built. The kernel's
-check against MLX's own quantized matmul on the CPU backend (same inputs, within twice
-MLX's own error against a float32 product) runs on a CUDA machine:
-``benchmarks/gpu/kernel_check.py``, and at every load there (``fast_linear._measure``
-takes a path only where it agrees and is faster). Here: the layout the kernel reads,
-replayed in numpy with the kernel's own bit arithmetic, against MLX's dequantize."""
+"""The CUDA-only quantized paths (``fast_linear``): never used where they are not built;
+every quantized product's rows flattened; the tuner's choices confirmed on the whole
+step and kept per machine. The kernel's own check against MLX's quantized matmul on the
+CPU backend runs on a CUDA machine (``benchmarks/gpu/kernel_check.py``, and at every load
+there); its lane arithmetic is replayed here in ``test_qmma_cuda.py``. Where a test
+stands in for CUDA (``available``) or for a clock (``_measure``, ``_step_time``), it says
+so; the products themselves run for real on the CPU."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx import nn
 
-from gmlx.engine.kernels import qmv_cuda
+from gmlx.engine.kernels import qmma_cuda
 from gmlx.engine.kernels.fast_linear import (
     FastQuantizedLinear,
     agrees,
+    dequantized,
     exact_product,
     use_fast_kernels,
 )
 
 
-def test_which_products_may_take_the_paths() -> None:
-    assert qmv_cuda.supports(1, 4096, 64, 4) and qmv_cuda.supports(32, 14336, 32, 6)
-    assert qmv_cuda.supports(8, 4096, 32, 8)
-    assert not qmv_cuda.supports(33, 4096, 64, 4)  # a prefill chunk: MLX's matmul
-    assert not qmv_cuda.supports(1, 4096, 32, 5)  # 5-bit: MLX's kernel
-    assert not qmv_cuda.supports(1, 4000, 64, 4)  # not whole groups
-    assert not qmv_cuda.supports(1, 4096, 64, 4, mode="mxfp4")
-
-
 def test_not_used_where_it_is_not_built() -> None:
     model = nn.Sequential(nn.Linear(256, 64))
     nn.quantize(model, group_size=64, bits=4)
-    assert not qmv_cuda.available()  # this machine: MLX on the CPU (Metal is the same)
+    assert not qmma_cuda.available()  # this machine: MLX on the CPU (Metal is the same)
     assert use_fast_kernels(model) is None
     assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
-
-
-def _decode_like_the_kernel(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray,
-                            bits: int, group: int) -> np.ndarray:
-    """Every row's weights decoded pack by pack with the kernel's arithmetic: ``W`` words
-    per pack of ``P`` codes, code ``t`` at bit ``t * bits``, spilling into the next word."""
-    codes_per_pack, words_per_pack = qmv_cuda.layout(bits)
-    rows, words = wq.shape
-    k = words * 32 // bits
-    out = np.empty((rows, k), np.float32)
-    mask = (1 << bits) - 1
-    for n in range(rows):
-        for p in range(k // codes_per_pack):
-            q = [int(v) for v in wq[n, p * words_per_pack:(p + 1) * words_per_pack]]
-            g = p * codes_per_pack // group
-            for t in range(codes_per_pack):
-                bit = t * bits
-                word, sh = divmod(bit, 32)
-                v = q[word] >> sh
-                if sh + bits > 32:
-                    v |= (q[word + 1] << (32 - sh)) & 0xFFFFFFFF
-                out[n, p * codes_per_pack + t] = scales[n, g] * (v & mask) + biases[n, g]
-    return out
-
-
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (6, 32), (8, 32), (8, 128)])
-def test_the_kernel_reads_mlx_layout(bits: int, group: int) -> None:
-    mx.random.seed(bits * group)
-    w = mx.random.normal((6, 256))
-    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
-    want = np.array(mx.dequantize(wq, s, b, group_size=group, bits=bits))
-    got = _decode_like_the_kernel(np.array(wq), np.array(s), np.array(b), bits, group)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_dense_path_is_the_same_product() -> None:
@@ -76,7 +35,7 @@ def test_the_dense_path_is_the_same_product() -> None:
     w = mx.random.normal((64, 256))
     wq, s, b = mx.quantize(w, group_size=32, bits=6)
     x = mx.random.normal((3, 256))
-    got = qmv_cuda.dequantized(x, wq, s, b, 32, 6)
+    got = dequantized(x, wq, s, b, 32, 6)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=6)
     assert mx.allclose(got, want, atol=1e-3, rtol=1e-3)
 
@@ -126,7 +85,7 @@ def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> Non
     model = _tiny_quantized_llama()
     x = mx.random.normal((2, 64))
     before = model.layers[0].self_attn.q_proj(x)
-    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
         1: (fast_linear.DENSE, (0, 0)), 2: (fast_linear.DENSE, (0, 0))})
 
@@ -148,12 +107,82 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
     from gmlx.engine.kernels import fast_linear
 
     model = _tiny_quantized_llama()
-    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
     note = use_fast_kernels(model)
     assert note is not None and "none faster" in note
-    assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert layers and all(isinstance(m, FastQuantizedLinear) and m.paths == {} for m in layers)
+
+
+def _spy_on_quantized_matmul(monkeypatch) -> list[int]:
+    """The number of dimensions of every input MLX's quantized matmul is given."""
+    seen: list[int] = []
+    real = mx.quantized_matmul
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.ndim)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    return seen
+
+
+def test_every_quantized_product_gets_its_rows_flattened(monkeypatch) -> None:
+    """A decode step's (streams, 1, K) input reaches MLX's quantized matmul as
+    (streams, K) (for which MLX reads each weight once, not once per stream), with the
+    same result; ``GMLX_QMV_KERNEL=flat`` does only that, timing nothing."""
+    from gmlx.engine.kernels import fast_linear
+
+    model = _tiny_quantized_llama()
+    tokens = mx.array([[3], [5], [7], [11]])
+    before = model(tokens)
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setenv("GMLX_QMV_KERNEL", "flat")
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer: pytest.fail("timed in flat mode"))
+    quantized = sum(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+                    for _, m in model.named_modules())
+    note = use_fast_kernels(model)
+    assert note == f"cuda: {quantized} quantized layer(s) take their input as (rows, K)"
+    seen = _spy_on_quantized_matmul(monkeypatch)
+    after = model(tokens)
+    assert seen and set(seen) == {2}
+    assert mx.allclose(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tied_output_layer_is_flattened_too(monkeypatch) -> None:
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1,
+                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=128, num_key_value_heads=2, tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = mx.array([[3], [5]])
+    before = model(tokens)
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setenv("GMLX_QMV_KERNEL", "flat")
+    use_fast_kernels(model)
+    assert isinstance(model.model.embed_tokens, fast_linear_module().FlatQuantizedEmbedding)
+    seen = _spy_on_quantized_matmul(monkeypatch)
+    assert mx.allclose(model(tokens), before, atol=1e-5, rtol=1e-5)
+    assert set(seen) == {2} and len(seen) == 8  # 7 layers and the tied output
+
+
+def fast_linear_module():
+    from gmlx.engine.kernels import fast_linear
+
+    return fast_linear
+
+
+def test_off_means_untouched(monkeypatch) -> None:
+    model = _tiny_quantized_llama()
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setenv("GMLX_QMV_KERNEL", "0")
+    assert use_fast_kernels(model) is None
+    assert all(type(m) is not FastQuantizedLinear for _, m in model.named_modules())
 
 
 def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
@@ -172,7 +201,7 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
         calls["step"] += 1
         return 0.5 if any(rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0
 
-    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", measure)
     monkeypatch.setattr(fast_linear, "_step_time", step_time)
     first = use_fast_kernels(_tiny_quantized_llama())
@@ -189,7 +218,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     from gmlx import paths
     from gmlx.engine.kernels import fast_linear, tuning
 
-    monkeypatch.setattr(qmv_cuda, "available", lambda: True)
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
     file = paths.cache_dir() / "kernels" / "tuning.json"
