@@ -1,21 +1,25 @@
-"""Quantized layers that take a faster decode-sized path where one wins (CUDA only).
+"""Quantized layers on CUDA: every product's rows flattened, and a faster path per row
+bucket where one measures faster.
 
-At load, on CUDA, every distinct (in, out, bits, group) shape of a model's affine
-quantized layers is timed at each row bucket a decode step can have (1, 2, 4, 8, 16, 32,
-64 rows) and at a prefill chunk's size (``LARGE`` rows, for every product over 64 rows)
-three ways: MLX's ``quantized_matmul``, ``qmma_cuda.qmm`` (the tensor-core kernel, bf16
-and fp16 activations, up to 64 rows) and ``dequantized`` (dequantize, then a
-dense matmul: where it wins, at prefill sizes, it is what MLX's float prefill does plus
-one pass over the weights). A bucket takes the fastest
-path that agrees with a float32 product as closely as MLX's own does; the layer swaps to
-:class:`FastQuantizedLinear` when any bucket leaves MLX's path. A product timed alone is
-not a decode step, though (on the H200 the kernel won alone at one row and lost in the
-served step, where dozens of small launches queue together), so each bucket's choices are
-then confirmed on the whole model: a decode step of that many streams, timed with and
-without them, and the bucket goes back to MLX's path unless its step got faster. Timing
-every path also compiles it, before the model reports ready. The decisions are kept per
-machine (:mod:`gmlx.engine.kernels.tuning`), so a later load of the same shapes times
-nothing. ``GMLX_QMV_KERNEL=0`` turns it off (to measure MLX's own path).
+First, every quantized layer hands MLX its input as ``(rows, K)`` (a decode step's
+``(streams, 1, K)`` makes MLX's CUDA product read every weight once per stream: see
+:class:`FastQuantizedLinear`). Then every distinct (in, out, bits, group) shape of the
+model's affine quantized layers is timed at each row bucket a decode step can have (1,
+2, 4, 8, 16, 32, 64 rows) and at a prefill chunk's size (``LARGE`` rows, for every
+product over 64 rows) three ways: MLX's ``quantized_matmul``, ``qmma_cuda.qmm`` (the
+tensor-core kernel, bf16 and fp16 activations, up to 64 rows) and ``dequantized``
+(dequantize, then a dense matmul: at prefill sizes it is MLX's float prefill plus one
+pass over the weights). A bucket takes the fastest path that agrees with a float32
+product as closely as MLX's own does. A product timed alone is not a decode step,
+though (each custom-kernel call costs MLX about 30 us to issue on the H200, against
+about 10 for its own products, and that shows only among a step's hundreds of
+launches), so each bucket's choices are then confirmed on the whole model: a decode
+step of that many streams (past 64 rows, a prefill), timed with and without them, and
+the bucket goes back to MLX's path unless its step got faster. Timing every path also
+compiles it, before the model reports ready. The decisions are kept per machine
+(:mod:`gmlx.engine.kernels.tuning`), so a later load of the same shapes times nothing.
+``GMLX_QMV_KERNEL=0`` leaves the layers as they are (to measure MLX's own path),
+``GMLX_QMV_KERNEL=flat`` only flattens.
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
     A decode step's activations are ``(streams, 1, K)``; for that shape MLX's CUDA
     quantized matmul runs ``streams`` one-row products, each reading every weight
-    again (on the H200 an 8B Q4_K_M step took 51 ms at 8 streams and 172 ms at 32 with
-    it, against about 10 and 15 ms for the same products as ``(rows, K)``): so the rows
-    are flattened first, which changes nothing but the kernel MLX picks."""
+    again (on the H200 an 8B Q4_K_M decode step took 51 ms at 8 streams and 172 ms at
+    32, while the same products timed alone with ``x`` as ``(rows, K)`` add up to about
+    8 and 12 ms): so the rows are flattened first, which changes nothing but the
+    kernel MLX picks."""
 
     paths: Paths  # set when a layer is swapped to this class
 
