@@ -10,7 +10,9 @@ SHAPE:QUANT, and each quant names what each server loads:
     q4   gmlx: q4_k_m.gguf     mlx_lm.server: mlx-4bit/   llama-server: q4_k_m.gguf
     q8   gmlx: q8_0.gguf       mlx_lm.server: (none)      llama-server: q8_0.gguf
 
-(``--gmlx-mlx`` adds gmlx on the MLX folder too, as "gmlx-mlx"). One server runs at a
+(``--gmlx-mlx`` adds gmlx on the MLX folder too, as "gmlx-mlx"; ``gmlx-flat`` and
+``gmlx-plain`` in ``--servers`` add gmlx on the same file with its CUDA quantized layers
+only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``). One server runs at a
 time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
 chat completions, greedy, every special and partial-UTF-8 token biased -100 so each
@@ -67,13 +69,18 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 import openai
 import throughput as tp
 
-SERVERS = ("gmlx", "gmlx-mlx", "mlx_lm", "llama")
+SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-mlx", "mlx_lm", "llama")
+# gmlx on the same file as "gmlx" with its CUDA quantized layers as fast_linear's
+# GMLX_QMV_KERNEL says: only flattened, or left as MLX makes them
+GMLX_VARIANTS = {"gmlx-flat": "flat", "gmlx-plain": "0"}
 # quant -> server -> the file or folder (inside MODELS_DIR/SHAPE) it loads
 FILES: dict[str, dict[str, str | None]] = {
     "f16": {"gmlx": "f16.gguf", "gmlx-mlx": "mlx-bf16", "mlx_lm": "mlx-bf16", "llama": "f16.gguf"},
     "q4": {"gmlx": "q4_k_m.gguf", "gmlx-mlx": "mlx-4bit", "mlx_lm": "mlx-4bit", "llama": "q4_k_m.gguf"},
     "q8": {"gmlx": "q8_0.gguf", "gmlx-mlx": None, "mlx_lm": None, "llama": "q8_0.gguf"},
 }
+for _files in FILES.values():
+    _files.update({variant: _files["gmlx"] for variant in GMLX_VARIANTS})
 LLAMA_SERVER_PATHS = ("/tmp/llama/build/bin/llama-server",)
 # Process groups of the servers this script started: a run killed at a device call's limit
 # leaves its server (own session) running; the next run ends it before starting another.
@@ -135,7 +142,9 @@ def make_server(kind: str, model: Path, workdir: Path, args: argparse.Namespace)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     slots = max(args.widths)
     log = workdir / f"{kind}.log"
-    if kind in ("gmlx", "gmlx-mlx"):
+    if kind in GMLX_VARIANTS:
+        env["GMLX_QMV_KERNEL"] = GMLX_VARIANTS[kind]
+    if kind.startswith("gmlx"):
         s = tp.Server(kind, [sys.executable, "-m", "gmlx.cli.main", "serve", str(model),
                             "--decode-batch", str(slots), *args.gmlx_args], env, log)
         s.health = "/health?ready=1"  # ready: loaded and warmed up
@@ -266,7 +275,7 @@ def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[
                 state = f"**failed**: {r['error']}" if "error" in r else f"ready in {r.get('ready_s', 0):.1f} s"
                 out(f"- {k}: `{Path(r['model']).name}`, B = {r['weight_bytes'] / 2**30:.2f} GiB; {state}")
             widths = sorted({w["width"] for r in rs.values() for w in r.get("widths", [])})
-            base = [k for k in ("gmlx", "gmlx-mlx") if k in present]
+            base = [k for k in present if k.startswith("gmlx")]
             peers = [k for k in ("mlx_lm", "llama") if k in present]
             head = ["width"] + [f"{k} tok/s" for k in present]
             head += [f"{b}/{p}" for b in base for p in peers]
