@@ -90,19 +90,38 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def _nibble_pack(qs: np.ndarray) -> np.ndarray:
+    """Bytes (N, k, L) whose low nibbles are elements 0..L-1 of a run and high nibbles
+    elements L..2L-1 -> MLX's 4-bit stream of that run, (N, k, L) bytes (element i at bits
+    4i): byte j of the first half is ``lo(qs[2j]) | lo(qs[2j+1]) << 4``, of the second
+    ``hi(qs[2j]) | hi(qs[2j+1]) << 4``. The codes are never spread one per byte."""
+    pairs = qs.reshape(*qs.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    out = np.empty((*qs.shape[:-1], 2, qs.shape[-1] // 2), np.uint8)
+    np.bitwise_and(even, 0x0F, out=out[..., 0, :])
+    out[..., 0, :] |= odd << np.uint8(4)
+    np.right_shift(even, np.uint8(4), out=out[..., 1, :])
+    out[..., 1, :] |= odd & np.uint8(0xF0)
+    return out.reshape(qs.shape)
+
+
 def _low_bits(qh: np.ndarray, n: int) -> np.ndarray:
     """Bit i of a little-endian uint32 per block (N, 4 bytes) -> (N, n) of 0/1."""
     words = qh.copy().view(np.uint32)
     return ((words >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
+# Decoders return (codes, scale, bias) per block; the 4-bit ones (``_PACKED``) return
+# their codes already in MLX's packed stream (bytes), the others one code per byte.
+
+
 def _q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _f16(b, 0)
-    return _nibbles(b[:, 2:18]), d, -8.0 * d
+    return _nibble_pack(b[:, 2:18]), d, -8.0 * d
 
 
 def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return _nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
+    return _nibble_pack(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
 
 
 def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,8 +163,7 @@ def _k_affine(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scale, bias = _k_affine(b)
     # 4 chunks of 32 bytes; within a chunk the low nibbles are sub-block 2c, high 2c+1.
-    codes = _nibbles(b[:, 16:144].reshape(-1, 4, 32))
-    return codes.reshape(len(b), 256), scale, bias
+    return _nibble_pack(b[:, 16:144].reshape(-1, 4, 32)).reshape(len(b), 128), scale, bias
 
 
 def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -168,6 +186,7 @@ _EXACT: dict[
     Q.Q4_K: (4, _q4_k),
     Q.Q5_K: (5, _q5_k),
 }
+_PACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 EXACT_TYPES = tuple(_EXACT)
 SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_TYPES, *REQUANT_BITS)
 
@@ -231,7 +250,10 @@ def convert_exact(
         blocks = np.ascontiguousarray(raw[sl]).reshape(-1, size)
         codes, scale, bias = decode(blocks)
         n = sl.stop - sl.start
-        weight[sl] = pack_codes(codes.reshape(n, cols), bits)
+        if qtype in _PACKED:
+            weight[sl] = codes.reshape(n, -1).view(np.uint32)
+        else:
+            weight[sl] = pack_codes(codes.reshape(n, cols), bits)
         # Per-block scales repeat over a block's 32-groups (Q4_0..Q8_0 have one group).
         scales[sl] = np.broadcast_to(scale, (len(blocks), per_block)).reshape(n, -1)
         biases[sl] = np.broadcast_to(bias, (len(blocks), per_block)).reshape(n, -1)
