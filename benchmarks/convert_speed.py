@@ -1,11 +1,12 @@
 """GGUF -> MLX conversion speed: the previous single-threaded ``gguf_quant`` (frozen
 in tests/engine/loading/test_gguf_quant_speed.py) against the current one, in one run.
 
-    python benchmarks/convert_speed.py [--gguf PATH] [--layers 4] [--dtype float16]
+    python benchmarks/convert_speed.py [--gguf PATH] [--layers 4] [--dtype float16] [--repeat 3]
 
 Without ``--gguf`` it writes a Q4_K_M-like test GGUF (hidden 256, a 151,936-token
 vocabulary: Q4_K embedding, Q6_K output, Q6_K attn_v/ffn_down on half the layers).
-Prints old/new seconds per tensor type and the total ratio; checks outputs are equal.
+Prints old/new seconds per tensor type (each tensor converted ``--repeat`` times by each,
+alternating, the fastest counted) and the total ratio; checks outputs are equal.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="conversions of each tensor by each converter, alternating; the fastest counts "
+                         "(on a shared machine the slowest runs measure the neighbours)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +92,12 @@ def main() -> None:
         items = tensors(path)
         times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
         for _name, qtype, raw in items:
-            t_old, old = timed(reference.convert, raw, qtype, dtype)
-            t_new, new = timed(gguf_quant.convert, raw, qtype, dtype)
+            t_old = t_new = float("inf")
+            for _ in range(args.repeat):
+                t, old = timed(reference.convert, raw, qtype, dtype)
+                t_old = min(t_old, t)
+                t, new = timed(gguf_quant.convert, raw, qtype, dtype)
+                t_new = min(t_new, t)
             reference.assert_identical(new, old)
             row = times[qtype.name]
             row[0] += t_old
