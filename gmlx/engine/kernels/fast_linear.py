@@ -81,7 +81,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         rows = x.size // k if k else 0
         chosen = self.paths.get(bucket(rows)) if self.paths else None
         if chosen is None:
-            if x.ndim <= 2:
+            if x.ndim <= 2 or x.shape[-2] == rows:  # one sequence: MLX sees its rows already
                 return super().__call__(x)
             return super().__call__(x.reshape(rows, k)).reshape(*x.shape[:-1], -1)
         path, config = chosen
@@ -95,7 +95,7 @@ class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
     input as ``(rows, K)``, for the reason :class:`FastQuantizedLinear` gives."""
 
     def as_linear(self, x: Any) -> Any:
-        if x.ndim <= 2:
+        if x.ndim <= 2 or x.size == x.shape[-2] * x.shape[-1]:
             return super().as_linear(x)
         return super().as_linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 

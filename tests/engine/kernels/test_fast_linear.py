@@ -149,6 +149,9 @@ def test_every_quantized_product_gets_its_rows_flattened(monkeypatch) -> None:
     after = model(tokens)
     assert seen and set(seen) == {2}
     assert mx.allclose(after, before, atol=1e-5, rtol=1e-5)
+    seen.clear()  # one sequence (a prompt, or one stream): already rows to MLX, left alone
+    model(mx.array([[3, 5, 7]]))
+    assert seen and set(seen) == {3}
 
 
 def test_a_tied_output_layer_is_flattened_too(monkeypatch) -> None:
