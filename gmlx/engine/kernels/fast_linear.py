@@ -123,7 +123,9 @@ def use_fast_kernels(model: nn.Module) -> str | None:
     note = f"cuda: {flat} quantized layer(s) take their input as (rows, K)"
     if mode == "flat" or not layers:
         return note
-    return f"{note}; {_tune(model, layers)}"
+    start = time.perf_counter()
+    decided = _tune(model, layers)
+    return f"{note}; {decided} ({time.perf_counter() - start:.1f} s)"
 
 
 def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:

@@ -212,7 +212,9 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
     assert (paths.cache_dir() / "kernels" / "tuning.json").is_file()
     calls.update(measure=0, step=0)
     model = _tiny_quantized_llama()
-    assert use_fast_kernels(model) == first and calls == {"measure": 0, "step": 0}
+    again = use_fast_kernels(model)
+    assert first is not None and again is not None and calls == {"measure": 0, "step": 0}
+    assert again.rsplit(" (", 1)[0] == first.rsplit(" (", 1)[0]  # the same, but for the time
     swapped = [m for _, m in model.named_modules() if isinstance(m, FastQuantizedLinear)]
     assert swapped and all(m.paths == {1: (fast_linear.DENSE, (0, 0))} for m in swapped)
 
