@@ -476,7 +476,7 @@ async def measure(args: argparse.Namespace, gmlx: Server, peer: Server, prompts:
         for r in range(args.prefix_reps):
             for s in in_turn(servers, r):
                 await prefix_pair(s, clients[s.name], prompts, args.prefix, str(r), bias, prefix[s.name])
-        for s in servers:
+        for s in servers if args.prefix_reps > 0 else ():
             print(f"  {s.name:>14} prefix: miss {prefix[s.name].miss * 1000:.0f} ms, "
                   f"hit {prefix[s.name].hit * 1000:.0f} ms", flush=True)
         stall = {s.name: StallResult() for s in servers}
@@ -510,6 +510,8 @@ def report(args: argparse.Namespace, model_desc: str, gmlx: Server, peer: Server
               f"{theirs.ttft(0.5) * 1000:.0f} / {theirs.ttft(0.95) * 1000:.0f} | "
               f"{ours.ttft(0.5) * 1000:.0f} / {ours.ttft(0.95) * 1000:.0f} | "
               f"{theirs.tokens} / {ours.tokens} | {theirs.chunks} / {ours.chunks} |")
+    if args.prefix_reps <= 0:  # the prefix-reuse and stall cases were skipped
+        return
     p = prefix
     print_table(
         f"prefix reuse ({p[gmlx.name].prompt_tokens} prompt tokens, ~{args.prefix}-token shared system "
