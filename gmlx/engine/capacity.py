@@ -51,6 +51,9 @@ class Geometry:
     dtype_bytes: int
     context_length: int
     fused_attention: bool = False  # the backend's attention never materializes scores
+    # the largest weight a prefill chunk dequantizes for a dense product (CUDA's tuned
+    # paths, ``fast_linear``), alive while that product runs
+    dense_scratch_bytes: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -77,14 +80,15 @@ def prefill_transient(geom: Geometry, chunk: int, context: int) -> int:
     Prefill chunks never materialize their logits (only the caches are evaluated), so
     the terms are the attention scores (absent when the backend fuses attention) and
     the layer activations; the factors were fitted to ``mx.get_peak_memory()`` on the
-    CPU backend, rounding up.
+    CPU backend, rounding up. On CUDA, plus the largest weight a chunk's dense products
+    dequantize (counted for every chunk size: a small over-estimate for short chunks).
     """
     chunk = max(1, min(chunk, context))
     b = geom.dtype_bytes
     scores = 0 if geom.fused_attention else geom.n_heads * chunk * context * b * 11 // 10
     activations = chunk * (2 * geom.intermediate_size + 4 * geom.hidden_size) * b * 5 // 2
     logits = geom.vocab_size * 4 * 2  # the last token's logits and log-probabilities
-    return scores + activations + logits
+    return scores + activations + logits + geom.dense_scratch_bytes
 
 
 def worst_prefill_transient(geom: Geometry, prompt_tokens: int, chunk: int, warm_tokens: int = 0) -> int:
@@ -234,6 +238,7 @@ def probe_geometry(loaded: LoadedModel, kv_quant: KVQuant | None = None) -> Geom
     from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
     from gmlx.engine import kv_quant as kvq
+    from gmlx.engine.kernels.fast_linear import dense_scratch_bytes
     from gmlx.engine.kv_cache import QuantKVCache, make_cache
 
     model = loaded.model
@@ -275,6 +280,7 @@ def probe_geometry(loaded: LoadedModel, kv_quant: KVQuant | None = None) -> Geom
         dtype_bytes=dtype_bytes,
         context_length=loaded.context_length,
         fused_attention=backend() != "cpu",
+        dense_scratch_bytes=dense_scratch_bytes(model),
     )
 
 

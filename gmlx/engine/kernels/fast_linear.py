@@ -167,6 +167,15 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
             f"whole-step speed-up by rows: {steps}")
 
 
+def dense_scratch_bytes(model: nn.Module) -> int:
+    """Bytes of the largest weight a prefill-sized product of ``model`` dequantizes (its
+    layers on the dense path at ``LARGE`` rows): scratch the capacity model prices."""
+    return max((_in_features(m) * m.weight.shape[0] * m.scales.dtype.size
+                for _, m in model.named_modules()
+                if isinstance(m, FastQuantizedLinear) and m.paths.get(LARGE, ("",))[0] == DENSE),
+               default=0)
+
+
 def _in_features(layer: Any) -> int:
     return layer.weight.shape[1] * 32 // layer.bits
 

@@ -237,3 +237,34 @@ def test_the_step_timer_runs_a_real_decode_step() -> None:
     from gmlx.engine.kernels.fast_linear import _step_time
 
     assert _step_time(_tiny_quantized_llama(), 2, context=4, steps=2) > 0
+
+
+def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
+    """Layers whose prefill-sized products dequantize (the ``LARGE`` bucket's dense
+    path) hold that float weight while the product runs: the capacity model adds the
+    largest one to every prefill's transient. (A stand-in for CUDA and the clocks, as
+    above; the geometry is measured for real.)"""
+    from dataclasses import replace
+
+    from gmlx.engine import capacity
+    from gmlx.engine.kernels import fast_linear
+    from gmlx.engine.loading import load_model
+
+    loaded = load_model("demo")
+    nn.quantize(loaded.model, group_size=32, bits=4)
+    before = capacity.probe_geometry(loaded)
+    assert before.dense_scratch_bytes == 0
+    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
+        fast_linear.LARGE: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 0.5 if any(
+        rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0)
+    use_fast_kernels(loaded.model)
+    dense = [m for _, m in loaded.model.named_modules()
+             if isinstance(m, FastQuantizedLinear) and fast_linear.LARGE in m.paths]
+    assert dense
+    largest = max(m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * m.scales.dtype.size for m in dense)
+    after = capacity.probe_geometry(loaded)
+    assert after.dense_scratch_bytes == largest
+    assert (capacity.prefill_transient(after, 512, 512)
+            == capacity.prefill_transient(replace(after, dense_scratch_bytes=0), 512, 512) + largest)
