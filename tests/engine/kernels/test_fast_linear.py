@@ -30,14 +30,16 @@ def test_not_used_where_it_is_not_built() -> None:
     assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
 
 
-def test_the_dense_path_is_the_same_product() -> None:
-    mx.random.seed(1)
-    w = mx.random.normal((64, 256))
-    wq, s, b = mx.quantize(w, group_size=32, bits=6)
+@pytest.mark.parametrize(("path", "bits", "group"), [("dense", 6, 32), ("exact", 4, 64)])
+def test_the_reference_paths_are_the_same_product(path: str, bits: int, group: int) -> None:
+    """The dequantize+dense path, and the float32 product every path is held to."""
+    mx.random.seed(bits)
+    wq, s, b = mx.quantize(mx.random.normal((64, 256)), group_size=group, bits=bits)
     x = mx.random.normal((3, 256))
-    got = dequantized(x, wq, s, b, 32, 6)
-    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=6)
+    got = (dequantized if path == "dense" else exact_product)(x, wq, s, b, group, bits)
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
     assert mx.allclose(got, want, atol=1e-3, rtol=1e-3)
+    assert path == "dense" or got.dtype == mx.float32
 
 
 def test_agreement_is_held_to_mlx_own_error() -> None:
@@ -45,16 +47,6 @@ def test_agreement_is_held_to_mlx_own_error() -> None:
     mlx_own = exact + mx.array([[0.2, 0.0, 0.0]])  # MLX's product is 0.2 off
     assert agrees(exact + mx.array([[0.0, 0.3, 0.0]]), mlx_own, exact)  # 0.3 <= 2 * 0.2 + 0.1
     assert not agrees(exact + mx.array([[0.0, 0.0, 1.0]]), mlx_own, exact)
-
-
-def test_the_exact_product_dequantizes() -> None:
-    mx.random.seed(0)
-    w = mx.random.normal((64, 256))
-    wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    x = mx.random.normal((2, 256))
-    exact = exact_product(x, wq, s, b, 64, 4)
-    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
-    assert exact.dtype == mx.float32 and mx.allclose(exact, want, atol=1e-3, rtol=1e-3)
 
 
 def _tiny_quantized_llama() -> nn.Module:
