@@ -74,16 +74,24 @@ class FastQuantizedLinear(nn.QuantizedLinear):
     kernel MLX picks. (MLX's Metal product already counts every leading dimension as
     rows.)"""
 
-    paths: Paths  # set when a layer is swapped to this class
+    # Set by ``set_paths`` when a layer is swapped to this class: a plain attribute, not
+    # one of the module's children (a dict set the usual way would join its parameter
+    # tree), and read on every call.
+    paths: Paths
+
+    def set_paths(self, paths: Paths) -> None:
+        object.__setattr__(self, "paths", paths)
 
     def __call__(self, x: Any) -> Any:
-        k = x.shape[-1]
-        rows = x.size // k if k else 0
+        shape = x.shape
+        if len(shape) <= 2 and not self.paths:
+            return super().__call__(x)
+        rows = x.size // shape[-1] if shape[-1] else 0
         chosen = self.paths.get(bucket(rows)) if self.paths else None
         if chosen is None:
-            if x.ndim <= 2 or x.shape[-2] == rows:  # one sequence: MLX sees its rows already
+            if len(shape) <= 2 or shape[-2] == rows:  # one sequence: MLX sees its rows already
                 return super().__call__(x)
-            return super().__call__(x.reshape(rows, k)).reshape(*x.shape[:-1], -1)
+            return super().__call__(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
         path, config = chosen
         q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else dequantized(x, *q)
@@ -112,7 +120,7 @@ def use_fast_kernels(model: nn.Module) -> str | None:
     for m in modules:
         if type(m) is nn.QuantizedLinear:
             m.__class__ = FastQuantizedLinear
-            m.paths = {}
+            m.set_paths({})
         elif type(m) is nn.QuantizedEmbedding:
             m.__class__ = FlatQuantizedEmbedding
     flat = sum(isinstance(m, FastQuantizedLinear | FlatQuantizedEmbedding) for m in modules)
@@ -146,7 +154,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
             chosen[key] = known
     swapped = [m for m in layers if chosen[_key(m)]]
     for m in swapped:
-        m.paths = dict(chosen[_key(m)])
+        m.set_paths(dict(chosen[_key(m)]))
     whole = model_key(keys[_key(m)] for m in layers)
     confirmed = tuning.confirmed(whole)
     if confirmed is None:
@@ -156,7 +164,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
     mx.clear_cache()  # the timing's temporaries (dequantized weights among them)
     chosen = {key: {r: c for r, c in paths.items() if r in confirmed} for key, paths in chosen.items()}
     for m in swapped:
-        m.paths = dict(chosen[_key(m)])
+        m.set_paths(dict(chosen[_key(m)]))
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
         f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p == KERNEL else "")

@@ -106,6 +106,11 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
     assert note is not None and "none faster" in note
     layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     assert layers and all(isinstance(m, FastQuantizedLinear) and m.paths == {} for m in layers)
+    # the decisions are not part of the model's parameter tree
+    from mlx.utils import tree_flatten
+
+    assert not any("paths" in key for key, _ in tree_flatten(model.parameters()))
+    assert all("paths" not in m for m in layers)
 
 
 def _spy_on_quantized_matmul(monkeypatch) -> list[int]:
