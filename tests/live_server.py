@@ -6,11 +6,15 @@ Its own module (not conftest) so test files in any folder can import it by a uni
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 
@@ -73,3 +77,39 @@ class Headroom:
 
     def __call__(self) -> int:
         return self.value
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (for a server started as a process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(*args: str, ready: str = "/health?ready=1", timeout: float = 90.0,
+                probe_timeout: float = 2.0) -> tuple[subprocess.Popen, str]:
+    """``gmlx serve ARGS`` as a process on a free port, returned once ``ready`` answers
+    200, with its URL; its stdout and stderr are one text pipe. A process that exits
+    first, or never answers, fails the test with what it printed (and is killed)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gmlx.cli.main", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}{ready}", timeout=probe_timeout).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "gmlx serve did not come up"
+            time.sleep(0.1)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+        raise

@@ -8,7 +8,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cli_runner import gmlx, one_error_line
-from live_server import LiveServer, serve_config
+from live_server import LiveServer, free_port, serve_config
 
 from gmlx.cli.agents import AGENTS, output_cap
 from gmlx.paths import launch_dir
@@ -271,12 +270,6 @@ def test_launch_keeps_the_model_and_becomes_the_agent(name, live, fake_agents):
         assert key not in agent["env"]
     for path, text in files.items():  # what --print-env shows is what it wrote
         assert Path(path).read_text() == text
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

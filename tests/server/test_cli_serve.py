@@ -2,44 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from live_server import start_serve
 
 
 def test_serve_demo(gmlx_home):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gmlx.cli.main", "serve", "demo", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+    proc, url = start_serve("demo", ready="/health", timeout=60, probe_timeout=1)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "gmlx serve did not come up"
-            time.sleep(0.1)
         r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            f"{url}/v1/chat/completions",
             timeout=30,
             json={
                 "model": "demo",
@@ -53,7 +28,7 @@ def test_serve_demo(gmlx_home):
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "serving demo" in out
-    assert f"http://127.0.0.1:{port}" in out
+    assert url in out
     assert f"config: {gmlx_home / 'gmlx.yaml'} (not found: empty config)" in out
 
 

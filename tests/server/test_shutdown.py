@@ -5,24 +5,17 @@ event (never a normal finish), the port is released and the process exits 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+from live_server import start_serve
 
 NO_EOS: dict[str, int] = {}  # filled from the demo tokenizer on first use
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def no_eos() -> dict[str, int]:
@@ -35,23 +28,8 @@ def no_eos() -> dict[str, int]:
 
 @contextmanager
 def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gmlx.cli.main", "serve", "demo", "--port", str(port), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve("demo", *flags)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/health?ready=1", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "gmlx serve did not come up"
-            time.sleep(0.1)
         yield proc, url
     finally:
         if proc.poll() is None:
