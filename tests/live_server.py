@@ -66,6 +66,20 @@ def serve_config(folder, yaml_text: str, *, models=("demo",), probe=None) -> Liv
     return LiveServer.start(build_app(settings, probe=probe))
 
 
+def serve_with_template(root, source, model_id: str, template: str):
+    """A live server of one model, ``model_id``: the weights of the folder ``source``
+    copied to ``root/model_id`` with ``template`` as its chat template. Returns the
+    server and the folder."""
+    import shutil
+
+    folder = root / model_id
+    shutil.copytree(source, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    live = serve_config(root, f"server: {{warmup: false}}\nmodels:\n  {model_id}: {{source: {folder}}}\n",
+                        models=(model_id,))
+    return live, folder
+
+
 GREEN, RED = 10**12, 10  # a memory probe's readings: plenty of room, almost none
 
 

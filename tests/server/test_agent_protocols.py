@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
 import pytest
-from live_server import serve_config
+from live_server import serve_with_template
 
 from gmlx.engine.loading.demo import CHAT_TEMPLATE
 
@@ -47,12 +46,8 @@ def strict(tmp_path_factory, demo_model):
     """A server of ``strict`` (the demo weights, STRICT_TEMPLATE) and its tokenizer."""
     from gmlx import load_tokenizer
 
-    root = tmp_path_factory.mktemp("strict")
-    folder = root / "strict-think"
-    shutil.copytree(demo_model.source, folder)
-    (folder / "chat_template.jinja").write_text(STRICT_TEMPLATE)
-    live = serve_config(root, f"server: {{warmup: false}}\nmodels:\n  strict: {{source: {folder}}}\n",
-                        models=("strict",))
+    live, folder = serve_with_template(tmp_path_factory.mktemp("strict"), demo_model.source, "strict",
+                                       STRICT_TEMPLATE)
     tokenizer = load_tokenizer(folder)
     assert tokenizer.chat_template == STRICT_TEMPLATE
     yield live, tokenizer

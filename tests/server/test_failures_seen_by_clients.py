@@ -230,16 +230,10 @@ ALTERNATING = (
 
 @pytest.fixture(scope="module")
 def alternating(tmp_path_factory, demo_model):
-    import shutil
+    from live_server import serve_with_template
 
-    from live_server import serve_config
-
-    root = tmp_path_factory.mktemp("alternating")
-    folder = root / "alternating"
-    shutil.copytree(demo_model.source, folder)
-    (folder / "chat_template.jinja").write_text(ALTERNATING)
-    live = serve_config(root, f"server: {{warmup: false}}\nmodels:\n  alt: {{source: {folder}}}\n",
-                        models=("alt",))
+    live, _ = serve_with_template(tmp_path_factory.mktemp("alternating"), demo_model.source, "alt",
+                                  ALTERNATING)
     yield live
     live.stop()
 
