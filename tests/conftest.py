@@ -10,6 +10,7 @@ import pytest
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 VOCAB_DIR = SHARED / "fixtures" / "vocab"
+VOCABS = ["qwen2", "llama-bpe", "llama-spm", "phi-3", "gemma-4"]  # the vocab fixtures there
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,7 +23,6 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 Q = GGMLQuantizationType
-VOCAB_DIR = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures" / "vocab"
 
 # Byte offsets of each block's fp16 fields (random bits could be inf/nan there), and
 # the range that keeps dequantized weights around +-0.2 for a sane tiny model.

@@ -17,10 +17,8 @@ from gmlx.engine.errors import UnsupportedModelError
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_tokenizer import build_tokenizer
 from gmlx.engine.tokenizer import Tokenizer
+from tests.conftest import VOCAB_DIR, VOCABS
 
-# The shared fixtures folder lies beside the repository root.
-VOCAB_DIR = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures" / "vocab"
-VOCABS = ["qwen2", "llama-bpe", "llama-spm", "phi-3", "gemma-4"]
 CORPUS = [
     "Hello world",
     " Hello world",

@@ -19,9 +19,8 @@ from gmlx.engine.loading import convert_cache, gguf
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_tokenizer import TokenizerSpec, build_spec, build_tokenizer
 from gmlx.engine.tokenizer import Tokenizer
+from tests.conftest import VOCABS, vocab_path
 
-VOCAB_DIR = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures" / "vocab"
-VOCABS = ["qwen2", "llama-bpe", "llama-spm", "phi-3", "gemma-4"]
 TEXTS = [
     "Hello world",
     "  two leading spaces\n\nand blank lines\t\ttabs\r\n",
@@ -45,12 +44,6 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(convert_cache.ENV_MAX_BYTES, raising=False)
     return tmp_path / "cache" / "converted"
-
-
-def vocab_path(name: str) -> Path:
-    if not VOCAB_DIR.is_dir():
-        pytest.skip(f"llama.cpp vocab fixtures not found at {VOCAB_DIR.resolve()}")
-    return VOCAB_DIR / f"ggml-vocab-{name}.gguf"
 
 
 def through_cache(path: Path) -> tuple[convert_cache.Converted, GGUFFile]:
