@@ -93,6 +93,16 @@ class Headroom:
         return self.value
 
 
+SHED_FLOOR = 1000  # a governed server's floor: a probe reading RED is below it
+
+
+def serve_governed(folder, probe: Headroom) -> LiveServer:
+    """A live demo server (two decode slots) whose memory governor reads ``probe`` and
+    sheds once it reads RED."""
+    return serve_config(folder, f"server:\n  decode_batch: 2\n  governor_floor_bytes: {SHED_FLOOR}\n",
+                        probe=probe)
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 nothing listens on (for a server started as a process)."""
     with socket.socket() as s:

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import GREEN, RED, Headroom, serve_config
+from live_server import GREEN, RED, Headroom, serve_governed
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -78,9 +78,6 @@ def test_a_streamed_function_call_is_the_whole_ones_item(openai_client):
 
 # -- shedding --------------------------------------------------------------------------
 
-FLOOR = 1000
-
-
 @pytest.fixture(scope="module")
 def probe() -> Headroom:
     return Headroom()
@@ -88,8 +85,7 @@ def probe() -> Headroom:
 
 @pytest.fixture(scope="module")
 def governed(tmp_path_factory, probe):
-    live = serve_config(tmp_path_factory.mktemp("shed-responses"),
-                        f"server:\n  decode_batch: 2\n  governor_floor_bytes: {FLOOR}\n", probe=probe)
+    live = serve_governed(tmp_path_factory.mktemp("shed-responses"), probe)
     yield live
     live.stop()
 

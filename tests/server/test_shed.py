@@ -8,9 +8,7 @@ import time
 
 import httpx
 import pytest
-from live_server import GREEN, RED, Headroom, LiveServer, serve_config
-
-FLOOR = 1000
+from live_server import GREEN, RED, Headroom, LiveServer, serve_governed
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +18,7 @@ def probe() -> Headroom:
 
 @pytest.fixture(scope="module")
 def governed(tmp_path_factory, probe):
-    yaml_text = f"server:\n  decode_batch: 2\n  governor_floor_bytes: {FLOOR}\n"
-    live = serve_config(tmp_path_factory.mktemp("shed"), yaml_text, probe=probe)
+    live = serve_governed(tmp_path_factory.mktemp("shed"), probe)
     yield live
     live.stop()
 
