@@ -137,3 +137,18 @@ def start_serve(*args: str, ready: str = "/health?ready=1", timeout: float = 90.
             proc.kill()
         proc.communicate(timeout=30)
         raise
+
+
+def protocol_error(body: dict, path: str, where: object) -> dict:
+    """The inner error of an error body in the protocol of the route at ``path``
+    (Anthropic's ``{"type": "error", "error": {type, message}}`` under /v1/messages,
+    OpenAI's ``{"error": {message, type, param, code}}`` elsewhere), asserting its shape;
+    ``where`` is shown when an assertion fails."""
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error", where
+        error = body["error"]
+    else:
+        error = body["error"]
+        assert {"message", "type", "param", "code"} <= set(error), where
+    assert isinstance(error["type"], str) and isinstance(error["message"], str), where
+    return error

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-from live_server import LiveServer, serve_config
+from live_server import LiveServer, protocol_error, serve_config
 
 EXAMPLES = int(os.environ.get("GMLX_FUZZ_EXAMPLES", "25"))
 # CI runs the same examples every time; a longer run (the variable set) explores anew.
@@ -76,14 +76,7 @@ def check_answer(method: str, path: str, status: int, headers: Any, text: str) -
 
 
 def check_error(body: dict[str, Any], path: str, where: str) -> None:
-    if path.startswith("/v1/messages"):
-        assert body["type"] == "error", where
-        error = body["error"]
-        assert isinstance(error["type"], str) and isinstance(error["message"], str), where
-    else:
-        error = body["error"]
-        assert {"message", "type", "param", "code"} <= set(error), where
-        assert isinstance(error["message"], str) and isinstance(error["type"], str), where
+    error = protocol_error(body, path, where)
     assert error["type"] not in INTERNAL and error.get("code") not in INTERNAL, where
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from live_server import protocol_error
 
 HI = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -274,14 +275,7 @@ def assert_typed_4xx(r: httpx.Response, path: str) -> dict[str, Any]:
     """A 4xx other than 422, with the route's protocol error shape; returns the inner error."""
     assert 400 <= r.status_code < 500 and r.status_code != 422, (r.status_code, r.text)
     body = r.json()
-    if path.startswith("/v1/messages"):
-        assert body["type"] == "error", body
-        err = body["error"]
-        assert isinstance(err["type"], str) and isinstance(err["message"], str), body
-    else:
-        err = body["error"]
-        assert set(err) >= {"message", "type", "param", "code"}, body
-        assert isinstance(err["type"], str) and isinstance(err["message"], str), body
+    err = protocol_error(body, path, body)
     assert err["message"] and "Internal error" not in err["message"]
     return err
 
