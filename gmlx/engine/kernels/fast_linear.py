@@ -83,15 +83,12 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         object.__setattr__(self, "paths", paths)
 
     def __call__(self, x: Any) -> Any:
-        shape = x.shape
-        if len(shape) <= 2 and not self.paths:
-            return super().__call__(x)
-        rows = x.size // shape[-1] if shape[-1] else 0
-        chosen = self.paths.get(bucket(rows)) if self.paths else None
+        if not self.paths:
+            return _by_rows(super().__call__, x)
+        rows = x.size // x.shape[-1] if x.shape[-1] else 0
+        chosen = self.paths.get(bucket(rows))
         if chosen is None:
-            if len(shape) <= 2 or shape[-2] == rows:  # one sequence: MLX sees its rows already
-                return super().__call__(x)
-            return super().__call__(x.reshape(rows, shape[-1])).reshape(*shape[:-1], -1)
+            return _by_rows(super().__call__, x)
         path, config = chosen
         q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else dequantized(x, *q)
@@ -103,9 +100,16 @@ class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
     input as ``(rows, K)``, for the reason :class:`FastQuantizedLinear` gives."""
 
     def as_linear(self, x: Any) -> Any:
-        if x.ndim <= 2 or x.size == x.shape[-2] * x.shape[-1]:
-            return super().as_linear(x)
-        return super().as_linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return _by_rows(super().as_linear, x)
+
+
+def _by_rows(product: Callable[[Any], Any], x: Any) -> Any:
+    """``product(x)`` with ``x`` handed over as ``(rows, K)`` when it holds more than one
+    sequence (one sequence reaches MLX as rows already, and is passed as it is)."""
+    shape = x.shape
+    if len(shape) <= 2 or x.size == shape[-2] * shape[-1]:
+        return product(x)
+    return product(x.reshape(-1, shape[-1])).reshape(*shape[:-1], -1)
 
 
 def use_fast_kernels(model: nn.Module) -> str | None:
