@@ -51,12 +51,15 @@ def prompts(width: int, length: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % 700 + 3 for j in range(length)] for i in range(width)]
 
 
-def run_peer(loaded, width: int, prompt_len: int, tokens: int) -> float:
-    """Decode tokens/s of mlx-lm's BatchGenerator, all prompts inserted at once."""
+def run_peer(loaded, width: int, prompt_len: int, tokens: int, bias: dict[int, float] | None = None) -> float:
+    """Decode tokens/s of mlx-lm's BatchGenerator, all prompts inserted at once (with
+    ``bias`` as every request's logit bias, through mlx-lm's own processor)."""
     from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_logits_processors
 
     gen = BatchGenerator(loaded.model, stop_tokens=[], completion_batch_size=width, prefill_batch_size=width)
-    gen.insert(prompts(width, prompt_len), max_tokens=[tokens] * width)
+    processors = [make_logits_processors(logit_bias=bias) for _ in range(width)] if bias else None
+    gen.insert(prompts(width, prompt_len), max_tokens=[tokens] * width, logits_processors=processors)
     done, produced, start = 0, 0, None
     while done < width:
         _, responses = gen.next()
@@ -79,14 +82,16 @@ def run_peer_in_thread(loaded, width: int, prompt_len: int, tokens: int) -> floa
     return result[0]
 
 
-def run_gmlx(loaded, width: int, prompt_len: int, tokens: int) -> float:
-    """Decode tokens/s of gmlx's ModelWorker with ``width`` concurrent requests."""
+def run_gmlx(loaded, width: int, prompt_len: int, tokens: int, bias: dict[int, float] | None = None) -> float:
+    """Decode tokens/s of gmlx's ModelWorker with ``width`` concurrent requests (each
+    with ``bias`` as its logit bias)."""
     from gmlx.engine.types import GenerateRequest, SamplingParams
     from gmlx.engine.worker import ModelWorker
 
     worker = ModelWorker(loaded, decode_batch=width, prompt_cache_bytes=0)
     try:
-        handles = [worker.submit(GenerateRequest(tuple(p), max_tokens=tokens, sampling=SamplingParams(temperature=0)))
+        sampling = SamplingParams(temperature=0, logit_bias=bias)
+        handles = [worker.submit(GenerateRequest(tuple(p), max_tokens=tokens, sampling=sampling))
                    for p in prompts(width, prompt_len)]
         stamps: list[list[float]] = [[] for _ in range(width)]
 

@@ -12,7 +12,9 @@ SHAPE:QUANT, and each quant names what each server loads:
 
 (``--gmlx-mlx`` adds gmlx on the MLX folder too, as "gmlx-mlx"; ``gmlx-flat`` and
 ``gmlx-plain`` in ``--servers`` add gmlx on the same file with its CUDA quantized layers
-only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``). One server runs at a
+only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
+``gmlx-graph400`` adds it with MLX's own CUDA graph-cache settings, capacity 400 and the
+thrashing fuse on, where gmlx sets 4000 and off). One server runs at a
 time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
 chat completions, greedy, every special and partial-UTF-8 token biased -100 so each
@@ -69,10 +71,19 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 import openai
 import throughput as tp
 
-SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-mlx", "mlx_lm", "llama")
-# gmlx on the same file as "gmlx" with its CUDA quantized layers as fast_linear's
-# GMLX_QMV_KERNEL says: only flattened, or left as MLX makes them
-GMLX_VARIANTS = {"gmlx-flat": "flat", "gmlx-plain": "0"}
+SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-mlx", "mlx_lm", "llama")
+# gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
+# fast_linear's GMLX_QMV_KERNEL says (only flattened, or left as MLX makes them), or MLX's
+# own CUDA graph-cache settings (gmlx.engine's MLX_CUDA_DEFAULTS say why gmlx changes them)
+GMLX_VARIANTS = {
+    "gmlx-flat": {"GMLX_QMV_KERNEL": "flat"},
+    "gmlx-plain": {"GMLX_QMV_KERNEL": "0"},
+    "gmlx-graph400": {"MLX_CUDA_GRAPH_CACHE_SIZE": "400", "MLX_ENABLE_CACHE_THRASHING_CHECK": "1"},
+}
+# What a gmlx server's log says about its load (conversion, the tuner's choices, warm-up)
+# and anything that went wrong: kept with its result, as the log itself is lost with the
+# device machine.
+LOG_KEYS = ("loaded ", "warmed up", "cuda:", "convert", "cache", "hrashing", "WARNING", "ERROR", "Traceback")
 # quant -> server -> the file or folder (inside MODELS_DIR/SHAPE) it loads
 FILES: dict[str, dict[str, str | None]] = {
     "f16": {"gmlx": "f16.gguf", "gmlx-mlx": "mlx-bf16", "mlx_lm": "mlx-bf16", "llama": "f16.gguf"},
@@ -135,15 +146,14 @@ def find_llama_server() -> str | None:
 
 
 def make_server(kind: str, model: Path, workdir: Path, args: argparse.Namespace) -> tp.Server:
-    home = workdir / f"gmlx-home-{kind}"
-    home.mkdir(exist_ok=True)
+    home = args.gmlx_home or workdir / f"gmlx-home-{kind}"
+    home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     # the working tree's gmlx first, whatever is installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     slots = max(args.widths)
     log = workdir / f"{kind}.log"
-    if kind in GMLX_VARIANTS:
-        env["GMLX_QMV_KERNEL"] = GMLX_VARIANTS[kind]
+    env.update(GMLX_VARIANTS.get(kind, {}))
     if kind.startswith("gmlx"):
         s = tp.Server(kind, [sys.executable, "-m", "gmlx.cli.main", "serve", str(model),
                             "--decode-batch", str(slots), *args.gmlx_args], env, log)
@@ -222,7 +232,15 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
         s.wait_ready()
         result["ready_s"] = time.perf_counter() - t0
         print(f"  {kind}: ready in {result['ready_s']:.1f} s", flush=True)
+        if kind.startswith("gmlx"):
+            result["load_log"] = log_lines(s.log)
+            print("\n".join(f"    | {line}" for line in result["load_log"]), flush=True)
         asyncio.run(asyncio.wait_for(drive(s, prompts, args, result), args.server_timeout))
+        if kind.startswith("gmlx"):
+            later = log_lines(s.log)[len(result["load_log"]):]
+            if later:
+                result["run_log"] = later
+                print("\n".join(f"    | {line}" for line in later), flush=True)
     except Exception as e:  # noqa: BLE001 (a failed server keeps its row, with the reason; the run goes on)
         result["error"] = f"{type(e).__name__}: {e}"[:300]
         print(f"  {kind} FAILED: {result['error']}\n--- {kind} ({s.status()}), last lines of its log:\n"
@@ -232,6 +250,17 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
         PIDFILE.unlink(missing_ok=True)
     result["total_s"] = time.perf_counter() - t0
     return result
+
+
+def log_lines(log: Path, limit: int = 60) -> list[str]:
+    """The lines of a gmlx server's log that ``LOG_KEYS`` pick (at most ``limit``,
+    each cut to 600 characters)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[:600] for line in lines
+            if any(k in line for k in LOG_KEYS) and "\u2591" not in line][:limit]  # no progress bars
 
 
 # -- tables -----------------------------------------------------------------------------
@@ -356,6 +385,9 @@ def main() -> None:
     p.add_argument("--server-timeout", type=float, default=480.0, help="seconds per server, after ready")
     p.add_argument("--start-timeout", type=float, default=420.0, help="seconds until a server is ready")
     p.add_argument("--gmlx-args", type=lambda s: s.split(), default=[])
+    p.add_argument("--gmlx-home", type=Path,
+                   help="one GMLX_HOME for every gmlx server (default: one each, in a temp folder): "
+                        "shares the converted-weights cache and the kernel tuning, e.g. with served_step.py's")
     p.add_argument("--peer-args", type=lambda s: s.split(), default=[], help="extra mlx_lm.server flags")
     p.add_argument("--llama-args", type=lambda s: s.split(), default=[], help="extra llama-server flags")
     p.add_argument("--results", type=Path, default=Path("/tmp/gpu-results"),

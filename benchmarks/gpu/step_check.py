@@ -27,7 +27,7 @@ from benchmarks.decode_throughput import SHAPES
 from gmlx.engine.kernels import fast_linear
 
 
-def build(shape: str) -> nn.Module:
+def build(shape: str, dtype: str = "bfloat16") -> nn.Module:
     from mlx_lm.models import llama
 
     s = SHAPES[shape]
@@ -35,7 +35,7 @@ def build(shape: str) -> nn.Module:
                            tie_word_embeddings=False, **s)
     mx.random.seed(0)
     model = llama.Model(args)
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(getattr(mx, dtype))
     n = args.num_hidden_layers
 
     def six_bits(path: str) -> bool:  # llama.cpp's Q4_K_M: more bits in some layers

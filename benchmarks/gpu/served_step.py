@@ -1,0 +1,175 @@
+"""Where a served decode step's time goes, for one model file, in one process: the
+model's bare step (graph build and evaluation timed apart), mlx-lm's BatchGenerator and
+gmlx's worker on the same weights, with the quantized layers as MLX leaves them
+(``plain``), only flattened (``flat``) and with the tuned paths (``tuned``); ``clear``
+empties MLX's buffer cache between modes. A mode may come back (``plain,tuned,plain``):
+whether a width's rate depends on what the process ran before is one of the questions.
+
+    python benchmarks/gpu/served_step.py /tmp/models/llama3-8b/q4_k_m.gguf [--widths 1,8,32]
+    python benchmarks/gpu/served_step.py synthetic:llama3-8b     # no model file: step_check's
+                                                                 # in-memory Q4_K_M layouts
+    python benchmarks/gpu/served_step.py demo --widths 1,4       # here, on the CPU
+    MLX_CUDA_GRAPH_CACHE_SIZE=4000 python benchmarks/gpu/served_step.py synthetic:llama3-8b \
+        --modes plain,tuned,plain --widths 1 --bias 0,3000 --dtype float16
+
+The model loads once, through gmlx's own loader (the converted-weights cache makes a
+second load of a GGUF quick); the modes are applied one after the other, as
+``fast_linear.use_fast_kernels`` does at a server's load (``plain`` and ``flat`` only
+on CUDA). Prints one row per mode and width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.decode_throughput import run_gmlx, run_peer
+
+
+def bare_step(model, rows: int, context: int = 128, steps: int = 16) -> tuple[float, float]:
+    """Seconds per decode step of ``rows`` streams (each step waited for), of the step's
+    graph building alone (the Python side of a step) and of handing it to the GPU
+    (``mx.async_eval``: the kernels' launches)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
+    token = mx.zeros((rows, 1), mx.int32)
+    for _ in range(3):
+        mx.eval(model(token, cache=cache))
+    build = launch = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        out = model(token, cache=cache)
+        t2 = time.perf_counter()
+        mx.async_eval(out)
+        launch += time.perf_counter() - t2
+        build += t2 - t
+        mx.eval(out)
+    return (time.perf_counter() - start) / steps, build / steps, launch / steps
+
+
+def prefix_ttft(loaded, length: int, reps: int = 3) -> tuple[float, float]:
+    """Seconds to the first token of a ``length``-token prompt through gmlx's worker
+    with the prompt cache on: cold (a miss) and again with a few new tokens after it (a
+    hit on ``length`` tokens), the best of ``reps`` of each."""
+    from gmlx.engine.types import GenerateRequest, SamplingParams
+    from gmlx.engine.worker import ModelWorker
+
+    worker = ModelWorker(loaded, decode_batch=1)
+    try:
+        def ttft(tokens: list[int]) -> float:
+            start = time.perf_counter()
+            for ev in worker.submit(GenerateRequest(tuple(tokens), max_tokens=2,
+                                                    sampling=SamplingParams(temperature=0))):
+                if ev.token_ids:
+                    return time.perf_counter() - start
+            raise RuntimeError("no token")
+
+        miss, hit = [], []
+        for r in range(reps):
+            base = [(11 * j + 97 * r) % 700 + 3 for j in range(length)]
+            miss.append(ttft(base))
+            hit.append(ttft(base + [5, 6, 7, 8 + r]))
+        return min(miss), min(hit)
+    finally:
+        worker.close()
+
+
+def unswap(model) -> None:
+    """The quantized layers back to MLX's own classes (a mode after another)."""
+    from mlx import nn
+
+    from gmlx.engine.kernels import fast_linear
+
+    for _, m in model.named_modules():
+        if isinstance(m, fast_linear.FastQuantizedLinear):
+            m.__class__ = nn.QuantizedLinear
+        elif isinstance(m, fast_linear.FlatQuantizedEmbedding):
+            m.__class__ = nn.QuantizedEmbedding
+
+
+def load(ref: str, dtype: str):
+    """The model as a server loads it, or ``synthetic:SHAPE``: step_check's random
+    weights in a Q4_K_M GGUF's MLX layouts (activations, scales and biases in
+    ``dtype``), with the demo model's tokenizer."""
+    from dataclasses import replace
+
+    from benchmarks.decode_throughput import SHAPES
+    from benchmarks.gpu.step_check import build
+    from gmlx.engine.loading import load_model
+
+    if not ref.startswith("synthetic:"):
+        return load_model(ref)
+    shape = ref.removeprefix("synthetic:")
+    config = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                  tie_word_embeddings=False, **SHAPES[shape])
+    return replace(load_model("demo"), id=shape, model=build(shape, dtype), config=config, context_length=8192)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a model reference gmlx serve takes (a GGUF, a folder, demo)")
+    parser.add_argument("--widths", default="1,8,32")
+    parser.add_argument("--modes", default="plain,flat,tuned")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--prefix", type=int, default=2048, help="prompt-cache miss/hit prompt length (0: skip)")
+    parser.add_argument("--no-serve", action="store_true", help="bare steps only (no BatchGenerator, no worker)")
+    parser.add_argument("--bias", default="0",
+                        help="comma-separated: rows where every request carries a logit bias of -100 on this "
+                             "many token ids (bench.py's client bans every special and partial-UTF-8 token: "
+                             "thousands of a 128k vocabulary)")
+    parser.add_argument("--dtype", default="bfloat16", help="synthetic: float type (a Q4_K_M GGUF loads as float16)")
+    args = parser.parse_args()
+
+    from gmlx.engine.kernels import fast_linear
+
+    start = time.perf_counter()
+    loaded = load(args.model, args.dtype)
+    graphs = os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE", "default")
+    print(f"device: {mx.default_device()}  model: {args.model}  loaded in {time.perf_counter() - start:.1f} s  "
+          f"MLX_CUDA_GRAPH_CACHE_SIZE={graphs}")
+    vocab = loaded.tokenizer.vocab_size
+    biases = {int(n): {(7919 * i) % vocab: -100.0 for i in range(int(n))} or None for n in args.bias.split(",")}
+    for note in loaded.notes:
+        print(f"  note: {note}")
+    widths = [int(w) for w in args.widths.split(",")]
+    print(f"{'mode':>6} {'width':>5} {'bias':>5} {'step ms':>8} {'build ms':>9} {'launch ms':>9} {'bare tok/s':>11} "
+          f"{'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'gmlx/mlx-lm':>12} {'cache GB':>9}", flush=True)
+    for mode in args.modes.split(","):
+        if mode == "clear":
+            mx.clear_cache()
+            continue
+        os.environ["GMLX_QMV_KERNEL"] = {"plain": "0", "flat": "flat", "tuned": "1"}[mode]
+        if mode == "plain":
+            unswap(loaded.model)
+        t = time.perf_counter()
+        note = fast_linear.use_fast_kernels(loaded.model)
+        if note:
+            print(f"  {mode}: {note} ({time.perf_counter() - t:.1f} s)", flush=True)
+        for width in widths:
+            step, build, launch = bare_step(loaded.model, width, context=args.prompt)
+            for n, bias in biases.items():
+                row = (f"{mode:>6} {width:>5} {n:>5} {step * 1e3:>8.2f} {build * 1e3:>9.2f} {launch * 1e3:>9.2f} "
+                       f"{width / step:>11.1f}")
+                if not args.no_serve:
+                    peer = run_peer(loaded, width, args.prompt, args.tokens, bias)
+                    ours = run_gmlx(loaded, width, args.prompt, args.tokens, bias)
+                    row += f" {peer:>13.1f} {ours:>11.1f} {ours / peer:>12.2f}"
+                print(f"{row} {mx.get_cache_memory() / 1e9:>9.2f}", flush=True)
+        if args.prefix:
+            miss, hit = prefix_ttft(loaded, args.prefix)
+            print(f"{mode:>6} prefix {args.prefix}: TTFT miss {miss * 1e3:.0f} ms, hit {hit * 1e3:.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
