@@ -41,6 +41,7 @@ PINS=(
   httpx==0.28.1 httpcore==1.0.9 anyio==4.16.0 sniffio==1.3.1 idna==3.20 certifi==2026.10.19.post1
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
   jinja2==3.1.6 markupsafe==3.0.4
+  py-spy==0.4.3
 )
 PLATFORMS=(--platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
            --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64

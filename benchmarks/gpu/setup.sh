@@ -60,7 +60,7 @@ install() {
   cat >"$ENVFILE" <<EOF
 # written by benchmarks/gpu/setup.sh install
 export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}
-export PATH=$LLAMA/build/bin:\$PATH
+export PATH=$LLAMA/build/bin:$SITE/bin:\$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export GPU_VOCAB=$STAGE/ggml-vocab-llama-bpe.gguf
 EOF
