@@ -20,7 +20,7 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 2  # 2: the tensor-core kernel, launch shapes of any length
+FORMAT = 3  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256
 Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 

@@ -265,3 +265,14 @@ def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
     assert after.dense_scratch_bytes == largest
     assert (capacity.prefill_transient(after, 512, 512)
             == capacity.prefill_transient(replace(after, dense_scratch_bytes=0), 512, 512) + largest)
+
+
+@pytest.mark.parametrize(("rows", "want"), [(1, 1), (3, 4), (33, 64), (64, 64), (65, 128), (128, 128),
+                                            (129, 256), (256, 256), (257, 512), (2048, 512)])
+def test_each_product_takes_the_bucket_measured_near_its_rows(rows: int, want: int) -> None:
+    """A short prompt's prefill has its own buckets: the dense path's cost does not
+    shrink with the rows, so its speed at a 512-row chunk says nothing about 65 rows."""
+    from gmlx.engine.kernels import fast_linear
+
+    assert fast_linear.bucket(rows) == want
+    assert want in fast_linear.BUCKETS
