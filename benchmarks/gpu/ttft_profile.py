@@ -45,7 +45,8 @@ async def drive(s: tp.Server, prompts: tp.Prompts, args: argparse.Namespace, bia
             s.model = (await client.models.list()).data[0].id
         ttft, total = [], []
         for i in range(args.requests + 2):
-            msg = [{"role": "user", "content": prompts.text(f"{tag}{i}{s.name}", args.prompt)}]
+            length = args.prompt + (i if args.vary else 0)
+            msg = [{"role": "user", "content": prompts.text(f"{tag}{i}{s.name}", length)}]
             st = await tp.stream_chat(client, s.model, msg, args.tokens, bias)
             if i >= 2:  # two untimed first
                 ttft.append(st.ttft)
@@ -62,27 +63,38 @@ def row(name: str, bias: str, ttft: list[float], total: list[float]) -> str:
 
 
 def in_process(model: str, prompts: tp.Prompts, args: argparse.Namespace) -> list[float]:
-    """The same prompts' TTFT through gmlx's worker in this process (token ids in, no
-    HTTP, no chat template, no logit bias): what the server should cost on top."""
+    """The same prompts' TTFT through gmlx's worker in this process, warmed up as a
+    served model is (token ids in, no HTTP, no chat template, no logit bias): what the
+    server costs on top."""
+    from gmlx.engine import capacity
     from gmlx.engine.loading import load_model
+    from gmlx.engine.scheduling import default_prefill_step
     from gmlx.engine.types import GenerateRequest, SamplingParams
+    from gmlx.engine.warmup import warm_up
     from gmlx.engine.worker import ModelWorker
 
     loaded = load_model(model)
-    worker = ModelWorker(loaded, decode_batch=max(1, args.decode_batch))
+    # the buffer-cache allowance a server's worker gets (model_start), so that the
+    # buffers one prompt's prefill frees are reused by the next, as there
+    geom = capacity.probe_geometry(loaded, None)
+    allowance = capacity.prefill_transient(geom, default_prefill_step(), loaded.context_length)
+    worker = ModelWorker(loaded, decode_batch=max(1, args.decode_batch), buffer_cache_bytes=allowance)
     try:
+        warm_up(worker)  # as the server's model was, before it reported ready
         out = []
         for i in range(args.requests + 2):
-            msg = [{"role": "user", "content": prompts.text(f"proc{i}", args.prompt)}]
+            msg = [{"role": "user", "content": prompts.text(f"proc{i}", args.prompt + (i if args.vary else 0))}]
             text = prompts.tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
             ids = prompts.tok.encode(text, add_special_tokens=False)
-            start = time.perf_counter()
+            start, first = time.perf_counter(), None
+            # read to the end, as a client does: the next request must not arrive while
+            # this one still decodes
             for ev in worker.submit(GenerateRequest(tuple(ids), max_tokens=args.tokens,
                                                     sampling=SamplingParams(temperature=0))):
-                if ev.token_ids:
-                    if i >= 2:
-                        out.append(time.perf_counter() - start)
-                    break
+                if ev.token_ids and first is None:
+                    first = time.perf_counter() - start
+            if i >= 2 and first is not None:
+                out.append(first)
         return out
     finally:
         worker.close()
@@ -97,6 +109,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--vary", action="store_true",
+                   help="each request one token longer than the last: a shape a step has not run yet "
+                        "may compile (kernels, cuDNN graphs) inside that request")
     p.add_argument("--profile", type=Path, help="py-spy's speedscope profile of the gmlx server, here")
     p.add_argument("--gmlx-args", type=lambda s: s.split(), default=[])
     args = p.parse_args()
