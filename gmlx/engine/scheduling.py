@@ -97,14 +97,19 @@ def retry_after_s(eta_s: float) -> int:
     return min(max(round(eta_s), low), high)
 
 
+SHORT_PROMPTS = (96, 192)  # warm-up prompt lengths, one in each of fast_linear's short-prefill buckets
+
+
 def warm_up_prefills(step: int, context: int, vocab_size: int,
                      eos_ids: Iterable[int]) -> list[list[GenerateRequest]]:
     """The prefill shapes a model's traffic uses, as rounds of requests to run one
     round after the other: a prompt of a whole prefill chunk and a remainder, alone
     (the chunk a step takes while nothing decodes); the same prompt again (a
-    prompt-cache hit: the cached prefix merged into the batch); and another such
-    prompt arriving beside a decoding request (the smaller chunk of ``prefill_step``
-    while streams decode). Fits the context window."""
+    prompt-cache hit: the cached prefix merged into the batch); another such prompt
+    arriving beside a decoding request (the smaller chunk of ``prefill_step`` while
+    streams decode); and short prompts of ``SHORT_PROMPTS`` tokens, one at a time (on
+    CUDA a product of 65-128 rows and one of 129-256 may each take a path of its own).
+    Fits the context window."""
     no_eos = {t: -100.0 for t in eos_ids}
     greedy = SamplingParams(temperature=0.0, logit_bias=no_eos)
     length = max(2, min(step + 17, context // 2 - 8))
@@ -121,6 +126,7 @@ def warm_up_prefills(step: int, context: int, vocab_size: int,
         [request("prefill", long, 2)],
         [request("prefix-hit", long, 2)],
         [request("decoding", prompt(2, 8), shared_steps), request("shared-prefill", prompt(3, length), 2)],
+        *([request(f"short-{n}", prompt(4 + n, n), 2)] for n in SHORT_PROMPTS if n < length),
     ]
 
 

@@ -303,7 +303,7 @@ def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypa
                         lambda messages, **kw: (rendered.append(messages), encode_chat(messages, **kw))[1])
     from mlx_lm.generate import PromptProcessingBatch
 
-    from gmlx.engine.scheduling import prefill_step
+    from gmlx.engine.scheduling import SHORT_PROMPTS, prefill_step
 
     chunks: list[int] = []
     real_prompt = PromptProcessingBatch.prompt
@@ -321,6 +321,8 @@ def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypa
         # stream, and a prompt-cache hit
         step = worker.prefill_step_size
         assert step in chunks and prefill_step(step, decoding=True) in chunks
+        # short prompts, alone (the last token of a prompt goes to its first decode step)
+        assert {n - 1 for n in SHORT_PROMPTS} <= set(chunks)
         assert "exact" in tiers
         assert rendered  # the chat template is compiled before the first conversation
         cache = worker.prompt_cache.stats()
