@@ -288,9 +288,46 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return gguf_quants.dequantize(raw, qtype).astype(np.float32, copy=False)
 
 
+def q6_k_values(raw: np.ndarray) -> np.ndarray:
+    """Float32 values of Q6_K blocks (any shape whose bytes are whole blocks) ->
+    (blocks, 256): the ``gguf`` reference's arithmetic and element order (``(d * sc) *
+    (q - 32)`` in float32, so the same bits), in fewer passes over the data: the codes
+    are assembled in place as bytes, and the one float pass is the product.
+
+    A block is 128 bytes of low nibbles (two halves of 64: low nibbles then high
+    nibbles of each half are its 128 values' low 4 bits), 64 bytes of high 2-bit pairs
+    (two halves of 32, four shifts each), 16 int8 sub-block scales and an fp16 ``d``."""
+    b = raw.reshape(-1, 210)
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 64)
+    qh = b[:, 128:192].reshape(n, 2, 32)
+    codes = np.empty((n, 2, 2, 64), np.uint8)
+    np.bitwise_and(ql, 0x0F, out=codes[:, :, 0])
+    np.right_shift(ql, 4, out=codes[:, :, 1])
+    high = np.empty((n, 2, 4, 32), np.uint8)
+    for k in range(4):
+        np.right_shift(qh, 2 * k, out=high[:, :, k])
+    high &= 0x03
+    high <<= 4
+    flat = codes.reshape(n, 256)
+    flat |= high.reshape(n, 256)
+    signed = flat.view(np.int8)
+    signed -= 32
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    step = (d * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
+    return np.multiply(signed.reshape(n, 16, 16), step, dtype=np.float32).reshape(n, 256)
+
+
+# Types whose reference dequantizer has a faster one here, equal bit for bit.
+_FAST_DEQUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {Q.Q6_K: q6_k_values}
+
+
 def _row_dequantizer(qtype: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray]:
     """:func:`dequantize` for contiguous rows, without the ``gguf`` package's 16-row
-    batching: the same per-block reference code, so the same values."""
+    batching: the same per-block reference code (or one of ``_FAST_DEQUANTIZE``), so the
+    same values."""
+    if (fast := _FAST_DEQUANTIZE.get(qtype)) is not None:
+        return fast
     quant = getattr(gguf_quants, "_type_traits", {}).get(qtype)
     if quant is None or not hasattr(quant, "dequantize_rows"):
         return lambda raw: dequantize(raw, qtype)

@@ -105,3 +105,16 @@ def test_chunked_conversion_matches_unchunked(
     chunked = gguf_quant.convert(raw, Q.Q4_K, mx.float32)
     assert np.array_equal(np.array(whole.weight), np.array(chunked.weight))
     assert np.array_equal(np.array(whole.scales), np.array(chunked.scales))
+
+
+def test_the_fast_q6_k_dequantizer_gives_the_reference_bits(make_blocks: Blocks) -> None:
+    """``q6_k_values`` (what requantization reads) against the ``gguf`` package's own
+    dequantizer, bit for bit: random blocks, and ``d`` at the fp16 edges (zero, minus
+    zero, subnormal, the largest finite, negative)."""
+    raw = make_blocks(Q.Q6_K, 64, 768, seed=7)
+    blocks = raw.reshape(-1, 210)
+    edges = np.array([0.0, -0.0, 6e-8, -6e-8, 65504.0, -65504.0, -1.5], np.float16)
+    blocks[: len(edges), 208:210] = edges.view(np.uint8).reshape(-1, 2)
+    want = gguf_quants.dequantize(raw, Q.Q6_K).astype(np.float32)
+    got = gguf_quant.q6_k_values(raw).reshape(want.shape)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
