@@ -16,7 +16,7 @@ The model:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -59,6 +59,19 @@ class Geometry:
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token costs at long context (windowed layers excluded)."""
         return sum(layer.bytes_per_token for layer in self.layers if layer.window is None)
+
+
+def with_drafter(target: Geometry, draft: Geometry) -> Geometry:
+    """A speculative model's geometry: the target's, plus its draft model's weights and
+    KV layers (the drafter keeps every stream's tokens in a cache of its own, so one more
+    token costs both). The prefill terms stay the target's: the drafter prefills after
+    it, with a smaller transient, and the largest dequantized weight is the larger one."""
+    return replace(
+        target,
+        weight_bytes=target.weight_bytes + draft.weight_bytes,
+        layers=target.layers + draft.layers,
+        dense_scratch_bytes=max(target.dense_scratch_bytes, draft.dense_scratch_bytes),
+    )
 
 
 def _round_up(tokens: int, step: int = KV_STEP) -> int:

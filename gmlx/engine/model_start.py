@@ -140,6 +140,8 @@ def _start_model(
     table: capacity.CapacityTable | None = None
     try:
         measured = capacity.probe_geometry(loaded, kv_quant)
+        if speculation is not None and speculation.draft is not None:  # its weights and KV too
+            measured = capacity.with_drafter(measured, capacity.probe_geometry(speculation.draft))
         table = capacity.capacity_table(measured, free_bytes() or 0, chunk)
         geom = measured
     except Exception:  # a model the probe does not understand still serves

@@ -308,6 +308,7 @@ class Speculation:
     spec: DraftSpec
     draft_model: Any = None
     vocab_limit: int | None = None  # the target's vocabulary: drafts never exceed it
+    draft: Any = None  # the draft model's LoadedModel, for the capacity model to price
 
     def generation_batch(self, model: Any, policy_of: Callable[[int, bool], StreamPolicy],
                          prefill_step: int) -> SpeculativeBatch:
@@ -345,4 +346,4 @@ def load_speculation(spec: DraftSpec, target: Any) -> Any:
     if (note := use_fast_kernels(draft.model)) is not None:  # CUDA: as the target's layers
         log.info("%s's draft model: %s", target.id, note)
     log.info("%s drafts with %s (%d tokens a round)", target.id, spec.draft_source, spec.draft_tokens)
-    return Speculation(spec, draft.model, int(target.config.get("vocab_size") or len(target.tokenizer)))
+    return Speculation(spec, draft.model, int(target.config.get("vocab_size") or len(target.tokenizer)), draft)

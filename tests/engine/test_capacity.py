@@ -92,6 +92,18 @@ def test_capacity_table_is_read_conservatively():
     assert d["max_ctx"]["1"] == table.max_ctx[1] and d["kv_bytes_per_token"] == 1024
 
 
+def test_a_drafter_adds_its_weights_and_its_kv_per_token():
+    draft = Geometry(**{**G.__dict__, "weight_bytes": 200_000, "layers": (LayerKV(256),)})
+    both = cap.with_drafter(G, draft)
+    assert both.weight_bytes == 1_200_000 and both.kv_bytes_per_token == 1024 + 256
+    assert cap.kv_bytes(both, 1000) == cap.kv_bytes(G, 1000) + cap.kv_bytes(draft, 1000)
+    assert cap.prefill_transient(both, 512, 4096) == cap.prefill_transient(G, 512, 4096)
+    budget = 64 * 1024**2
+    alone, drafted = cap.capacity_table(G, budget, 512), cap.capacity_table(both, budget, 512)
+    assert all(drafted.max_ctx[w] <= alone.max_ctx[w] for w in cap.WIDTHS)
+    assert drafted.max_ctx[32] < alone.max_ctx[32]
+
+
 def test_probe_reads_the_demo_models_cache_layout(demo_model):
     g = cap.probe_geometry(demo_model)
     cfg = demo_model.config

@@ -115,3 +115,16 @@ def test_draft_model_with_another_tokenizer_fails_the_load(gmlx_home):
             registry.worker("m")
     finally:
         registry.close()
+
+
+def test_a_draft_model_is_priced_with_its_target(client):
+    """A drafter's weights and KV cache are memory its model holds: the listing's
+    ``kv_bytes_per_token`` counts both caches (the demo drafting for itself: twice the
+    plain model's), while prompt lookup costs nothing."""
+    for m in client.models.list().data:  # resident: only a loaded model has measured bytes
+        client.chat.completions.create(model=m.id, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    listed = {m.id: m.model_extra for m in client.models.list().data}
+    plain = listed["plain"]["kv_bytes_per_token"]
+    assert plain > 0
+    assert listed["drafted"]["kv_bytes_per_token"] == 2 * plain
+    assert listed["lookup"]["kv_bytes_per_token"] == plain
