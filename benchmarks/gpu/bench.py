@@ -14,7 +14,8 @@ SHAPE:QUANT, and each quant names what each server loads:
 ``gmlx-plain`` in ``--servers`` add gmlx on the same file with its CUDA quantized layers
 only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
 ``gmlx-graph400`` adds it with MLX's own CUDA graph-cache settings, capacity 400 and the
-thrashing fuse on, where gmlx sets 4000 and off). One server runs at a
+thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs of up to
+80 kernels instead of MLX's 20). One server runs at a
 time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
 chat completions, greedy, every special and partial-UTF-8 token biased -100 so each
@@ -71,7 +72,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 import openai
 import throughput as tp
 
-SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-mlx", "mlx_lm", "llama")
+SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-mlx", "mlx_lm", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
 # fast_linear's GMLX_QMV_KERNEL says (only flattened, or left as MLX makes them), or MLX's
 # own CUDA graph-cache settings (gmlx.engine's MLX_CUDA_DEFAULTS say why gmlx changes them)
@@ -79,6 +80,9 @@ GMLX_VARIANTS = {
     "gmlx-flat": {"GMLX_QMV_KERNEL": "flat"},
     "gmlx-plain": {"GMLX_QMV_KERNEL": "0"},
     "gmlx-graph400": {"MLX_CUDA_GRAPH_CACHE_SIZE": "400", "MLX_ENABLE_CACHE_THRASHING_CHECK": "1"},
+    # MLX replays a step as CUDA graphs of at most this many kernels (its default 20):
+    # fewer, larger graphs per step may cost the host less at width 1
+    "gmlx-ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
 }
 # What a gmlx server's log says about its load (conversion, the tuner's choices, warm-up)
 # and anything that went wrong: kept with its result, as the log itself is lost with the
