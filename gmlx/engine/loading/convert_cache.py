@@ -16,6 +16,13 @@ name and ``os.replace``; a per-key ``flock`` makes a second process wait for the
 conversion instead of repeating it. A corrupt or partial entry (weights or tokenizer) is
 rebuilt with one warning.
 
+The first load does not wait for its entry to be written: the model is ready as soon as
+it is converted, and the entry is written on a thread of its own (which holds the key's
+lock until it is done, so another load of the file waits for the entry rather than
+converting again). Writing an 8B's 4.6 GB took longer than some conversions; here it was
+about 30% of a first load. :func:`wait_for_writes` waits for them (the interpreter does
+too, at exit: the threads are not daemons).
+
 :func:`keep_compiled_kernels` points MLX's own disk cache of compiled CUDA kernels at
 gmlx's cache dir, so it outlives the system temp dir.
 """
@@ -31,7 +38,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,14 +159,54 @@ def load_or_convert(
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     key = entry_key(f, dtype)
-    with _locked(root / f"{key}.lock"):
+    lock = _Lock(root / f"{key}.lock")
+    try:
         cached = _read(root, key)
         if cached is not None:
             cached.notes.append(f"converted weights: from cache {root / key}.safetensors")
             return cached
         converted = _build(convert, tokenizer)
-        converted.notes.append(_store(root, key, f.path.resolve(), converted, limit))
-        return converted
+        write, note = _plan_store(root, key, f.path.resolve(), converted, limit)
+    except BaseException:
+        lock.release()
+        raise
+    converted.notes.append(note)
+    if write is None:
+        lock.release()
+    else:
+        _write_behind(write, lock)
+    return converted
+
+
+_writers: list[threading.Thread] = []
+_writers_lock = threading.Lock()
+
+
+def _write_behind(write: Callable[[], None], lock: _Lock) -> None:
+    """Run ``write`` on a thread of its own, then release ``lock``."""
+
+    def run() -> None:
+        try:
+            write()
+        finally:
+            lock.release()
+
+    thread = threading.Thread(target=run, name="gmlx-convert-cache", daemon=False)
+    with _writers_lock:
+        _writers[:] = [t for t in _writers if t.is_alive()]
+        _writers.append(thread)
+    thread.start()
+
+
+def wait_for_writes(timeout: float | None = None) -> bool:
+    """Wait for every entry still being written; False if one is still at it after
+    ``timeout`` seconds."""
+    with _writers_lock:
+        pending = list(_writers)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in pending:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in pending)
 
 
 def keep_compiled_kernels() -> Path | None:
@@ -196,7 +243,9 @@ def clear_kernels() -> int:
 
 
 def entries() -> list[Entry]:
-    """Every complete entry, most recently used first."""
+    """Every complete entry, most recently used first (after this process's pending
+    writes: see :func:`wait_for_writes`)."""
+    wait_for_writes()
     root = cache_root()
     found = []
     for sidecar in root.glob("*.json") if root.is_dir() else []:
@@ -288,38 +337,58 @@ def _read_tokenizer(path: Path, info: dict[str, Any]) -> TokenizerSpec:
     return tokenizer_blob.load(data)
 
 
-def _store(root: Path, key: str, source: Path, converted: Converted, limit: int) -> str:
-    """Write an entry if it fits the bound and the disk; returns the load note."""
-    assert converted.tokenizer is not None
-    tok = tokenizer_blob.dump(converted.tokenizer)
-    need = sum(a.nbytes for a in converted.weights.values()) + len(tok)
+def _plan_store(
+    root: Path, key: str, source: Path, converted: Converted, limit: int
+) -> tuple[Callable[[], None] | None, str]:
+    """Decide whether an entry is written (its weights fit the bound and the disk: least
+    recently used entries are evicted for them now) and return the writing, to run
+    later, and the load note. The writing holds its own copies of what it writes: the
+    caller goes on with ``converted`` (a model's ``sanitize`` may change its dict of
+    weights). The tokenizer is serialized by the writing (half a second for a 150k
+    vocabulary), which checks the bound again with it."""
+    spec = converted.tokenizer
+    assert spec is not None
+    need = sum(a.nbytes for a in converted.weights.values())
     if need > limit:
         log.info("converted weights (%d bytes) exceed %s; not cached", need, ENV_MAX_BYTES)
-        return f"converted weights: not cached ({need} bytes exceed {ENV_MAX_BYTES}={limit})"
+        return None, f"converted weights: not cached ({need} bytes exceed {ENV_MAX_BYTES}={limit})"
     _evict(root, limit - need, keep=key)
     free = shutil.disk_usage(root).free
     if free < need + _DISK_MARGIN:
         log.info("converted weights (%d bytes) do not fit %d free bytes; not cached", need, free)
-        return f"converted weights: not cached (only {free} bytes free on disk)"
-    meta = {"tensors": len(converted.weights), "modes": converted.modes, "notes": converted.notes}
+        return None, f"converted weights: not cached (only {free} bytes free on disk)"
+    meta = {"tensors": len(converted.weights), "modes": dict(converted.modes), "notes": list(converted.notes)}
+    weights = dict(converted.weights)
+    # evaluated here, on the loading thread: MLX evaluates an array only on a thread that
+    # has its stream, and the writer has none (a model needs them evaluated anyway)
+    mx.eval(list(weights.values()))
     data = root / f"{key}.safetensors"
-    tmp = root / f"{key}.safetensors.tmp-{os.getpid()}-{threading.get_ident()}.safetensors"
-    tokenizer = {"bytes": len(tok), "sha256": hashlib.sha256(tok).hexdigest()}
-    try:
-        mx.save_safetensors(str(tmp), converted.weights, metadata={_META_KEY: json.dumps(meta)})
-        size = tmp.stat().st_size
-        os.replace(tmp, data)
-        _write_bytes(root / f"{key}{_TOKENIZER}", tok)
-        _write_json(
-            root / f"{key}.json", {"source": str(source), "bytes": size, "tokenizer": tokenizer}
-        )
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        remove(key)  # no part of a half-written entry stays
-        log.warning("could not write the converted-weights cache entry %s: %s", data, e)
-        return f"converted weights: not cached ({e})"
-    return f"converted weights: cached in {data}"
+
+    def write() -> None:
+        tok = tokenizer_blob.dump(spec)
+        if need + len(tok) > limit:
+            log.info("converted weights and tokenizer (%d bytes) exceed %s; not cached", need + len(tok),
+                     ENV_MAX_BYTES)
+            return
+        tmp = root / f"{key}.safetensors.tmp-{os.getpid()}-{threading.get_ident()}.safetensors"
+        tokenizer = {"bytes": len(tok), "sha256": hashlib.sha256(tok).hexdigest()}
+        try:
+            mx.save_safetensors(str(tmp), weights, metadata={_META_KEY: json.dumps(meta)})
+            size = tmp.stat().st_size
+            os.replace(tmp, data)
+            _write_bytes(root / f"{key}{_TOKENIZER}", tok)
+            _write_json(
+                root / f"{key}.json", {"source": str(source), "bytes": size, "tokenizer": tokenizer}
+            )
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            remove(key)  # no part of a half-written entry stays
+            log.warning("could not write the converted-weights cache entry %s: %s", data, e)
+            return
+        log.info("converted weights: cached in %s", data)
+
+    return write, f"converted weights: cached in {data} (written after the load)"
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> None:
@@ -355,12 +424,19 @@ def _evict(root: Path, budget: int, keep: str) -> None:
         total -= e.bytes
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (per open file, so threads exclude each other too)."""
-    with path.open("a") as fd:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+class _Lock:
+    """An exclusive ``flock`` on ``path``, taken now (per open file, so threads exclude
+    each other too), released by any thread, once."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = path.open("a")
         try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._fd.close()
+            raise
+
+    def release(self) -> None:
+        if not self._fd.closed:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._fd.close()

@@ -106,6 +106,7 @@ def test_a_damaged_entry_is_rebuilt_with_one_warning(
 ) -> None:
     path = tiny_models["qwen2-Q4_K"].path
     first = load(path)
+    convert_cache.wait_for_writes()  # the entry is written after the load returns
     (data,) = cache_dir.glob("*.safetensors")
     if damage == "truncate":
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -174,6 +175,7 @@ def test_two_threads_loading_one_file_share_one_entry(tiny_models, cache_dir: Pa
         " cached in ",
         " from cache",
     ]
+    convert_cache.wait_for_writes()
     assert len(list(cache_dir.glob("*.safetensors"))) == 1 and not list(cache_dir.glob("*.tmp-*"))
     assert_same(results[0], load(path))
 
@@ -209,3 +211,37 @@ def test_clear_all_removes_the_compiled_kernels_too(gguf_copy) -> None:
     r = gmlx("cache", "clear", "--all")
     assert r.exit_code == 0 and "compiled GPU kernels (2.0 KiB)" in r.stdout, r.output
     assert not (paths.cache_dir() / "kernels").exists() and convert_cache.entries() == []
+
+
+def test_the_first_load_does_not_wait_for_its_entry(tiny_models, cache_dir: Path, monkeypatch) -> None:
+    """The entry is written on a thread of its own after the load returns; a second load
+    of the file meanwhile waits for it (the key's lock) instead of converting again."""
+    path = tiny_models["qwen2-Q4_K"].path
+    gate = threading.Event()
+    real = mx.save_safetensors
+    monkeypatch.setattr(mx, "save_safetensors", lambda *a, **k: (gate.wait(60), real(*a, **k))[1])
+    first = load(path)
+    assert cache_notes(first)[0].endswith("(written after the load)")
+    assert not list(cache_dir.glob("*.json"))  # not written yet
+    second: list[LoadedModel] = []
+    waiter = threading.Thread(target=lambda: second.append(load(path)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # held by the entry being written
+    gate.set()
+    waiter.join(60)
+    assert cache_notes(second[0])[0].startswith("converted weights: from cache ")
+    assert_same(first, second[0])
+
+
+def test_a_process_that_ends_right_after_a_load_still_writes_the_entry(tiny_models, cache_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from gmlx.engine.loading.gguf import load; "
+            "m = load(Path(sys.argv[1])); print(m.notes[-1])")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["llama-Q4_0"].path)],
+                         capture_output=True, text=True, timeout=120, env=os.environ.copy(), check=False)
+    assert out.returncode == 0, out.stderr
+    assert "written after the load" in out.stdout
+    assert [e.source for e in convert_cache.entries()] == [str(tiny_models["llama-Q4_0"].path.resolve())]

@@ -126,6 +126,7 @@ def test_a_bad_tokenizer_part_is_rebuilt_with_one_warning(
 ) -> None:
     path = tiny_models["llama-Q4_0"].path
     first = gguf.load(path)
+    convert_cache.wait_for_writes()  # the entry is written after the load returns
     (part,) = cache_dir.glob("*.tokenizer")
     sidecar = part.with_suffix(".json")
     info = json.loads(sidecar.read_text())
