@@ -163,6 +163,7 @@ def load_or_convert(
     try:
         cached = _read(root, key)
         if cached is not None:
+            lock.release()
             cached.notes.append(f"converted weights: from cache {root / key}.safetensors")
             return cached
         converted = _build(convert, tokenizer)
@@ -194,8 +195,12 @@ def _write_behind(write: Callable[[], None], lock: _Lock) -> None:
     thread = threading.Thread(target=run, name="gmlx-convert-cache", daemon=False)
     with _writers_lock:
         _writers[:] = [t for t in _writers if t.is_alive()]
+        try:
+            thread.start()
+        except BaseException:
+            lock.release()
+            raise
         _writers.append(thread)
-    thread.start()
 
 
 def wait_for_writes(timeout: float | None = None) -> bool:
