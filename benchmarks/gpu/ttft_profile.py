@@ -105,6 +105,9 @@ def main() -> None:
     p.add_argument("model", type=Path, help="a GGUF or an MLX folder (its tokenizer: the folder, or "
                                              "tokenizer/ beside the GGUF)")
     p.add_argument("--peer", action="store_true", help="also mlx_lm.server (MLX folders only)")
+    p.add_argument("--gmlx", default="gmlx",
+                   help="comma-separated gmlx servers: bench.py's names, e.g. gmlx,gmlx-nocudnn (each in "
+                        "its environment)")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=8)
@@ -121,7 +124,9 @@ def main() -> None:
     bias = {str(i): -100 for i in prompts.banned_ids}
     server_args = SimpleNamespace(widths=[args.decode_batch], gmlx_args=args.gmlx_args, peer_args=[],
                                   llama_args=[], prompt=args.prompt, prefix=0, tokens=args.tokens, gmlx_home=None)
-    kinds = ["gmlx"] + (["mlx_lm"] if args.peer and args.model.is_dir() else [])
+    kinds = args.gmlx.split(",") + (["mlx_lm"] if args.peer and args.model.is_dir() else [])
+    if bad := [k for k in kinds if k not in bench.SERVERS or k in ("llama", "gmlx-mlx")]:
+        raise SystemExit(f"not a server here: {', '.join(bad)}")
     lines = ["| server | logit bias | TTFT p50 ms | p95 ms | min ms | request p50 ms |", "|---|---|---:|---:|---:|---:|"]
     workdir = Path(tempfile.mkdtemp(prefix="ttft-"))
     try:
@@ -132,7 +137,7 @@ def main() -> None:
             try:
                 s.wait_ready()
                 asyncio.run(drive(s, prompts, args, no_bias, "warm"))
-                if kind == "gmlx" and args.profile and shutil.which("py-spy") and s.proc is not None:
+                if kind == kinds[0] and args.profile and shutil.which("py-spy") and s.proc is not None:
                     args.profile.parent.mkdir(parents=True, exist_ok=True)
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", "1000",
                                             "--threads", "--idle", "--format", "speedscope",
