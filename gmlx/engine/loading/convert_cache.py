@@ -385,7 +385,7 @@ def _plan_store(
             _write_json(
                 root / f"{key}.json", {"source": str(source), "bytes": size, "tokenizer": tokenizer}
             )
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - a background write that fails leaves no entry
             with contextlib.suppress(OSError):
                 tmp.unlink()
             remove(key)  # no part of a half-written entry stays

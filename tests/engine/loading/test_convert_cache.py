@@ -245,3 +245,20 @@ def test_a_process_that_ends_right_after_a_load_still_writes_the_entry(tiny_mode
     assert out.returncode == 0, out.stderr
     assert "written after the load" in out.stdout
     assert [e.source for e in convert_cache.entries()] == [str(tiny_models["llama-Q4_0"].path.resolve())]
+
+
+def test_a_write_that_fails_leaves_no_entry_and_one_warning(tiny_models, cache_dir: Path, monkeypatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever the writer meets (a full disk, an error out of MLX), the load it follows
+    has already returned; the entry is simply not there, with one warning."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("no room at the inn")
+
+    monkeypatch.setattr(mx, "save_safetensors", fail)
+    with caplog.at_level(logging.WARNING, logger=convert_cache.__name__):
+        m = load(tiny_models["llama-Q4_0"].path)
+        convert_cache.wait_for_writes()
+    assert cache_notes(m)[0].endswith("(written after the load)")
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no room at the inn" in warnings[0].getMessage()
+    assert convert_cache.entries() == [] and not list(cache_dir.glob("*.tmp-*"))
