@@ -82,6 +82,22 @@ def run_peer_in_thread(loaded, width: int, prompt_len: int, tokens: int) -> floa
     return result[0]
 
 
+def worker_ttft(worker, tokens: list[int], max_tokens: int) -> float:
+    """Seconds from submitting a greedy request of ``tokens`` to ``worker`` (a
+    ModelWorker) to its first token. The request is read to its end, as a client does,
+    so the next one does not arrive while this one still decodes."""
+    from gmlx.engine.types import GenerateRequest, SamplingParams
+
+    start, first = time.perf_counter(), None
+    for ev in worker.submit(GenerateRequest(tuple(tokens), max_tokens=max_tokens,
+                                            sampling=SamplingParams(temperature=0))):
+        if ev.token_ids and first is None:
+            first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("the request produced no token")
+    return first
+
+
 def run_gmlx(loaded, width: int, prompt_len: int, tokens: int, bias: dict[int, float] | None = None) -> float:
     """Decode tokens/s of gmlx's ModelWorker with ``width`` concurrent requests (each
     with ``bias`` as its logit bias)."""

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.decode_throughput import run_gmlx, run_peer
+from benchmarks.decode_throughput import run_gmlx, run_peer, worker_ttft
 
 
 def bare_step(model, rows: int, context: int = 128, steps: int = 16) -> tuple[float, float]:
@@ -61,27 +61,15 @@ def prefix_ttft(loaded, length: int, reps: int = 3) -> tuple[float, float]:
     """Seconds to the first token of a ``length``-token prompt through gmlx's worker
     with the prompt cache on: cold (a miss) and again with a few new tokens after it (a
     hit on ``length`` tokens), the best of ``reps`` of each."""
-    from gmlx.engine.types import GenerateRequest, SamplingParams
     from gmlx.engine.worker import ModelWorker
 
     worker = ModelWorker(loaded, decode_batch=1)
     try:
-        def ttft(tokens: list[int]) -> float:
-            start, first = time.perf_counter(), None
-            # read to the end: the next prompt must not arrive while this one decodes
-            for ev in worker.submit(GenerateRequest(tuple(tokens), max_tokens=2,
-                                                    sampling=SamplingParams(temperature=0))):
-                if ev.token_ids and first is None:
-                    first = time.perf_counter() - start
-            if first is None:
-                raise RuntimeError("no token")
-            return first
-
         miss, hit = [], []
         for r in range(reps):
             base = [(11 * j + 97 * r) % 700 + 3 for j in range(length)]
-            miss.append(ttft(base))
-            hit.append(ttft(base + [5, 6, 7, 8 + r]))
+            miss.append(worker_ttft(worker, base, 2))
+            hit.append(worker_ttft(worker, base + [5, 6, 7, 8 + r], 2))
         return min(miss), min(hit)
     finally:
         worker.close()

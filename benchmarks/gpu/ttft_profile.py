@@ -66,10 +66,10 @@ def in_process(model: str, prompts: tp.Prompts, args: argparse.Namespace) -> lis
     """The same prompts' TTFT through gmlx's worker in this process, warmed up as a
     served model is (token ids in, no HTTP, no chat template, no logit bias): what the
     server costs on top."""
+    from benchmarks.decode_throughput import worker_ttft
     from gmlx.engine import capacity
     from gmlx.engine.loading import load_model
     from gmlx.engine.scheduling import default_prefill_step
-    from gmlx.engine.types import GenerateRequest, SamplingParams
     from gmlx.engine.warmup import warm_up
     from gmlx.engine.worker import ModelWorker
 
@@ -86,14 +86,8 @@ def in_process(model: str, prompts: tp.Prompts, args: argparse.Namespace) -> lis
             msg = [{"role": "user", "content": prompts.text(f"proc{i}", args.prompt + (i if args.vary else 0))}]
             text = prompts.tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
             ids = prompts.tok.encode(text, add_special_tokens=False)
-            start, first = time.perf_counter(), None
-            # read to the end, as a client does: the next request must not arrive while
-            # this one still decodes
-            for ev in worker.submit(GenerateRequest(tuple(ids), max_tokens=args.tokens,
-                                                    sampling=SamplingParams(temperature=0))):
-                if ev.token_ids and first is None:
-                    first = time.perf_counter() - start
-            if i >= 2 and first is not None:
+            first = worker_ttft(worker, ids, args.tokens)
+            if i >= 2:
                 out.append(first)
         return out
     finally:
