@@ -20,9 +20,9 @@ The first load does not wait for its entry to be written: the model is ready as 
 it is converted, and the entry is written on a thread of its own (which holds the key's
 lock until it is done, so another load of the file waits for the entry rather than
 converting again). The tokenizer's serialization and the write were ~0.8 s of a ~2.4 s
-first load of a 150k-vocabulary test GGUF here; an 8B's entry is 4.6 GB.
-:func:`wait_for_writes` waits for them (the interpreter does too, at exit: the threads
-are not daemons).
+first load of a 150k-vocabulary test GGUF here; an 8B's entry is 4.6 GB. The lock and
+the writer threads are ``write_behind``'s; ``wait_for_writes`` (imported here too) waits
+for them, as the interpreter does at exit.
 
 :func:`keep_compiled_kernels` points MLX's own disk cache of compiled CUDA kernels at
 gmlx's cache dir, so it outlives the system temp dir.
@@ -31,7 +31,6 @@ gmlx's cache dir, so it outlives the system temp dir.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -51,6 +50,7 @@ from gmlx import paths
 from gmlx.engine.loading import progress, tokenizer_blob
 from gmlx.engine.loading.gguf_file import GGUFFile
 from gmlx.engine.loading.gguf_tokenizer import TokenizerSpec
+from gmlx.engine.loading.write_behind import FileLock, wait_for_writes, write_behind
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def load_or_convert(
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     key = entry_key(f, dtype)
-    lock = _Lock(root / f"{key}.lock")
+    lock = FileLock(root / f"{key}.lock")
     try:
         cached = _read(root, key)
         if cached is not None:
@@ -176,43 +176,8 @@ def load_or_convert(
     if write is None:
         lock.release()
     else:
-        _write_behind(write, lock)
+        write_behind(write, lock)
     return converted
-
-
-_writers: list[threading.Thread] = []
-_writers_lock = threading.Lock()
-
-
-def _write_behind(write: Callable[[], None], lock: _Lock) -> None:
-    """Run ``write`` on a thread of its own, then release ``lock``."""
-
-    def run() -> None:
-        try:
-            write()
-        finally:
-            lock.release()
-
-    thread = threading.Thread(target=run, name="gmlx-convert-cache", daemon=False)
-    with _writers_lock:
-        _writers[:] = [t for t in _writers if t.is_alive()]
-        try:
-            thread.start()
-        except BaseException:
-            lock.release()
-            raise
-        _writers.append(thread)
-
-
-def wait_for_writes(timeout: float | None = None) -> bool:
-    """Wait for every entry still being written; False if one is still at it after
-    ``timeout`` seconds."""
-    with _writers_lock:
-        pending = list(_writers)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for t in pending:
-        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in pending)
 
 
 def keep_compiled_kernels() -> Path | None:
@@ -428,21 +393,3 @@ def _evict(root: Path, budget: int, keep: str) -> None:
         log.info("evicting converted weights of %s (%d bytes)", e.source, e.bytes)
         remove(e.key)
         total -= e.bytes
-
-
-class _Lock:
-    """An exclusive ``flock`` on ``path``, taken now (per open file, so threads exclude
-    each other too), released by any thread, once."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = path.open("a")
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._fd.close()
-            raise
-
-    def release(self) -> None:
-        if not self._fd.closed:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            self._fd.close()
