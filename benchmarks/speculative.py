@@ -54,11 +54,12 @@ def decode_rate(worker: ModelWorker, prompts: list[str], tokens: int) -> float:
 
 
 def random_drafter(source: str, draft_tokens: int) -> Speculation:
-    model = load_model(source).model
+    draft = load_model(source)
+    model = draft.model
     mx.random.seed(7)
     model.update(tree_map(lambda p: mx.random.normal(p.shape).astype(p.dtype) * 0.5, model.parameters()))
     mx.eval(model.parameters())
-    return Speculation(DraftSpec(draft_source="random", draft_tokens=draft_tokens), model)
+    return Speculation(DraftSpec(draft_source="random", draft_tokens=draft_tokens), draft)
 
 
 def main() -> None:

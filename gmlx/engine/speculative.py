@@ -302,13 +302,17 @@ class SpeculativeBatch:
 
 @dataclass
 class Speculation:
-    """A worker's drafting: its spec and, for a draft model, that model (loaded once,
-    shared by every generator the worker opens)."""
+    """A worker's drafting: its spec and, for a draft model, that model's
+    ``LoadedModel`` (loaded once, shared by every generator the worker opens; the
+    capacity model prices it beside the target)."""
 
     spec: DraftSpec
-    draft_model: Any = None
+    draft: Any = None
     vocab_limit: int | None = None  # the target's vocabulary: drafts never exceed it
-    draft: Any = None  # the draft model's LoadedModel, for the capacity model to price
+
+    @property
+    def draft_model(self) -> Any:
+        return None if self.draft is None else self.draft.model
 
     def generation_batch(self, model: Any, policy_of: Callable[[int, bool], StreamPolicy],
                          prefill_step: int) -> SpeculativeBatch:
@@ -346,4 +350,4 @@ def load_speculation(spec: DraftSpec, target: Any) -> Any:
     if (note := use_fast_kernels(draft.model)) is not None:  # CUDA: as the target's layers
         log.info("%s's draft model: %s", target.id, note)
     log.info("%s drafts with %s (%d tokens a round)", target.id, spec.draft_source, spec.draft_tokens)
-    return Speculation(spec, draft.model, int(target.config.get("vocab_size") or len(target.tokenizer)), draft)
+    return Speculation(spec, draft, int(target.config.get("vocab_size") or len(target.tokenizer)))

@@ -31,10 +31,10 @@ def random_drafter(demo_model):
     what the target almost never says (zero acceptance)."""
     from gmlx.engine.loading import load_model
 
-    other = load_model("demo").model
+    other = load_model("demo")
     mx.random.seed(7)
-    other.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.5, other.parameters()))
-    mx.eval(other.parameters())  # here: the worker's thread cannot run this thread's graph
+    other.model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.5, other.model.parameters()))
+    mx.eval(other.model.parameters())  # here: the worker's thread cannot run this thread's graph
     return Speculation(DraftSpec(draft_source="random", draft_tokens=3), other)
 
 
