@@ -22,10 +22,9 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from gmlx.engine.drafters import load_speculation
 from gmlx.engine.drafting import DraftSpec
 from gmlx.engine.loading import load_model
-from gmlx.engine.speculative import Speculation
+from gmlx.engine.speculative import Speculation, load_speculation
 from gmlx.engine.types import GenerateRequest, SamplingParams
 from gmlx.engine.worker import ModelWorker
 
