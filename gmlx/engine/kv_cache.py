@@ -11,11 +11,12 @@ What a query reads depends only on its own position, never on how the prompt was
 cut into chunks or whether a prefix came from the prompt cache: so a prefix-cache hit
 is exact against a run without it, and a batch against a sequence alone.
 
-    pure   (uniform, past ``start``) the attention is mlx-lm's
-           ``quantized_scaled_dot_product_attention`` over the codes (the cache then
-           shows ``bits`` and ``group_size``, which is how mlx-lm's attention picks it)
-    mixed  (kvarn's full-precision tail, different value bits, or a query before
-           ``start``) the cache returns the dequantized keys followed by a
+    pure   (uniform, past ``start``, where MLX multiplies by codes: the CPU and Metal)
+           the attention is mlx-lm's ``quantized_scaled_dot_product_attention`` over
+           the codes (the cache then shows ``bits`` and ``group_size``, which is how
+           mlx-lm's attention picks it)
+    mixed  (kvarn's full-precision tail, different value bits, a query before
+           ``start``, or CUDA) the cache returns the dequantized keys followed by a
            full-precision window of the most recent ones, and its mask lets each
            query see every key exactly once: at full precision when the key is among
            its ``tail`` most recent or the query comes before ``start``, else quantized
@@ -23,6 +24,7 @@ is exact against a run without it, and a batch against a sequence alone.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -35,6 +37,16 @@ if TYPE_CHECKING:
     from gmlx.engine.loading import LoadedModel
 
 Q = tuple[mx.array, mx.array, mx.array]  # codes, scales, biases
+
+
+@functools.cache
+def codes_attention() -> bool:
+    """Whether attention may multiply by the cached codes themselves (MLX's quantized
+    product with the key count as its N): on the CPU and Metal. MLX's CUDA product has
+    kernels for some shapes only (on the H200 a 12-key cache failed with "No
+    implementation for problem shape"), and the key count changes every step, so on
+    CUDA the cache hands attention dequantized keys and values instead."""
+    return mx.default_device().type == mx.DeviceType.cpu or mx.metal.is_available()
 
 
 def _whole_steps(n: int, step: int) -> int:
@@ -91,7 +103,7 @@ class QuantKVCache(_BaseCache):
     def _mixed(self) -> bool:
         """Whether the next chunk's attention needs full-precision keys."""
         k = self.kvq
-        if k.tail or k.val_bits != k.key_bits:
+        if k.tail or k.val_bits != k.key_bits or not codes_attention():
             return True
         return bool(k.start) and min(self._idx - n for n in self._lp) + 1 < k.start
 

@@ -11,6 +11,7 @@ import pytest
 
 from gmlx.config import load_settings
 from gmlx.engine import capacity as cap
+from gmlx.engine import kv_cache
 from gmlx.engine.capacity import quantized_geometry
 from gmlx.engine.errors import ConfigError
 from gmlx.engine.kv_cache import QuantKVCache, describe, make_cache
@@ -104,6 +105,25 @@ def test_greedy_output_batched_equals_alone(workers, kvq):
     alone = workers(kvq, decode_batch=1)
     solo = [_tokens(alone, p) for p in PROMPTS]
     assert _together(workers(kvq, decode_batch=4), PROMPTS) == solo
+
+
+@pytest.mark.parametrize("kvq", [UNIFORM8, UNIFORM4, LATE], ids=lambda k: f"{k.scheme}{k.bits}s{k.start}")
+def test_dequantized_attention_reads_what_attention_over_the_codes_reads(workers, kvq, monkeypatch):
+    """Where MLX cannot multiply by the codes (CUDA), the cache hands attention the
+    dequantized keys and values: the same numbers, so the same greedy output, batched
+    and alone. (Forced here on the CPU, where both ways run.)"""
+    def reads_codes() -> bool:  # mlx-lm's attention takes the codes where ``bits`` shows
+        cache = QuantKVCache(kvq)
+        for n in (300, 1):  # a prompt past ``start``, then a decode step
+            cache.update_and_fetch(*(mx.random.normal((1, 2, n, 32)) for _ in range(2)))
+        return hasattr(cache, "bits")
+
+    on_codes = [_tokens(workers(kvq, decode_batch=1), p) for p in PROMPTS]
+    assert reads_codes()
+    monkeypatch.setattr(kv_cache, "codes_attention", lambda: False)
+    assert not reads_codes()
+    assert [_tokens(workers(kvq, decode_batch=1), p) for p in PROMPTS] == on_codes
+    assert _together(workers(kvq, decode_batch=4), PROMPTS) == on_codes
 
 
 def test_the_quantized_cache_changes_what_the_model_reads(workers):
