@@ -15,7 +15,7 @@ SHAPE:QUANT, and each quant names what each server loads:
 only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
 ``gmlx-graph400`` adds it with MLX's own CUDA graph-cache settings, capacity 400 and the
 thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs of up to
-80 kernels instead of MLX's 20; ``gmlx-nocudnn`` without cuDNN's attention). One server runs at a
+80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention). One server runs at a
 time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
 chat completions, greedy, every special and partial-UTF-8 token biased -100 so each
@@ -72,7 +72,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 import openai
 import throughput as tp
 
-SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-nocudnn", "gmlx-mlx",
+SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-mlx",
            "mlx_lm", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
 # fast_linear's GMLX_QMV_KERNEL says (only flattened, or left as MLX makes them), or MLX's
@@ -84,9 +84,9 @@ GMLX_VARIANTS = {
     # MLX replays a step as CUDA graphs of at most this many kernels (its default 20):
     # fewer, larger graphs per step may cost the host less at width 1
     "gmlx-ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
-    # MLX's attention without cuDNN's fused kernel, whose graphs are built (and cached)
-    # per shape: whether each new prompt length pays for one inside its request
-    "gmlx-nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"},
+    # MLX's attention through cuDNN's fused kernel (gmlx turns it off: its graphs are
+    # built and compiled per shape, inside the request that first meets one)
+    "gmlx-cudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "1"},
 }
 # What a gmlx server's log says about its load (conversion, the tuner's choices, warm-up)
 # and anything that went wrong: kept with its result, as the log itself is lost with the

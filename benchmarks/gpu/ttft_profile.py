@@ -100,7 +100,7 @@ def main() -> None:
                                              "tokenizer/ beside the GGUF)")
     p.add_argument("--peer", action="store_true", help="also mlx_lm.server (MLX folders only)")
     p.add_argument("--gmlx", default="gmlx",
-                   help="comma-separated gmlx servers: bench.py's names, e.g. gmlx,gmlx-nocudnn (each in "
+                   help="comma-separated gmlx servers: bench.py's names, e.g. gmlx,gmlx-cudnn (each in "
                         "its environment)")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--prompt", type=int, default=128)
@@ -111,13 +111,19 @@ def main() -> None:
                         "may compile (kernels, cuDNN graphs) inside that request")
     p.add_argument("--profile", type=Path, help="py-spy's speedscope profile of the gmlx server, here")
     p.add_argument("--gmlx-args", type=lambda s: s.split(), default=[])
+    p.add_argument("--gmlx-home", type=Path,
+                   help="one GMLX_HOME for every gmlx server (bench.py's option: a conversion and tuning done once)")
+    p.add_argument("--start-timeout", type=float, default=420.0,
+                   help="seconds until a server is ready (a first GGUF load converts and tunes: minutes)")
     args = p.parse_args()
+    tp.START_TIMEOUT_S = args.start_timeout
     folder = args.model if args.model.is_dir() else args.model.parent / "tokenizer"
     prompts = tp.Prompts(folder)
     no_bias: dict[str, int] = {}
     bias = {str(i): -100 for i in prompts.banned_ids}
     server_args = SimpleNamespace(widths=[args.decode_batch], gmlx_args=args.gmlx_args, peer_args=[],
-                                  llama_args=[], prompt=args.prompt, prefix=0, tokens=args.tokens, gmlx_home=None)
+                                  llama_args=[], prompt=args.prompt, prefix=0, tokens=args.tokens,
+                                  gmlx_home=args.gmlx_home)
     kinds = args.gmlx.split(",") + (["mlx_lm"] if args.peer and args.model.is_dir() else [])
     if bad := [k for k in kinds if k not in bench.SERVERS or k in ("llama", "gmlx-mlx")]:
         raise SystemExit(f"not a server here: {', '.join(bad)}")
