@@ -72,10 +72,15 @@ class ModelDrafter:
         if count == 0:  # keep up: the target's KV gains ``last``'s successor
             self.model(mx.array(last, dtype=mx.uint32)[:, None], cache=self.cache)
             return _no_drafts(len(last)), caps
+        # Each draft step starts on the device as soon as it is built, so building the
+        # next one (and the target's verification after them) overlaps its work instead
+        # of waiting for the round's one evaluation.
         draft = self._argmax(self.model(mx.array([last, pending], dtype=mx.uint32).T, cache=self.cache))
+        mx.async_eval(draft)
         drafts = [draft]
         for _ in range(count - 1):
             draft = self._argmax(self.model(draft[:, None], cache=self.cache))
+            mx.async_eval(draft)
             drafts.append(draft)
         return mx.stack(drafts, axis=1), caps
 
