@@ -326,8 +326,28 @@ class QuantKVCache(_BaseCache):
         return [a for a in arrays if a is not None]
 
     def is_trimmable(self) -> bool:
-        # Trimming would cut full-precision positions a shorter sequence still reads.
-        return not self.kvq.tail and not self.kvq.start
+        return self.kvq.trimmable
+
+    def shift_rows(self, shifts: list[int]) -> None:
+        """Move each sequence right by ``shifts[i]`` positions, its last ones out and
+        left padding in, then drop the padding every sequence shares: what a speculative
+        round's verification does to rows that kept fewer of the round's positions
+        (``spec_cache.trim_rows``). A trimmable cache only: it keeps no full-precision
+        window to move along."""
+        assert self.kvq.trimmable and self.kf is None
+        s = mx.array(shifts)[:, None]
+        if self.kq is not None and self.vq is not None:
+            self.kq = tuple(dynamic_roll(a, s, axis=2) for a in self.kq)  # type: ignore[assignment]
+            self.vq = tuple(dynamic_roll(a, s, axis=2) for a in self.vq)  # type: ignore[assignment]
+        self.offset = self.offset - s[:, 0]
+        self._lp = [n + k for n, k in zip(self._lp, shifts, strict=True)]
+        if (shared := min(self._lp)) > 0:
+            if self.kq is not None and self.vq is not None:
+                self.kq = tuple(a[..., shared:, :] for a in self.kq)  # type: ignore[assignment]
+                self.vq = tuple(a[..., shared:, :] for a in self.vq)  # type: ignore[assignment]
+            self._idx -= shared
+            self._lp = [n - shared for n in self._lp]
+        self.left_padding = mx.array(self._lp)
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
@@ -368,12 +388,12 @@ def _quantizable(loaded: LoadedModel, kvq: KVQuant) -> bool:
     return heads is not None and heads[1] % kvq.group_size == 0
 
 
-def describe(loaded: LoadedModel, kvq: KVQuant, speculative: bool = False) -> dict[str, Any]:
-    """The listing's ``kv_quant`` object for a resident model. A speculative model runs
-    full-precision KV (its verification trims each stream's rows, which a quantized cache
-    cannot): every layer counts as fp16 and the verdicts say ``dropped``."""
+def describe(loaded: LoadedModel, kvq: KVQuant, applied: bool = True) -> dict[str, Any]:
+    """The listing's ``kv_quant`` object for a resident model. Not ``applied`` (a
+    speculative model with a scheme whose cache cannot be trimmed per stream: see
+    ``model_start``): every layer counts as fp16 and the verdicts say ``dropped``."""
     layers = make_cache(loaded, kvq)
-    quantized = 0 if speculative else sum(isinstance(c, QuantKVCache) for c in layers)
+    quantized = sum(isinstance(c, QuantKVCache) for c in layers) if applied else 0
     fp16 = len(layers) - quantized
     verdict = "full" if fp16 == 0 else "partial" if quantized else "dropped"
     out: dict[str, Any] = {

@@ -79,6 +79,14 @@ class KVQuant:
             return 0
         return DEFAULT_TAIL_TOKENS if self.tail_tokens is None else self.tail_tokens
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether a sequence's last positions can be dropped from the cache (a prompt
+        cache hit on a shorter prefix, a speculative round's rejected drafts): not when
+        full-precision positions are kept (a tail, or everything before ``start``),
+        which a shorter sequence would still read and the cache no longer holds."""
+        return not self.tail and not self.start
+
 
 def uniform(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> KVQuant:
     """The ``uniform`` scheme at ``bits`` (``gmlx run --kv-bits``)."""

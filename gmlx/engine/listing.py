@@ -86,7 +86,7 @@ def _kv_quant(entry: Resident | None) -> dict[str, Any] | None:
         return None
     from gmlx.engine.kv_cache import describe
 
-    return describe(entry.worker.loaded, entry.spec.kv_quant, entry.worker.speculation is not None)
+    return describe(entry.worker.loaded, entry.spec.kv_quant, entry.worker.kv_quant is not None)
 
 
 def _loading(model_id: str) -> dict[str, Any] | None:

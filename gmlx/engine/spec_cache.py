@@ -16,7 +16,8 @@ from gmlx.engine import mlxlm
 def trim_rows(cache: list[Any], added: int, keep: list[int]) -> None:
     """Drop each row's last ``added - keep[i]`` positions of a batched KV cache whose
     rows all grew by ``added``: trim to the longest row kept, roll the others right by
-    their shortfall into their left padding, then drop padding every row shares."""
+    their shortfall into their left padding, then drop padding every row shares. A
+    quantized layer (``gmlx.engine.kv_cache``) does the same to its codes itself."""
     longest = max(keep)
     shifts = [longest - k for k in keep]
     for c in cache:
@@ -24,14 +25,18 @@ def trim_rows(cache: list[Any], added: int, keep: list[int]) -> None:
     if not any(shifts):
         return
     s = mx.array(shifts)
+    plain = []
     for c in cache:
+        if hasattr(c, "shift_rows"):
+            c.shift_rows(shifts)
+            continue
         c.keys = dynamic_roll(c.keys, s[:, None], axis=2)
         c.values = dynamic_roll(c.values, s[:, None], axis=2)
         c.offset = c.offset - s
         c.left_padding = c.left_padding + s
-    shared = min(cache[0].left_padding.tolist())
-    if shared > 0:
-        for c in cache:
+        plain.append(c)
+    if plain and (shared := min(plain[0].left_padding.tolist())) > 0:
+        for c in plain:
             c.keys = c.keys[..., shared:, :]
             c.values = c.values[..., shared:, :]
             mlxlm.set_kv_used(c, mlxlm.kv_used(c) - shared)
@@ -53,6 +58,8 @@ def cut(cache: list[Any], n: int) -> list[Any]:
     if n:
         for c in cache:
             c.trim(n)
+            if hasattr(c, "shift_rows"):  # quantized KV: never reads past its size
+                continue
             c.keys = c.keys[..., : c.offset, :]
             c.values = c.values[..., : c.offset, :]
     return cache

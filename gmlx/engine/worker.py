@@ -140,6 +140,7 @@ class ModelWorker:
                             prompt_cache=self.prompt_cache, kv_quant=kv_quant,
                             speculation=speculation)
         self.speculation = speculation  # drafting (``gmlx.engine.speculative``), or None
+        self.kv_quant = kv_quant  # the KV quantization its caches apply, or None
         self._requests: dict[str, ActiveRequest] = {}
         self._closed = threading.Event()
         self._done = threading.Event()

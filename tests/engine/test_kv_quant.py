@@ -202,3 +202,63 @@ def test_active_memory_after_a_long_prompt_matches_the_prediction(demo_model, kv
     assert sum(c.nbytes for c in cache) == predicted
     assert 0.85 <= predicted / held <= 1.15, f"predicted/measured = {predicted / held:.3f}"
     del cache
+
+
+# -- with speculative decoding ----------------------------------------------------------------
+
+
+def test_trim_rows_keeps_each_rows_own_prefix_in_the_codes():
+    """A speculative round keeps a different count of its positions per row: the
+    quantized cache moves each row's codes as the full-precision one moves its keys."""
+    from gmlx.engine.spec_cache import trim_rows
+
+    rows = []
+    for length in (3, 5):
+        c = QuantKVCache(UNIFORM8)
+        keys = mx.broadcast_to(mx.arange(length, dtype=mx.float32)[:, None] + 10 * length, (length, 32))
+        c.update_and_fetch(keys.reshape(1, 1, length, 32), mx.zeros((1, 1, length, 32)))
+        rows.append(c)
+    batch = QuantKVCache.merge(rows)
+    batch.update_and_fetch(mx.full((2, 1, 4, 32), -1.0), mx.zeros((2, 1, 4, 32)))  # 4 new each
+    trim_rows([batch], 4, [1, 3])
+
+    def first_column(c: QuantKVCache) -> list[float]:
+        assert c.kq is not None
+        return mx.dequantize(*c.kq, group_size=32, bits=8)[0, 0, : c.size(), 0].tolist()
+
+    assert [round(v) for v in first_column(batch.extract(0))] == [30, 31, 32, -1]
+    assert [round(v) for v in first_column(batch.extract(1))] == [50, 51, 52, 53, 54, -1, -1, -1]
+    assert batch.offset.tolist() == [4, 8]
+    assert batch.size() == 8  # the padding both rows shared is gone
+
+
+@pytest.mark.parametrize("drafter", ["self", "lookup"])
+def test_speculative_greedy_output_equals_undrafted_over_the_quantized_cache(demo_model, workers, drafter,
+                                                                            monkeypatch):
+    """Drafted and verified against the uniform quantized KV: the same tokens as the
+    same quantized model decoding one token at a time, alone, batched and on a
+    prefix-cache hit."""
+    from gmlx.engine import spec_cache
+    from gmlx.engine.drafting import DraftSpec
+    from gmlx.engine.speculative import load_speculation
+
+    rounds: list[tuple[bool, bool]] = []  # per trim: a quantized cache (not the drafter's)?, rows moved?
+    trim_rows = spec_cache.trim_rows
+
+    def counted(cache, added, keep):
+        rounds.append((isinstance(cache[0], QuantKVCache), len(set(keep)) > 1))
+        trim_rows(cache, added, keep)
+
+    monkeypatch.setattr(spec_cache, "trim_rows", counted)
+    spec = DraftSpec(draft_source="demo") if drafter == "self" else DraftSpec(prompt_lookup=True, draft_tokens=5)
+    drafting = workers(UNIFORM4, decode_batch=4, prompt_cache_bytes=1 << 30,
+                       speculation=load_speculation(spec, demo_model))
+    want = [_tokens(workers(UNIFORM4, decode_batch=1), p) for p in PROMPTS]
+    assert [_tokens(drafting, p) for p in PROMPTS] == want
+    assert _together(drafting, PROMPTS) == want
+    follow = PROMPTS[1] + want[1] + [5, 6, 7]
+    assert _tokens(drafting, follow) == _tokens(workers(UNIFORM4, decode_batch=1), follow)
+    assert drafting.prompt_cache.stats()["tiers"]["block"] >= 1
+    assert any(quantized for quantized, _ in rounds)  # verified over the quantized cache
+    if drafter == "self":  # rows keeping different counts (their max_tokens) moved within the codes
+        assert any(quantized and moved for quantized, moved in rounds)

@@ -34,6 +34,10 @@ models:
     source: demo
     prompt_lookup: true
     kv_quant: {KV_QUANT}
+  drafting_tail:
+    source: demo
+    prompt_lookup: true
+    kv_quant: {{scheme: kvarn, bits: 4, group_size: 32, value_bits: 2, tail_tokens: 16}}
 """
 
 
@@ -93,10 +97,11 @@ def test_greedy_answers_are_the_same_batched_and_alone(server):
     assert together == alone
 
 
-def test_a_speculative_model_runs_full_precision_kv_and_says_so(server):
-    """Verification trims each stream's KV rows, which a quantized cache cannot: the
-    drafting model runs full-precision KV, lists it as dropped, and answers as the
-    plain model does."""
+def test_a_speculative_model_quantizes_its_kv_where_rounds_can_be_trimmed(server):
+    """Verification drops each stream's rejected drafts from its KV: the uniform scheme's
+    cache can (the drafting model answers as the quantized model does, lists every layer
+    quantized and is priced so); kvarn's full-precision tail cannot, so that drafting
+    model runs full-precision KV, lists it as dropped and answers as the plain model."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60)
 
     def ask(model: str) -> str:
@@ -104,12 +109,20 @@ def test_a_speculative_model_runs_full_precision_kv_and_says_so(server):
                                       max_tokens=16, temperature=0)
         return r.choices[0].text
 
-    assert ask("drafting") == ask("plain")
-    drafting = _models(server)["drafting"]
+    assert ask("drafting") == ask("quant")
+    models = _models(server)
+    drafting = models["drafting"]
     assert drafting["speculative"] is True
-    assert drafting["kv_quant"]["verdict"] == drafting["kv_quant"]["verdict_batched"] == "dropped"
-    assert drafting["kv_quant"]["layers_quantized"] == 0
-    assert drafting["kv_bytes_per_token"] == 2 * 2 * 2 * 128  # priced at full precision
+    assert drafting["kv_quant"]["verdict"] == drafting["kv_quant"]["verdict_batched"] == "full"
+    assert drafting["kv_quant"]["layers_fp16"] == 0
+    assert drafting["kv_bytes_per_token"] == models["quant"]["kv_bytes_per_token"] < 2 * 2 * 2 * 128
+
+    assert ask("drafting_tail") == ask("plain")
+    tail = _models(server)["drafting_tail"]
+    assert tail["speculative"] is True
+    assert tail["kv_quant"]["verdict"] == tail["kv_quant"]["verdict_batched"] == "dropped"
+    assert tail["kv_quant"]["layers_quantized"] == 0
+    assert tail["kv_bytes_per_token"] == 2 * 2 * 2 * 128  # priced at full precision
 
 
 def _plan(tmp_path, yaml_text: str, width: int, depth: int) -> dict:
