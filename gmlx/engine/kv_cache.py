@@ -115,7 +115,7 @@ class QuantKVCache(_BaseCache):
         right = self._right or [0] * len(self._lp)
         if k.start and min(self._idx - n - r for n, r in zip(self._lp, right)) + 1 < k.start:
             return self._idx - min(self._lp)
-        return min(self._idx, k.tail + max(right)) if k.tail else 0
+        return min(self._idx, k.tail + k.slack + max(right)) if k.tail else 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         k = self.kvq
@@ -332,13 +332,17 @@ class QuantKVCache(_BaseCache):
         """Move each sequence right by ``shifts[i]`` positions, its last ones out and
         left padding in, then drop the padding every sequence shares: what a speculative
         round's verification does to rows that kept fewer of the round's positions
-        (``spec_cache.trim_rows``). A trimmable cache only: it keeps no full-precision
-        window to move along."""
-        assert self.kvq.trimmable and self.kf is None
+        (``spec_cache.trim_rows``). The full-precision window moves with its rows: what
+        rolls into a row's first window positions is either its padding or at least
+        ``tail + 1`` positions back, which no query reads at full precision, as long as
+        the scheme's ``slack`` covers the round (``KVQuant.for_drafts``)."""
+        assert not self.kvq.start and (not self.kvq.tail or self.kvq.slack > max(shifts))
         s = mx.array(shifts)[:, None]
         if self.kq is not None and self.vq is not None:
             self.kq = tuple(dynamic_roll(a, s, axis=2) for a in self.kq)  # type: ignore[assignment]
             self.vq = tuple(dynamic_roll(a, s, axis=2) for a in self.vq)  # type: ignore[assignment]
+        if self.kf is not None and self.vf is not None:
+            self.kf, self.vf = dynamic_roll(self.kf, s, axis=2), dynamic_roll(self.vf, s, axis=2)
         self.offset = self.offset - s[:, 0]
         self._lp = [n + k for n, k in zip(self._lp, shifts, strict=True)]
         if (shared := min(self._lp)) > 0:
@@ -347,12 +351,16 @@ class QuantKVCache(_BaseCache):
                 self.vq = tuple(a[..., shared:, :] for a in self.vq)  # type: ignore[assignment]
             self._idx -= shared
             self._lp = [n - shared for n in self._lp]
+            self._trim_window(self._idx)
         self.left_padding = mx.array(self._lp)
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
         self._idx -= n
         self.offset = self.offset - n
+        if n and self.kf is not None and self.vf is not None:  # the window ends where the cache does
+            w = self.window - n
+            self.kf, self.vf = (a[..., :w, :] for a in (self.kf, self.vf)) if w > 0 else (None, None)
         return n
 
     def size(self) -> int:

@@ -20,7 +20,7 @@ divide stays at full precision: the listing's ``verdict`` says how much took
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SCHEMES = ("uniform", "kvarn")
@@ -40,6 +40,10 @@ class KVQuant:
     value_bits: int | None = None  # kvarn: the values' width (None: ``bits``)
     tail_tokens: int | None = None  # kvarn: full-precision recent tokens (None: the default)
     start: int = 0
+    # Not a config key: full-precision positions kept beyond the tail, set by the engine
+    # for a speculative model (a round's rejected drafts, up to ``draft_tokens + 1``
+    # positions, leave the tail whole when they are dropped).
+    slack: int = 0
 
     def __post_init__(self) -> None:
         self.check()
@@ -87,6 +91,15 @@ class KVQuant:
         which a shorter sequence would still read and the cache no longer holds."""
         return not self.tail and not self.start
 
+    def for_drafts(self, draft_tokens: int) -> KVQuant | None:
+        """This scheme for a speculative model verifying ``draft_tokens`` a round (its
+        rejected drafts are dropped per stream), or None where it cannot be: a
+        ``start`` offset (a stream the trim takes back before ``start`` would need
+        every full-precision position the cache no longer holds)."""
+        if self.start:
+            return None
+        return replace(self, slack=draft_tokens + 1) if self.tail else self
+
 
 def uniform(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> KVQuant:
     """The ``uniform`` scheme at ``bits`` (``gmlx run --kv-bits``)."""
@@ -111,7 +124,7 @@ def layer_bytes_per_token(kvq: KVQuant, kv_heads: int, k_dim: int, v_dim: int, d
 def layer_fixed_bytes(kvq: KVQuant, kv_heads: int, k_dim: int, v_dim: int, dtype_bytes: int) -> int:
     """The full-precision KV a quantized layer holds besides its codes: the tail (and,
     for a sequence still shorter than ``start``, up to ``start`` tokens)."""
-    return max(kvq.tail, kvq.start) * kv_heads * (k_dim + v_dim) * dtype_bytes
+    return max(kvq.tail + kvq.slack if kvq.tail else 0, kvq.start) * kv_heads * (k_dim + v_dim) * dtype_bytes
 
 
 def head_geometry(config: dict[str, Any]) -> tuple[int, int] | None:

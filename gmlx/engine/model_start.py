@@ -129,15 +129,15 @@ def _start_model(
         from gmlx.engine.speculative import load_speculation
 
         speculation = load_speculation(spec.draft, loaded)
-    # Verification trims each stream's KV rows: a scheme that keeps full-precision
-    # positions (kvarn's tail, everything before `start`) cannot be trimmed, so a
-    # speculative model with one runs full-precision KV (its listing says `dropped`).
+    # Verification drops each stream's rejected drafts from its KV: a scheme with a
+    # `start` offset cannot, so a speculative model with one runs full-precision KV
+    # (its listing says `dropped`); a tail keeps `draft_tokens + 1` positions more.
     kv_quant = spec.kv_quant
-    if kv_quant is not None and speculation is not None and not kv_quant.trimmable:
-        kv_quant = None
-        log.warning("%s: kv_quant is not applied: the model decodes speculatively, and a "
-                    "scheme with a full-precision tail or a start offset cannot drop a "
-                    "round's rejected drafts (uniform from position 0 can)", spec.id)
+    if kv_quant is not None and speculation is not None:
+        kv_quant = kv_quant.for_drafts(speculation.spec.draft_tokens)
+        if kv_quant is None:
+            log.warning("%s: kv_quant is not applied: the model decodes speculatively, and a "
+                        "scheme with a start offset cannot drop a round's rejected drafts", spec.id)
     chunk = default_prefill_step()
     geom: capacity.Geometry | None = None
     table: capacity.CapacityTable | None = None

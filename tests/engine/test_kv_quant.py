@@ -232,12 +232,13 @@ def test_trim_rows_keeps_each_rows_own_prefix_in_the_codes():
     assert batch.size() == 8  # the padding both rows shared is gone
 
 
+@pytest.mark.parametrize("kvq", [UNIFORM4, KVARN], ids=["uniform4", "kvarn"])
 @pytest.mark.parametrize("drafter", ["self", "lookup"])
-def test_speculative_greedy_output_equals_undrafted_over_the_quantized_cache(demo_model, workers, drafter,
+def test_speculative_greedy_output_equals_undrafted_over_the_quantized_cache(demo_model, workers, drafter, kvq,
                                                                             monkeypatch):
-    """Drafted and verified against the uniform quantized KV: the same tokens as the
-    same quantized model decoding one token at a time, alone, batched and on a
-    prefix-cache hit."""
+    """Drafted and verified against the quantized KV (kvarn's full-precision tail kept
+    ``draft_tokens + 1`` positions longer): the same tokens as the same quantized model
+    decoding one token at a time, alone, batched and on a prefix-cache hit."""
     from gmlx.engine import spec_cache
     from gmlx.engine.drafting import DraftSpec
     from gmlx.engine.speculative import load_speculation
@@ -251,13 +252,13 @@ def test_speculative_greedy_output_equals_undrafted_over_the_quantized_cache(dem
 
     monkeypatch.setattr(spec_cache, "trim_rows", counted)
     spec = DraftSpec(draft_source="demo") if drafter == "self" else DraftSpec(prompt_lookup=True, draft_tokens=5)
-    drafting = workers(UNIFORM4, decode_batch=4, prompt_cache_bytes=1 << 30,
+    drafting = workers(kvq.for_drafts(spec.draft_tokens), decode_batch=4, prompt_cache_bytes=1 << 30,
                        speculation=load_speculation(spec, demo_model))
-    want = [_tokens(workers(UNIFORM4, decode_batch=1), p) for p in PROMPTS]
+    want = [_tokens(workers(kvq, decode_batch=1), p) for p in PROMPTS]
     assert [_tokens(drafting, p) for p in PROMPTS] == want
     assert _together(drafting, PROMPTS) == want
     follow = PROMPTS[1] + want[1] + [5, 6, 7]
-    assert _tokens(drafting, follow) == _tokens(workers(UNIFORM4, decode_batch=1), follow)
+    assert _tokens(drafting, follow) == _tokens(workers(kvq, decode_batch=1), follow)
     assert drafting.prompt_cache.stats()["tiers"]["block"] >= 1
     assert any(quantized for quantized, _ in rounds)  # verified over the quantized cache
     if drafter == "self":  # rows keeping different counts (their max_tokens) moved within the codes

@@ -34,10 +34,10 @@ models:
     source: demo
     prompt_lookup: true
     kv_quant: {KV_QUANT}
-  drafting_tail:
+  drafting_late:
     source: demo
     prompt_lookup: true
-    kv_quant: {{scheme: kvarn, bits: 4, group_size: 32, value_bits: 2, tail_tokens: 16}}
+    kv_quant: {{scheme: uniform, bits: 4, group_size: 32, start: 64}}
 """
 
 
@@ -98,9 +98,9 @@ def test_greedy_answers_are_the_same_batched_and_alone(server):
 
 
 def test_a_speculative_model_quantizes_its_kv_where_rounds_can_be_trimmed(server):
-    """Verification drops each stream's rejected drafts from its KV: the uniform scheme's
-    cache can (the drafting model answers as the quantized model does, lists every layer
-    quantized and is priced so); kvarn's full-precision tail cannot, so that drafting
+    """Verification drops each stream's rejected drafts from its KV: a scheme from
+    position 0 can (the drafting model answers as the quantized model does, lists every
+    layer quantized and is priced so); one with a start offset cannot, so that drafting
     model runs full-precision KV, lists it as dropped and answers as the plain model."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60)
 
@@ -117,8 +117,8 @@ def test_a_speculative_model_quantizes_its_kv_where_rounds_can_be_trimmed(server
     assert drafting["kv_quant"]["layers_fp16"] == 0
     assert drafting["kv_bytes_per_token"] == models["quant"]["kv_bytes_per_token"] < 2 * 2 * 2 * 128
 
-    assert ask("drafting_tail") == ask("plain")
-    tail = _models(server)["drafting_tail"]
+    assert ask("drafting_late") == ask("plain")
+    tail = _models(server)["drafting_late"]
     assert tail["speculative"] is True
     assert tail["kv_quant"]["verdict"] == tail["kv_quant"]["verdict_batched"] == "dropped"
     assert tail["kv_quant"]["layers_quantized"] == 0
