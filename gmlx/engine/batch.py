@@ -17,7 +17,7 @@ from typing import Any
 
 from gmlx.engine import mlxlm, scheduling
 from gmlx.engine.errors import EngineError, GmlxError
-from gmlx.engine.kv_cache import make_cache
+from gmlx.engine.kv_layers import make_cache
 from gmlx.engine.kv_quant import KVQuant
 from gmlx.engine.loading import LoadedModel
 from gmlx.engine.prompt_cache import PromptCache, with_room

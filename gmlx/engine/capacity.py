@@ -252,7 +252,8 @@ def probe_geometry(loaded: LoadedModel, kv_quant: KVQuant | None = None) -> Geom
 
     from gmlx.engine import kv_quant as kvq
     from gmlx.engine.kernels.fast_linear import dense_scratch_bytes
-    from gmlx.engine.kv_cache import QuantKVCache, make_cache
+    from gmlx.engine.kv_cache import QuantKVCache
+    from gmlx.engine.kv_layers import make_cache
 
     model = loaded.model
     caches = make_cache(loaded, kv_quant)

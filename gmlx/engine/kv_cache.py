@@ -25,16 +25,13 @@ is exact against a run without it, and a batch against a sequence alone.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, dynamic_roll
 
-from gmlx.engine.kv_quant import KVQuant, head_geometry
-
-if TYPE_CHECKING:
-    from gmlx.engine.loading import LoadedModel
+from gmlx.engine.kv_quant import KVQuant
 
 Q = tuple[mx.array, mx.array, mx.array]  # codes, scales, biases
 
@@ -203,17 +200,35 @@ class QuantKVCache(_BaseCache):
     def finalize(self) -> None:
         if self._right is None:
             return
-        pad = mx.array(self._right)[:, None]
-        if self.kq is not None and self.vq is not None:
-            self.kq = tuple(dynamic_roll(a, pad, axis=2) for a in self.kq)  # type: ignore[assignment]
-            self.vq = tuple(dynamic_roll(a, pad, axis=2) for a in self.vq)  # type: ignore[assignment]
-        if self.kf is not None and self.vf is not None:
-            self.kf, self.vf = dynamic_roll(self.kf, pad, axis=2), dynamic_roll(self.vf, pad, axis=2)
-        self.offset = self.offset - pad[:, 0]
-        self._lp = [a + b for a, b in zip(self._lp, self._right)]
-        self.left_padding = mx.array(self._lp)
+        self._shift_right(self._right)
         self._right = None
         self._trim_window(self._keep())
+
+    def _shift_right(self, shifts: list[int]) -> None:
+        """Move each sequence right by ``shifts[i]`` positions in every array, codes and
+        full-precision window alike: what rolls out of the end comes back as left
+        padding."""
+        s = mx.array(shifts)[:, None]
+        if self.kq is not None and self.vq is not None:
+            self.kq = tuple(dynamic_roll(a, s, axis=2) for a in self.kq)  # type: ignore[assignment]
+            self.vq = tuple(dynamic_roll(a, s, axis=2) for a in self.vq)  # type: ignore[assignment]
+        if self.kf is not None and self.vf is not None:
+            self.kf, self.vf = dynamic_roll(self.kf, s, axis=2), dynamic_roll(self.vf, s, axis=2)
+        self.offset = self.offset - s[:, 0]
+        self._lp = [n + k for n, k in zip(self._lp, shifts, strict=True)]
+        self.left_padding = mx.array(self._lp)
+
+    def _drop_shared_padding(self) -> None:
+        """Drop the columns every sequence has as left padding."""
+        shift = min(self._lp, default=0)
+        if shift > 0:
+            if self.kq is not None and self.vq is not None:
+                self.kq = tuple(a[..., shift:, :] for a in self.kq)  # type: ignore[assignment]
+                self.vq = tuple(a[..., shift:, :] for a in self.vq)  # type: ignore[assignment]
+            self._idx -= shift
+            self._lp = [n - shift for n in self._lp]
+            self._trim_window(self._idx)
+        self.left_padding = mx.array(self._lp)
 
     def _trim_window(self, keep: int) -> None:
         if self.kf is None or self.vf is None or self.window <= keep:
@@ -233,15 +248,7 @@ class QuantKVCache(_BaseCache):
             self.kf, self.vf = self.kf[ids], self.vf[ids]
         self.offset = self.offset[ids]
         self._lp = [self._lp[i] for i in keep]
-        shift = min(self._lp, default=0)
-        if shift > 0:  # drop the columns every sequence left has as padding
-            if self.kq is not None and self.vq is not None:
-                self.kq = tuple(a[..., shift:, :] for a in self.kq)  # type: ignore[assignment]
-                self.vq = tuple(a[..., shift:, :] for a in self.vq)  # type: ignore[assignment]
-            self._idx -= shift
-            self._lp = [n - shift for n in self._lp]
-            self._trim_window(self._idx)
-        self.left_padding = mx.array(self._lp)
+        self._drop_shared_padding()
 
     def extend(self, other: QuantKVCache) -> None:
         """Append ``other``'s sequences, both right-justified at the longer one."""
@@ -337,22 +344,8 @@ class QuantKVCache(_BaseCache):
         ``tail + 1`` positions back, which no query reads at full precision, as long as
         the scheme's ``slack`` covers the round (``KVQuant.for_drafts``)."""
         assert not self.kvq.start and (not self.kvq.tail or self.kvq.slack > max(shifts))
-        s = mx.array(shifts)[:, None]
-        if self.kq is not None and self.vq is not None:
-            self.kq = tuple(dynamic_roll(a, s, axis=2) for a in self.kq)  # type: ignore[assignment]
-            self.vq = tuple(dynamic_roll(a, s, axis=2) for a in self.vq)  # type: ignore[assignment]
-        if self.kf is not None and self.vf is not None:
-            self.kf, self.vf = dynamic_roll(self.kf, s, axis=2), dynamic_roll(self.vf, s, axis=2)
-        self.offset = self.offset - s[:, 0]
-        self._lp = [n + k for n, k in zip(self._lp, shifts, strict=True)]
-        if (shared := min(self._lp)) > 0:
-            if self.kq is not None and self.vq is not None:
-                self.kq = tuple(a[..., shared:, :] for a in self.kq)  # type: ignore[assignment]
-                self.vq = tuple(a[..., shared:, :] for a in self.vq)  # type: ignore[assignment]
-            self._idx -= shared
-            self._lp = [n - shared for n in self._lp]
-            self._trim_window(self._idx)
-        self.left_padding = mx.array(self._lp)
+        self._shift_right(shifts)
+        self._drop_shared_padding()
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
@@ -374,48 +367,3 @@ class QuantKVCache(_BaseCache):
         arrays = [*(self.kq or ()), *(self.vq or ()), self.kf, self.vf]
         return sum(a.nbytes for a in arrays if a is not None)
 
-
-# -- a model's caches ------------------------------------------------------------------
-
-
-def make_cache(loaded: LoadedModel, kvq: KVQuant | None) -> list[Any]:
-    """A fresh cache for one sequence of ``loaded``'s model: mlx-lm's, with each plain
-    KV layer quantized by ``kvq`` where its head dimension allows (None: mlx-lm's)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(loaded.model)
-    if kvq is None or not _quantizable(loaded, kvq):
-        return cache
-    from mlx_lm.models.cache import KVCache
-
-    return [QuantKVCache(kvq) if type(layer) is KVCache else layer for layer in cache]
-
-
-def _quantizable(loaded: LoadedModel, kvq: KVQuant) -> bool:
-    heads = head_geometry(loaded.config)
-    return heads is not None and heads[1] % kvq.group_size == 0
-
-
-def describe(loaded: LoadedModel, kvq: KVQuant, applied: bool = True) -> dict[str, Any]:
-    """The listing's ``kv_quant`` object for a resident model. Not ``applied`` (a
-    speculative model with a scheme whose cache cannot be trimmed per stream: see
-    ``model_start``): every layer counts as fp16 and the verdicts say ``dropped``."""
-    layers = make_cache(loaded, kvq)
-    quantized = sum(isinstance(c, QuantKVCache) for c in layers) if applied else 0
-    fp16 = len(layers) - quantized
-    verdict = "full" if fp16 == 0 else "partial" if quantized else "dropped"
-    out: dict[str, Any] = {
-        "scheme": kvq.scheme,
-        "bits": kvq.bits,
-        "group_size": kvq.group_size,
-        "start": kvq.start,
-        "layers_quantized": quantized,
-        "layers_fp16": fp16,
-        "verdict": verdict,
-        # The quantized cache merges, filters and extends like mlx-lm's batch cache:
-        # a batch of any width runs it.
-        "verdict_batched": verdict,
-    }
-    if kvq.scheme == "kvarn":
-        out.update(value_bits=kvq.val_bits, tail_tokens=kvq.tail)
-    return out

@@ -84,7 +84,7 @@ def _kv_bytes_per_token(entry: Resident | None) -> int | None:
 def _kv_quant(entry: Resident | None) -> dict[str, Any] | None:
     if entry is None or entry.spec.kv_quant is None:
         return None
-    from gmlx.engine.kv_cache import describe
+    from gmlx.engine.kv_layers import describe
 
     return describe(entry.worker.loaded, entry.spec.kv_quant, entry.worker.kv_quant is not None)
 

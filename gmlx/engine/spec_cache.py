@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import dynamic_roll
 
 from gmlx.engine import mlxlm
+from gmlx.engine.kv_cache import QuantKVCache
 
 
 def trim_rows(cache: list[Any], added: int, keep: list[int]) -> None:
@@ -27,7 +28,7 @@ def trim_rows(cache: list[Any], added: int, keep: list[int]) -> None:
     s = mx.array(shifts)
     plain = []
     for c in cache:
-        if hasattr(c, "shift_rows"):
+        if isinstance(c, QuantKVCache):
             c.shift_rows(shifts)
             continue
         c.keys = dynamic_roll(c.keys, s[:, None], axis=2)
@@ -58,7 +59,7 @@ def cut(cache: list[Any], n: int) -> list[Any]:
     if n:
         for c in cache:
             c.trim(n)
-            if hasattr(c, "shift_rows"):  # quantized KV: never reads past its size
+            if isinstance(c, QuantKVCache):  # never reads past its size
                 continue
             c.keys = c.keys[..., : c.offset, :]
             c.values = c.values[..., : c.offset, :]

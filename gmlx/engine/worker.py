@@ -140,7 +140,6 @@ class ModelWorker:
                             prompt_cache=self.prompt_cache, kv_quant=kv_quant,
                             speculation=speculation)
         self.speculation = speculation  # drafting (``gmlx.engine.speculative``), or None
-        self.kv_quant = kv_quant  # the KV quantization its caches apply, or None
         self._requests: dict[str, ActiveRequest] = {}
         self._closed = threading.Event()
         self._done = threading.Event()
@@ -190,6 +189,11 @@ class ModelWorker:
     @property
     def free_slots(self) -> int:
         return self._batch.free
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        """The KV quantization its caches apply, or None (full precision)."""
+        return self._batch.kv_quant
 
     @property
     def queued(self) -> int:

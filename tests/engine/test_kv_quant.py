@@ -14,7 +14,8 @@ from gmlx.engine import capacity as cap
 from gmlx.engine import kv_cache
 from gmlx.engine.capacity import quantized_geometry
 from gmlx.engine.errors import ConfigError
-from gmlx.engine.kv_cache import QuantKVCache, describe, make_cache
+from gmlx.engine.kv_cache import QuantKVCache
+from gmlx.engine.kv_layers import describe, make_cache
 from gmlx.engine.kv_quant import KVQuant
 from gmlx.engine.types import GenerateRequest, SamplingParams
 from gmlx.engine.worker import ModelWorker
