@@ -15,8 +15,9 @@ SHAPE:QUANT, and each quant names what each server loads:
 only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
 ``gmlx-graph400`` adds it with MLX's own CUDA graph-cache settings, capacity 400 and the
 thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs of up to
-80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention). One server runs at a
-time (memory), started in its own session on a free 127.0.0.1 port and always killed.
+80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention; ``mlx_lm-gmlxenv`` is
+mlx_lm.server with the MLX settings gmlx makes, so only the server differs). One server
+runs at a time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
 chat completions, greedy, every special and partial-UTF-8 token biased -100 so each
 stream runs to ``--tokens``. All three decode at most max(--widths) streams together
@@ -67,13 +68,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+# The environment this script was started with: what every server gets. Importing
+# gmlx.engine here (weight_bytes reads GGUF headers with gmlx's reader) sets gmlx's MLX
+# defaults in this process, which must not leak into the peers.
+LAUNCH_ENV = dict(os.environ)
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
 import openai
 import throughput as tp
 
+from gmlx.engine import MLX_CUDA_DEFAULTS
+
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-mlx",
-           "mlx_lm", "llama")
+           "mlx_lm", "mlx_lm-gmlxenv", "llama")
+PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
 # fast_linear's GMLX_QMV_KERNEL says (only flattened, or left as MLX makes them), or MLX's
 # own CUDA graph-cache settings (gmlx.engine's MLX_CUDA_DEFAULTS say why gmlx changes them)
@@ -88,6 +96,9 @@ GMLX_VARIANTS = {
     # built and compiled per shape, inside the request that first meets one)
     "gmlx-cudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "1"},
 }
+# mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the
+# same engine settings on both sides, so the difference is the server (issue 19, point 4)
+PEER_VARIANTS = {"mlx_lm-gmlxenv": dict(MLX_CUDA_DEFAULTS)}
 # What a gmlx server's log says about its load (conversion, the tuner's choices, warm-up)
 # and anything that went wrong: kept with its result, as the log itself is lost with the
 # device machine.
@@ -100,6 +111,7 @@ FILES: dict[str, dict[str, str | None]] = {
 }
 for _files in FILES.values():
     _files.update({variant: _files["gmlx"] for variant in GMLX_VARIANTS})
+    _files.update({variant: _files["mlx_lm"] for variant in PEER_VARIANTS})
 LLAMA_SERVER_PATHS = ("/tmp/llama/build/bin/llama-server",)
 # Process groups of the servers this script started: a run killed at a device call's limit
 # leaves its server (own session) running; the next run ends it before starting another.
@@ -156,18 +168,18 @@ def find_llama_server() -> str | None:
 def make_server(kind: str, model: Path, workdir: Path, args: argparse.Namespace) -> tp.Server:
     home = args.gmlx_home or workdir / f"gmlx-home-{kind}"
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env = {**LAUNCH_ENV, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     # the working tree's gmlx first, whatever is installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     slots = max(args.widths)
     log = workdir / f"{kind}.log"
-    env.update(GMLX_VARIANTS.get(kind, {}))
+    env.update(GMLX_VARIANTS.get(kind, {}) | PEER_VARIANTS.get(kind, {}))
     if kind.startswith("gmlx"):
         s = tp.Server(kind, [sys.executable, "-m", "gmlx.cli.main", "serve", str(model),
                             "--decode-batch", str(slots), *args.gmlx_args], env, log)
         s.health = "/health?ready=1"  # ready: loaded and warmed up
         s.argv += ["--port", str(s.port)]
-    elif kind == "mlx_lm":
+    elif kind.startswith("mlx_lm"):
         s = tp.Server(kind, [sys.executable, "-m", "mlx_lm.server", "--model", str(model),
                              "--log-level", "WARNING", "--decode-concurrency", str(slots), *args.peer_args],
                       env, log)
@@ -313,7 +325,7 @@ def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[
                 out(f"- {k}: `{Path(r['model']).name}`, B = {r['weight_bytes'] / 2**30:.2f} GiB; {state}")
             widths = sorted({w["width"] for r in rs.values() for w in r.get("widths", [])})
             base = [k for k in present if k.startswith("gmlx")]
-            peers = [k for k in ("mlx_lm", "llama") if k in present]
+            peers = [k for k in PEERS if k in present]
             head = ["width"] + [f"{k} tok/s" for k in present]
             head += [f"{b}/{p}" for b in base for p in peers]
             head += [f"{k} TTFT p50/p95 ms" for k in present] + ["floor " + " / ".join(present)]
