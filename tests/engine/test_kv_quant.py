@@ -210,18 +210,23 @@ def test_active_memory_after_a_long_prompt_matches_the_prediction(demo_model, kv
 
 def test_trim_rows_keeps_each_rows_own_prefix_in_the_codes():
     """A speculative round keeps a different count of its positions per row: the
-    quantized cache moves each row's codes as the full-precision one moves its keys."""
+    quantized cache moves each row's codes as the full-precision one moves its keys,
+    also side by side in one model (layers whose heads do not quantize stay mlx-lm's)."""
+    from mlx_lm.models.cache import KVCache
+
     from gmlx.engine.spec_cache import trim_rows
 
-    rows = []
+    quantized, plain = [], []
     for length in (3, 5):
-        c = QuantKVCache(UNIFORM8)
         keys = mx.broadcast_to(mx.arange(length, dtype=mx.float32)[:, None] + 10 * length, (length, 32))
-        c.update_and_fetch(keys.reshape(1, 1, length, 32), mx.zeros((1, 1, length, 32)))
-        rows.append(c)
-    batch = QuantKVCache.merge(rows)
-    batch.update_and_fetch(mx.full((2, 1, 4, 32), -1.0), mx.zeros((2, 1, 4, 32)))  # 4 new each
-    trim_rows([batch], 4, [1, 3])
+        for made, c in ((quantized, QuantKVCache(UNIFORM8)), (plain, KVCache())):
+            c.update_and_fetch(keys.reshape(1, 1, length, 32), mx.zeros((1, 1, length, 32)))
+            made.append(c)
+    layers = [QuantKVCache.merge(quantized), KVCache.merge(plain)]
+    for c in layers:
+        c.update_and_fetch(mx.full((2, 1, 4, 32), -1.0), mx.zeros((2, 1, 4, 32)))  # 4 new each
+    trim_rows(layers, 4, [1, 3])
+    batch, full = layers
 
     def first_column(c: QuantKVCache) -> list[float]:
         assert c.kq is not None
@@ -231,6 +236,10 @@ def test_trim_rows_keeps_each_rows_own_prefix_in_the_codes():
     assert [round(v) for v in first_column(batch.extract(1))] == [50, 51, 52, 53, 54, -1, -1, -1]
     assert batch.offset.tolist() == [4, 8]
     assert batch.size() == 8  # the padding both rows shared is gone
+    assert full.extract(0).keys[0, 0, :, 0].tolist() == [30, 31, 32, -1]
+    assert full.extract(1).keys[0, 0, :, 0].tolist() == [50, 51, 52, 53, 54, -1, -1, -1]
+    assert full.offset.tolist() == batch.offset.tolist()
+    assert full.left_padding.tolist() == batch.left_padding.tolist()
 
 
 @pytest.mark.parametrize("kvq", [UNIFORM4, KVARN], ids=["uniform4", "kvarn"])
