@@ -39,15 +39,24 @@ def _ptx_cache_dir() -> str:
     own default is the system temp dir, which a reboot may empty and another user may
     own. On the H200, ``gmlx run`` of an 8B Q4_K_M to its first token took 98.5 s with
     an empty kernel cache and 24.5 s with a warm one."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from gmlx.paths import cache_dir
 
-    try:
-        mlx_version = version("mlx")
-    except PackageNotFoundError:  # a source build without metadata: one folder for all
-        mlx_version = "unknown"
-    return str(cache_dir() / "mlx-ptx" / mlx_version)
+    return str(cache_dir() / "mlx-ptx" / _mlx_version())
 
 
-os.environ.setdefault("MLX_PTX_CACHE_DIR", _ptx_cache_dir())
+def _mlx_version() -> str:
+    """MLX's installed version, from its ``dist-info`` folder beside the package:
+    ``importlib.metadata`` would cost every command ~20 ms of imports (measured on
+    ``gmlx --help``), and importing MLX more."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("mlx")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for info in Path(folder).parent.glob("mlx-*.dist-info"):
+            return info.name.removeprefix("mlx-").removesuffix(".dist-info")
+    return "unknown"  # a source build without metadata: one folder for all
+
+
+if "MLX_PTX_CACHE_DIR" not in os.environ:
+    os.environ["MLX_PTX_CACHE_DIR"] = _ptx_cache_dir()
