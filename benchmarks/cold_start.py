@@ -8,6 +8,10 @@ model as an MLX folder.
     python benchmarks/cold_start.py --vocab qwen2 --before c9e50d1 --repeat 3
         # a Q4_K_M-like model with the real 151,936-token vocabulary; also the code of
         # commit c9e50d1 (before the cache and the faster converter)
+    python benchmarks/cold_start.py --vocab llama-bpe --shape llama3-8b --keep /tmp/l8b.gguf \
+        --no-uncached --cache /tmp/l8b-cache --profile cold.json
+        # Llama-3-8B's shape in Q4_K_M's mix (4.6 GiB, kept for the next run), a py-spy
+        # profile of its cold load, the cache entry kept for benchmarks/gpu/read_check.py
 
 "uncached" runs with the cache off (GMLX_CONVERT_CACHE_BYTES=0): every load converts the
 tensors and rebuilds the tokenizer, as loads did before the cache. "cold" starts from an
@@ -18,6 +22,9 @@ row is the best of N loads (cold: one load, as only the first finds the cache em
 Phases come from the loader's progress reports: read (header, metadata; the tokenizer
 when it is built), then convert (tensors converted, the entry written) or cached (weights
 and tokenizer read back); the model's set-up after that counts in the last phase.
+The first token is a short prompt's, after what a server does to a loaded model on the
+CPU backend (its quantized layers dequantized, memory permitting), so it includes MLX's
+first compile of each shape.
 ``--before REV`` also loads the same file with the code of commit REV (a git worktree, in
 a subprocess that imports first and then times ``load_model`` alone, best of N): the
 load as it was before the cache and the faster converter (c9e50d1: the code when the
@@ -27,6 +34,7 @@ cold-start issue was filed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -45,12 +53,29 @@ def _write_test_gguf(path: Path) -> Path:
     return path
 
 
-def _write_real_vocab_gguf(path: Path, vocab: str) -> Path:
-    """A Q4_K_M-like GGUF (hidden 256, 2 layers; Q4_K with Q6_K for attn_v, ffn_down and
-    the output layer, as llama-quantize's Q4_K_M mixes them) carrying the real ``vocab``
-    tokenizer from ../shared/fixtures/vocab: a test model whose load is dominated by what
-    real models have (a 150k vocabulary, K-quant conversion), not by its tiny layers.
-    Random valid blocks: load time does not depend on the values."""
+# Shapes of the test GGUFs with a real vocabulary: (architecture, tokenizer pre-split,
+# hidden, feed-forward, layers, heads, kv heads, attention biases).
+SHAPES = {
+    "tiny": ("qwen2", None, 256, 512, 2, 4, 2, True),
+    "llama3-8b": ("llama", "llama-bpe", 4096, 14336, 32, 32, 8, False),
+}
+
+
+def _more_bits(i: int, layers: int) -> bool:
+    """Whether llama-quantize's Q4_K_M gives layer ``i``'s attn_v and ffn_down Q6_K
+    (the first and last eighth of the layers and every third between)."""
+    return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+
+def _write_real_vocab_gguf(path: Path, vocab: str, shape: str = "tiny", layers: int | None = None) -> Path:
+    """A Q4_K_M-like GGUF carrying the real ``vocab`` tokenizer from
+    ../shared/fixtures/vocab: Q4_K everywhere but the output layer and the attn_v and
+    ffn_down of the layers llama-quantize's Q4_K_M picks, which are Q6_K (as in the
+    real mix: 33 Q6_K tensors at Llama-3-8B's 32 layers). ``shape`` "tiny" is hidden 256,
+    2 layers (a test model whose load is dominated by what real models have: a large
+    vocabulary, K-quant conversion); "llama3-8b" is that model's real shape (4.6 GiB;
+    ``layers`` fewer to try it on a small machine). Random valid blocks: load time does
+    not depend on the values."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader, GGUFWriter
@@ -58,7 +83,9 @@ def _write_real_vocab_gguf(path: Path, vocab: str) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.engine.loading.conftest import random_blocks
 
-    source = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vocab" / f"ggml-vocab-{vocab}.gguf"
+    source = Path(vocab)  # a vocabulary GGUF's path, or its name in ../shared/fixtures/vocab
+    if not source.is_file():
+        source = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vocab" / f"ggml-vocab-{vocab}.gguf"
     reader = GGUFReader(source)
 
     def strings(key: str) -> list[str]:
@@ -68,41 +95,52 @@ def _write_real_vocab_gguf(path: Path, vocab: str) -> Path:
     tokens, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
     types = [int(reader.fields["tokenizer.ggml.token_type"].parts[i][0])
              for i in reader.fields["tokenizer.ggml.token_type"].data]
-    hidden, ffn, layers, heads, kv_heads = 256, 512, 2, 4, 2
-    writer = GGUFWriter(str(path), "qwen2")
+    arch, pre, hidden, ffn, n_layers, heads, kv_heads, biases = SHAPES[shape]
+    layers = layers or n_layers
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
-    writer.add_context_length(4096)
+    writer.add_context_length(8192)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(5e5 if arch == "llama" else 1e6)
+    writer.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
+    if arch == "llama":
+        writer.add_rope_dimension_count(hidden // heads)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre or vocab)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    end = next((t for t in ("<|endoftext|>", "<|end_of_text|>", "<|eot_id|>") if t in tokens), tokens[0])
+    writer.add_eos_token_id(tokens.index(end))
+    writer.add_bos_token_id(tokens.index(end))
     writer.add_add_bos_token(False)
     head = hidden // heads
     matrices = [("token_embd.weight", len(tokens), hidden, Q.Q4_K), ("output.weight", len(tokens), hidden, Q.Q6_K)]
     for i in range(layers):
+        more = Q.Q6_K if shape == "tiny" or _more_bits(i, layers) else Q.Q4_K
         matrices += [(f"blk.{i}.attn_q.weight", hidden, hidden, Q.Q4_K),
                      (f"blk.{i}.attn_k.weight", kv_heads * head, hidden, Q.Q4_K),
-                     (f"blk.{i}.attn_v.weight", kv_heads * head, hidden, Q.Q6_K),
+                     (f"blk.{i}.attn_v.weight", kv_heads * head, hidden, more),
                      (f"blk.{i}.attn_output.weight", hidden, hidden, Q.Q4_K),
                      (f"blk.{i}.ffn_gate.weight", ffn, hidden, Q.Q4_K),
                      (f"blk.{i}.ffn_up.weight", ffn, hidden, Q.Q4_K),
-                     (f"blk.{i}.ffn_down.weight", hidden, ffn, Q.Q6_K)]
-        for name, size in (("attn_q.bias", hidden), ("attn_k.bias", kv_heads * head),
-                           ("attn_v.bias", kv_heads * head), ("attn_norm.weight", hidden),
-                           ("ffn_norm.weight", hidden)):
+                     (f"blk.{i}.ffn_down.weight", hidden, ffn, more)]
+        vectors = [("attn_norm.weight", hidden), ("ffn_norm.weight", hidden)]
+        if biases:
+            vectors += [("attn_q.bias", hidden), ("attn_k.bias", kv_heads * head), ("attn_v.bias", kv_heads * head)]
+        for name, size in vectors:
             writer.add_tensor(f"blk.{i}.{name}", np.ones(size, np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for seed, (name, rows, cols, qtype) in enumerate(matrices):
-        writer.add_tensor(name, random_blocks(qtype, rows, cols, seed=seed), raw_dtype=qtype)
+    # One random array per (type, shape), shared by every layer that has it: load time
+    # does not depend on the values, and writing the 8B shape stays quick.
+    blocks: dict[tuple, np.ndarray] = {}
+    for name, rows, cols, qtype in matrices:
+        if (key := (qtype, rows, cols)) not in blocks:
+            blocks[key] = random_blocks(qtype, rows, cols, seed=len(blocks))
+        writer.add_tensor(name, blocks[key], raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -111,8 +149,15 @@ def _write_real_vocab_gguf(path: Path, vocab: str) -> Path:
 
 
 def _first_token_s(loaded) -> float:
+    """Seconds to the first token of a short prompt, after what a server does to a
+    loaded model on the CPU backend (dequantizing its quantized layers, memory
+    permitting: MLX's CPU quantized products are 10-50x slower than float ones)."""
     import mlx.core as mx
 
+    from gmlx.engine.capacity import free_bytes
+    from gmlx.engine.loading.cpu_float import dequantize_for_cpu
+
+    dequantize_for_cpu(loaded.model, free_bytes())
     ids = mx.array([loaded.tokenizer.encode("Hello, world.")])
     t = time.perf_counter()
     mx.eval(loaded.model(ids)[:, -1, :].argmax(-1))
@@ -222,6 +267,26 @@ def _processes(gguf_path: Path, work: Path) -> None:
               f"(the same prompt again {again:6.3f} s)")
 
 
+@contextlib.contextmanager
+def _profiled(out: Path | None):
+    """py-spy sampling this process (all threads, native frames off) into ``out``, a
+    speedscope JSON file, while the block runs; nothing when ``out`` is None."""
+    if out is None:
+        yield
+        return
+    import signal
+    import subprocess
+
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--threads", "--idle", "--rate", "200",
+                            "--format", "speedscope", "-o", str(out)], stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, help="a GGUF file (default: a test-size Q4_K model)")
@@ -232,13 +297,28 @@ def main() -> None:
                     help="also start-up to first token in two fresh processes: compiled-kernel caches cold, then warm")
     ap.add_argument("--vocab", help="write the test GGUF with this real vocabulary from "
                     "../shared/fixtures/vocab (e.g. qwen2: 151,936 tokens) instead of a tiny one")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                    help="with --vocab: the test GGUF's shape (llama3-8b: 4.6 GiB, Q4_K_M's mix)")
+    ap.add_argument("--layers", type=int, help="with --shape: fewer layers than the shape has")
+    ap.add_argument("--keep", type=Path, help="write the test GGUF here and keep it (default: a temp dir)")
+    ap.add_argument("--no-uncached", action="store_true", help="skip the load with the cache off")
+    ap.add_argument("--cache", type=Path, help="gmlx's cache folder: emptied first, kept after "
+                    "(default: a temp dir, removed), e.g. for benchmarks/gpu/read_check.py")
+    ap.add_argument("--profile", type=Path, help="write a py-spy profile of the cold load here (py-spy needed)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gmlx-cold-start-"))
-    os.environ["GMLX_CACHE_DIR"] = str(work / "cache")  # a private, empty cache
+    cache = args.cache or work / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    os.environ["GMLX_CACHE_DIR"] = str(cache)  # a private, empty cache
     if args.gguf:
         gguf_path = args.gguf
     elif args.vocab:
-        gguf_path = _write_real_vocab_gguf(work / f"test-{args.vocab}-Q4_K_M.gguf", args.vocab)
+        name = f"test-{Path(args.vocab).stem}-{args.shape}-Q4_K_M.gguf"
+        gguf_path = args.keep or work / name
+        if not gguf_path.exists():
+            start = time.perf_counter()
+            _write_real_vocab_gguf(gguf_path, args.vocab, args.shape, args.layers)
+            print(f"wrote {gguf_path} in {time.perf_counter() - start:.1f} s")
     else:
         gguf_path = _write_test_gguf(work / "test-qwen2-Q4_K.gguf")
 
@@ -246,15 +326,16 @@ def main() -> None:
 
     try:
         print(f"{gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
-        os.environ["GMLX_CONVERT_CACHE_BYTES"] = "0"
-        uncached = _measure("uncached", lambda: gguf.load(gguf_path), args.repeat)
-        os.environ.pop("GMLX_CONVERT_CACHE_BYTES")
-        cold = _measure("cold", lambda: gguf.load(gguf_path), 1)
+        uncached = None
+        if not args.no_uncached:
+            os.environ["GMLX_CONVERT_CACHE_BYTES"] = "0"
+            uncached = _measure("uncached", lambda: gguf.load(gguf_path), args.repeat)
+            os.environ.pop("GMLX_CONVERT_CACHE_BYTES")
+        with _profiled(args.profile):
+            cold = _measure("cold", lambda: gguf.load(gguf_path), 1)
         cached = _measure("cached", lambda: gguf.load(gguf_path), args.repeat)
-        print(
-            f"cached load is {uncached / cached:.1f}x faster than uncached "
-            f"({cold / cached:.1f}x than cold)"
-        )
+        if uncached is not None:
+            print(f"cached load is {uncached / cached:.1f}x faster than uncached ({cold / cached:.1f}x than cold)")
         if args.before:
             before = _before(args.before, gguf_path, work, args.repeat)
             print(f"cached load is {before / cached:.1f}x faster than commit {args.before}'s load")
