@@ -7,6 +7,11 @@ Without ``--gguf`` it writes a Q4_K_M-like test GGUF (hidden 256, a 151,936-toke
 vocabulary: Q4_K embedding, Q6_K output, Q6_K attn_v/ffn_down on half the layers).
 Prints old/new seconds per tensor type (each tensor converted ``--repeat`` times by each,
 alternating, the fastest counted) and the total ratio; checks outputs are equal.
+
+``--device`` compares instead the host path (numpy on a thread pool, "old") with the
+conversion as MLX operations on the default device ("new", ``gguf_quant_mx``: what a GPU
+uses), on this machine's MLX backend; on CUDA or Metal it is the check that both give the
+same bytes there.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests" / "engine" / "loading"))
 import test_gguf_quant_speed as reference
 from conftest import random_blocks
 
-from gmlx.engine.loading import gguf_quant
+from gmlx.engine.loading import gguf_quant, gguf_quant_mx
 
 Q = GGMLQuantizationType
 
@@ -75,6 +80,20 @@ def timed(convert, raw: np.ndarray, qtype: Q, dtype: mx.Dtype):
     return time.perf_counter() - start, value
 
 
+def _forced(device: bool):
+    """``gguf_quant.convert`` on the device path (``device``) or the host path."""
+
+    def convert(raw: np.ndarray, qtype: Q, dtype: mx.Dtype):
+        wanted = gguf_quant_mx.wanted
+        gguf_quant_mx.wanted = lambda: device
+        try:
+            return gguf_quant.convert(raw, qtype, dtype)
+        finally:
+            gguf_quant_mx.wanted = wanted
+
+    return convert
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path)
@@ -83,8 +102,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="conversions of each tensor by each converter, alternating; the fastest counts "
                          "(on a shared machine the slowest runs measure the neighbours)")
+    ap.add_argument("--device", action="store_true",
+                    help="old = the host path, new = the MLX path on the default device (%s)" % mx.default_device())
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
+    old_convert, new_convert = reference.convert, gguf_quant.convert
+    if args.device:
+        old_convert, new_convert = _forced(False), _forced(True)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.gguf or Path(tmp) / "test.gguf"
         if args.gguf is None:
@@ -94,16 +118,17 @@ def main() -> None:
         for _name, qtype, raw in items:
             t_old = t_new = float("inf")
             for _ in range(args.repeat):
-                t, old = timed(reference.convert, raw, qtype, dtype)
+                t, old = timed(old_convert, raw, qtype, dtype)
                 t_old = min(t_old, t)
-                t, new = timed(gguf_quant.convert, raw, qtype, dtype)
+                t, new = timed(new_convert, raw, qtype, dtype)
                 t_new = min(t_new, t)
             reference.assert_identical(new, old)
             row = times[qtype.name]
             row[0] += t_old
             row[1] += t_new
             row[2] += raw.shape[0] * raw.shape[1]
-    print(f"{'type':<8}{'MB':>8}{'old s':>10}{'new s':>10}{'ratio':>8}")
+    labels = ("host s", "device s") if args.device else ("old s", "new s")
+    print(f"{'type':<8}{'MB':>8}{labels[0]:>10}{labels[1]:>10}{'ratio':>8}   ({mx.default_device()})")
     total_old = total_new = 0.0
     for name, (t_old, t_new, nbytes) in sorted(times.items()):
         total_old, total_new = total_old + t_old, total_new + t_new
