@@ -103,7 +103,8 @@ def main() -> None:
                     help="conversions of each tensor by each converter, alternating; the fastest counts "
                          "(on a shared machine the slowest runs measure the neighbours)")
     ap.add_argument("--device", action="store_true",
-                    help="old = the host path, new = the MLX path on the default device (%s)" % mx.default_device())
+                    help=f"old = the host path, new = the MLX path on the default device ({mx.default_device()})")
+    ap.add_argument("--tensors", type=int, help="only the first N quantized 2-D tensors of the file")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     old_convert, new_convert = reference.convert, gguf_quant.convert
@@ -113,7 +114,7 @@ def main() -> None:
         path = args.gguf or Path(tmp) / "test.gguf"
         if args.gguf is None:
             build(path, args.layers)
-        items = tensors(path)
+        items = tensors(path)[: args.tensors]
         times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
         for _name, qtype, raw in items:
             t_old = t_new = float("inf")

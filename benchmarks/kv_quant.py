@@ -4,7 +4,8 @@ For full precision and the uniform scheme at 8 and 4 bits: the KV bytes one toke
 costs (the capacity model's figure, which the tests hold to MLX's active memory), the
 decode speed of one stream after a prompt, and the greedy agreement with full
 precision over 256 generated tokens (the fraction of positions whose token is the
-same; after the first difference the texts usually part for good).
+same; after the first difference the texts usually part for good, so the first
+difference's position is printed too).
 
     python benchmarks/kv_quant.py [--model demo] [--prompt 1024] [--tokens 256] [--group 32]
 """
@@ -53,17 +54,19 @@ def main() -> None:
     prompt = [(i * 7919) % (vocab - 10) + 3 for i in range(args.prompt)]
     print(f"model {args.model} ({capacity.backend()}), prompt {args.prompt} tokens, "
           f"{args.tokens} generated, group {args.group}")
-    print(f"{'kv':<10}{'bytes/token':>12}{'vs fp':>8}{'decode tok/s':>14}{'agreement':>11}")
+    print(f"{'kv':<10}{'bytes/token':>12}{'vs fp':>8}{'decode tok/s':>14}{'agreement':>11}{'first differs':>15}")
     reference: list[int] = []
     base_bytes = 0
-    for name, kvq in (("fp", None), ("8-bit", KVQuant("uniform", 8, args.group)),
+    for name, kvq in (("fp", None), ("fp again", None), ("8-bit", KVQuant("uniform", 8, args.group)),
                       ("4-bit", KVQuant("uniform", 4, args.group))):
         per = capacity.probe_geometry(loaded, kvq).kv_bytes_per_token
         out, rate = run(loaded, kvq, prompt, args.tokens)
-        if kvq is None:
+        if not reference:  # "fp again": how far full precision agrees with itself
             reference, base_bytes = out, per
         same = sum(a == b for a, b in zip(out, reference)) / max(1, len(reference))
-        print(f"{name:<10}{per:>12}{base_bytes / per:>7.2f}x{rate:>14.1f}{same:>11.3f}")
+        differs = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), None)
+        print(f"{name:<10}{per:>12}{base_bytes / per:>7.2f}x{rate:>14.1f}{same:>11.3f}"
+              f"{'never' if differs is None else f'token {differs}':>15}")
 
 
 if __name__ == "__main__":
