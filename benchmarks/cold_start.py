@@ -322,7 +322,12 @@ def main() -> None:
     else:
         gguf_path = _write_test_gguf(work / "test-qwen2-Q4_K.gguf")
 
+    start = time.perf_counter()
+    import mlx_lm.utils  # noqa: F401  (mlx-lm's model classes import transformers: paid once, before any timing)
+
     from gmlx.engine.loading import gguf, load_model
+
+    print(f"imports {time.perf_counter() - start:.1f} s")
 
     try:
         print(f"{gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
