@@ -128,3 +128,31 @@ def test_a_draft_model_is_priced_with_its_target(client):
     assert plain > 0
     assert listed["drafted"]["kv_bytes_per_token"] == 2 * plain
     assert listed["lookup"]["kv_bytes_per_token"] == plain
+
+
+def _gmlx(*args: str):
+    from typer.testing import CliRunner
+
+    from gmlx.cli.main import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize("drafting", [("--draft", "demo"), ("--prompt-lookup",)], ids=["draft", "lookup"])
+def test_run_with_a_drafter_answers_as_without(drafting):
+    plain = _gmlx("run", "demo", "-p", "hello there hello there", "-n", "16", "-t", "0")
+    drafted = _gmlx("run", "demo", "-p", "hello there hello there", "-n", "16", "-t", "0", *drafting,
+                    "--draft-tokens", "3")
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    assert drafted.stdout == plain.stdout and plain.stdout.strip()
+
+
+def test_run_with_a_missing_draft_model_fails_in_one_sentence(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nowhere.gguf"
+    r = subprocess.run([sys.executable, "-m", "gmlx.cli.main", "run", "demo", "-p", "hi", "--draft", str(missing)],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"error: The draft model '{missing}' is neither a configured model nor a model path."
