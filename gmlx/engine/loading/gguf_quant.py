@@ -179,19 +179,11 @@ def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (low | (high << 4)).reshape(len(b), 256), scale, bias
 
 
-_EXACT: dict[
-    GGMLQuantizationType,
-    tuple[int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]],
-] = {
-    Q.Q4_0: (4, _q4_0),
-    Q.Q4_1: (4, _q4_1),
-    Q.Q5_0: (5, _q5_0),
-    Q.Q5_1: (5, _q5_1),
-    Q.Q8_0: (8, _q8_0),
-    Q.Q4_K: (4, _q4_k),
-    Q.Q5_K: (5, _q5_k),
+_DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
 }
-_PACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+_EXACT = {q: (gguf_quant_mx.EXACT_BITS[q], decode) for q, decode in _DECODERS.items()}
+_PACKED = gguf_quant_mx.PACKED
 EXACT_TYPES = tuple(_EXACT)
 SUPPORTED_TYPES = (*FLOAT_TYPES, *EXACT_TYPES, *REQUANT_BITS)
 

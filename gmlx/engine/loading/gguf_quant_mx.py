@@ -107,16 +107,15 @@ def _q5_k(b: mx.array) -> Decoded:
     return (low | (high << 4)).reshape(b.shape[0], 256), scale, bias
 
 
-EXACT: dict[GGMLQuantizationType, tuple[int, Callable[[mx.array], Decoded]]] = {
-    Q.Q4_0: (4, _q4_0),
-    Q.Q4_1: (4, _q4_1),
-    Q.Q5_0: (5, _q5_0),
-    Q.Q5_1: (5, _q5_1),
-    Q.Q8_0: (8, _q8_0),
-    Q.Q4_K: (4, _q4_k),
-    Q.Q5_K: (5, _q5_k),
+# The GGML types with an exact MLX form, the bits of that form (shared with ``gguf_quant``),
+# and the ones whose 4-bit codes decode straight into MLX's packed stream.
+EXACT_BITS: dict[GGMLQuantizationType, int] = {
+    Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5,
 }
-_PACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+_DECODERS: dict[GGMLQuantizationType, Callable[[mx.array], Decoded]] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
+}
+PACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
@@ -187,13 +186,13 @@ def convert_exact(
 ) -> tuple[mx.array, mx.array, mx.array, int]:
     """GGML blocks (rows, row_bytes) -> MLX codes (uint32), scales and biases (computed
     in float32, stored in ``dtype``), losslessly, one row chunk at a time; and the bits."""
-    bits, decode = EXACT[qtype]
+    bits, decode = EXACT_BITS[qtype], _DECODERS[qtype]
     _, size = GGML_QUANT_SIZES[qtype]
     weights, scales, biases = [], [], []
     for sl in _chunks(raw.shape[0], cols):
         n = sl.stop - sl.start
         codes, scale, bias = decode(_upload(raw, sl).reshape(-1, size))
-        if qtype in _PACKED:
+        if qtype in PACKED:
             weight = mx.contiguous(codes).reshape(n, -1).view(mx.uint32)
         else:
             weight = pack_codes(codes.reshape(n, cols), bits)
