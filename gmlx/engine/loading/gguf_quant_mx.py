@@ -119,21 +119,24 @@ PACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
-    """Unsigned codes (rows, n) -> MLX's uint32 words (rows, n * bits / 32): each run of
-    ``per`` codes that fills whole bytes is OR-ed into one wide word, then cut into bytes."""
+    """Unsigned codes (rows, n) -> MLX's uint32 words (rows, n * bits / 32), as
+    ``gguf_quant.pack_codes``: the stream is cut into runs of ``per`` codes that fill
+    whole bytes, and each byte is OR-ed from the codes whose bits fall in it, shifted in
+    uint8 (what leaves the byte drops), so no wider integers are needed on any backend."""
     rows, n = codes.shape
     codes = codes.astype(mx.uint8)
     if bits == 8:
         return mx.contiguous(codes).view(mx.uint32)
     per = 8 // gcd(bits, 8)
-    nbytes = per * bits // 8
-    wide = mx.uint64 if per * bits > 32 else mx.uint32
-    runs = codes.reshape(rows, n // per, per).astype(wide)
-    word = runs[..., 0]
-    for j in range(1, per):
-        word = word | (runs[..., j] << (j * bits))
-    parts = [((word >> (8 * k)) & 0xFF).astype(mx.uint8) for k in range(nbytes)]
-    return mx.stack(parts, axis=-1).reshape(rows, -1).view(mx.uint32)
+    runs = codes.reshape(rows, n // per, per)
+    out: list[mx.array | None] = [None] * (per * bits // 8)
+    for j in range(per):
+        first, last = j * bits, (j + 1) * bits - 1  # the bits code j occupies in its run
+        for k in range(first // 8, last // 8 + 1):
+            shift = first - 8 * k
+            part = runs[..., j] << shift if shift >= 0 else runs[..., j] >> -shift
+            out[k] = part if out[k] is None else out[k] | part
+    return mx.stack(out, axis=-1).reshape(rows, -1).view(mx.uint32)
 
 
 def q6_k_values(b: mx.array) -> mx.array:
