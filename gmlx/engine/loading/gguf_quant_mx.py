@@ -18,6 +18,7 @@ MLX's default device is a GPU; on the CPU backend numpy's threads do as well or 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from math import gcd
 
@@ -35,7 +36,10 @@ Decoded = tuple[mx.array, mx.array, mx.array]  # codes (packed bytes or one per 
 
 
 def wanted() -> bool:
-    """Whether to convert on MLX's default device: it is a GPU."""
+    """Whether to convert on MLX's default device: it is a GPU, and ``GMLX_CONVERT_ON``
+    is not ``host`` (the numpy path everywhere: a way back should a backend misbehave)."""
+    if os.environ.get("GMLX_CONVERT_ON", "").strip().lower() == "host":
+        return False
     return mx.default_device().type == mx.DeviceType.gpu
 
 

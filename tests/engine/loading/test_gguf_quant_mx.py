@@ -92,5 +92,10 @@ def test_pack_codes_matches_the_host(bits: int) -> None:
     assert np.array(device).tobytes() == gguf_quant.pack_codes(codes, bits).tobytes()
 
 
-def test_wanted_only_on_a_gpu() -> None:
+def test_wanted_only_on_a_gpu_and_not_when_told_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GMLX_CONVERT_ON", raising=False)
     assert gguf_quant_mx.wanted() == (mx.default_device().type == mx.DeviceType.gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))  # as on Metal or CUDA
+    assert gguf_quant_mx.wanted()
+    monkeypatch.setenv("GMLX_CONVERT_ON", "host")
+    assert not gguf_quant_mx.wanted()
