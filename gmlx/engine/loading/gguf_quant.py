@@ -222,11 +222,6 @@ def _run_chunks(work: Callable[[slice], object], chunks: Iterable[slice], thread
         return list(pool.map(work, chunks))
 
 
-def _row_chunks(rows: int, cols: int, elements: int = _CHUNK_ELEMENTS) -> list[slice]:
-    step = max(1, elements // max(cols, 1))
-    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
-
-
 def convert_exact(
     raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, dtype: mx.Dtype
 ) -> QuantizedTensor:
@@ -258,7 +253,7 @@ def convert_exact(
         scales[sl] = np.broadcast_to(scale, (len(blocks), per_block)).reshape(n, -1)
         biases[sl] = np.broadcast_to(bias, (len(blocks), per_block)).reshape(n, -1)
 
-    _run_chunks(work, _row_chunks(rows, cols, _EXACT_CHUNK_ELEMENTS), _THREADS)
+    _run_chunks(work, gguf_quant_mx.row_chunks(rows, cols, _EXACT_CHUNK_ELEMENTS), _THREADS)
     return _quantized(weight, scales, biases, bits, dtype)
 
 
@@ -365,8 +360,8 @@ def _affine(
     lo, hi = g.min(axis=-1), g.max(axis=-1)
     levels = 2**bits - 1
     scale = np.where(hi > lo, (hi - lo) / levels, 1.0).astype(np.float32)
-    # + 0.0 makes a -0.0 minimum (a group of zeros) +0.0: which zero a min reduction
-    # returns differs between numpy and MLX's backends, and entries should not
+    # + 0.0 turns a -0.0 minimum (a group of zeros) into +0.0: numpy's and MLX's min
+    # reductions return different zeros there, and both paths must give the same bytes
     scale, bias = rounder(scale), rounder(lo + np.float32(0.0))
     s3, b3 = scale[..., None], bias[..., None]
     codes = np.subtract(g, b3)
@@ -422,7 +417,7 @@ def requantize(
         weight[sl], scales[sl], biases[sl], err = _affine(w, bits, rounder)
         return err
 
-    errors = _run_chunks(work, _row_chunks(rows, cols), threads)
+    errors = _run_chunks(work, gguf_quant_mx.row_chunks(rows, cols, _CHUNK_ELEMENTS), threads)
     return _quantized(weight, scales, biases, bits, dtype, max(errors, default=0.0))
 
 

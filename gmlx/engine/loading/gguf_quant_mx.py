@@ -179,8 +179,10 @@ def affine(w: mx.array, bits: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array,
     return pack_codes(codes.astype(mx.uint8).reshape(rows, cols), bits), scale, bias, error
 
 
-def _chunks(rows: int, cols: int) -> list[slice]:
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+def row_chunks(rows: int, cols: int, elements: int) -> list[slice]:
+    """Slices of ``rows`` rows of ``cols`` elements, about ``elements`` elements each
+    (at least one row); the host path chunks its rows the same way."""
+    step = max(1, elements // max(cols, 1))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
@@ -196,7 +198,7 @@ def convert_exact(
     bits, decode = EXACT_BITS[qtype], _DECODERS[qtype]
     _, size = GGML_QUANT_SIZES[qtype]
     weights, scales, biases = [], [], []
-    for sl in _chunks(raw.shape[0], cols):
+    for sl in row_chunks(raw.shape[0], cols, CHUNK_ELEMENTS):
         n = sl.stop - sl.start
         codes, scale, bias = decode(_upload(raw, sl).reshape(-1, size))
         if qtype in PACKED:
@@ -223,7 +225,7 @@ def requantize(
     scales and biases in ``dtype``, and the max error."""
     _, size = GGML_QUANT_SIZES[qtype]
     weights, scales, biases, errors = [], [], [], []
-    for sl in _chunks(raw.shape[0], cols):
+    for sl in row_chunks(raw.shape[0], cols, CHUNK_ELEMENTS):
         n = sl.stop - sl.start
         if qtype == Q.Q6_K:
             w = q6_k_values(_upload(raw, sl).reshape(-1, size))
