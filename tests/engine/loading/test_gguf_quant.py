@@ -102,6 +102,7 @@ def test_chunked_conversion_matches_unchunked(
     raw = make_blocks(Q.Q4_K, ROWS, COLS)
     whole = gguf_quant.convert(raw, Q.Q4_K, mx.float32)
     monkeypatch.setattr(gguf_quant, "_CHUNK_ELEMENTS", COLS * 3)  # uneven chunks
+    monkeypatch.setattr(gguf_quant, "_EXACT_CHUNK_ELEMENTS", COLS * 3)  # Q4_K is exact: its own chunks
     chunked = gguf_quant.convert(raw, Q.Q4_K, mx.float32)
     assert np.array_equal(np.array(whole.weight), np.array(chunked.weight))
     assert np.array_equal(np.array(whole.scales), np.array(chunked.scales))

@@ -297,6 +297,7 @@ def test_matches_previous_implementation(
 ) -> None:
     raw = random_blocks(qtype, 96, 512, seed=int(qtype))
     monkeypatch.setattr(gguf_quant, "_CHUNK_ELEMENTS", 512 * 7)  # many uneven chunks
+    monkeypatch.setattr(gguf_quant, "_EXACT_CHUNK_ELEMENTS", 512 * 7)  # and for the exact types
     assert_identical(gguf_quant.convert(raw, qtype, dtype), convert(raw, qtype, dtype))
 
 
