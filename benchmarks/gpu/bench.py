@@ -15,7 +15,8 @@ SHAPE:QUANT, and each quant names what each server loads:
 only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
 ``gmlx-graph400`` adds it with MLX's own CUDA graph-cache settings, capacity 400 and the
 thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs of up to
-80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention; ``mlx_lm-gmlxenv`` is
+80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention; ``gmlx-unstacked`` with each projection its own
+product; ``mlx_lm-gmlxenv`` is
 mlx_lm.server with the MLX settings gmlx makes, so only the server differs). One server
 runs at a time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
@@ -79,7 +80,8 @@ import throughput as tp
 
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
-SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-mlx",
+SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-unstacked",
+           "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -95,6 +97,8 @@ GMLX_VARIANTS = {
     # MLX's attention through cuDNN's fused kernel (gmlx turns it off: its graphs are
     # built and compiled per shape, inside the request that first meets one)
     "gmlx-cudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "1"},
+    # each projection its own product (gmlx stacks q/k/v and gate/up: gmlx.engine.kernels.fused)
+    "gmlx-unstacked": {"GMLX_FUSE_PROJECTIONS": "0"},
 }
 # mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the
 # same engine settings on both sides, so the difference is the server (issue 19, point 4)
@@ -257,7 +261,11 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
         if kind.startswith("gmlx"):
             result["load_log"] = log_lines(s.log)
             print("\n".join(f"    | {line}" for line in result["load_log"]), flush=True)
-        asyncio.run(asyncio.wait_for(drive(s, prompts, args, result), args.server_timeout))
+        spy = start_profile(s, args.profile, variant, kind)
+        try:
+            asyncio.run(asyncio.wait_for(drive(s, prompts, args, result), args.server_timeout))
+        finally:
+            stop_profile(spy)
         if kind.startswith("gmlx"):
             later = log_lines(s.log)[len(result["load_log"]):]
             if later:
@@ -272,6 +280,31 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
         PIDFILE.unlink(missing_ok=True)
     result["total_s"] = time.perf_counter() - t0
     return result
+
+
+def start_profile(s: tp.Server, folder: Path | None, variant: str, kind: str) -> subprocess.Popen | None:
+    """py-spy recording the server from ready to its last request (every thread, idle
+    samples included: where each thread's wall time goes), as speedscope JSON in
+    ``folder``; None without ``--profile`` or py-spy."""
+    if folder is None or s.proc is None or not shutil.which("py-spy"):
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{variant.replace(':', '-')}-{kind}.json"
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", "500", "--threads",
+                            "--idle", "--native", "--format", "speedscope", "-o", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    time.sleep(1.0)  # py-spy attached before the first request
+    return spy
+
+
+def stop_profile(spy: subprocess.Popen | None) -> None:
+    if spy is None:
+        return
+    spy.send_signal(signal.SIGINT)  # py-spy writes the profile and exits
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
 
 
 def log_lines(log: Path, limit: int = 60) -> list[str]:
@@ -411,6 +444,8 @@ def main() -> None:
                    help="one GMLX_HOME for every gmlx server (default: one each, in a temp folder): "
                         "shares the converted-weights cache and the kernel tuning, e.g. with served_step.py's")
     p.add_argument("--peer-args", type=lambda s: s.split(), default=[], help="extra mlx_lm.server flags")
+    p.add_argument("--profile", type=Path,
+                   help="a folder: each server recorded by py-spy while it is driven (speedscope JSON)")
     p.add_argument("--llama-args", type=lambda s: s.split(), default=[], help="extra llama-server flags")
     p.add_argument("--results", type=Path, default=Path("/tmp/gpu-results"),
                    help="where per-server JSON results accumulate across calls")

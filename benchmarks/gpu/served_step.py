@@ -88,10 +88,11 @@ def unswap(model) -> None:
             m.__class__ = nn.QuantizedEmbedding
 
 
-def load(ref: str, dtype: str):
+def load(ref: str, dtype: str, quantize: bool = True):
     """The model as a server loads it, or ``synthetic:SHAPE``: step_check's random
     weights in a Q4_K_M GGUF's MLX layouts (activations, scales and biases in
-    ``dtype``), with the demo model's tokenizer."""
+    ``dtype``; with ``quantize`` false, float ``dtype`` weights), with the demo model's
+    tokenizer."""
     from dataclasses import replace
 
     from benchmarks.decode_throughput import SHAPES
@@ -103,7 +104,7 @@ def load(ref: str, dtype: str):
     shape = ref.removeprefix("synthetic:")
     config = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
                   tie_word_embeddings=False, **SHAPES[shape])
-    return replace(load_model("demo"), id=shape, model=build(shape, dtype), config=config, context_length=8192)
+    return replace(load_model("demo"), id=shape, model=build(shape, dtype, quantize), config=config, context_length=8192)
 
 
 def main() -> None:
@@ -120,12 +121,21 @@ def main() -> None:
                              "many token ids (bench.py's client bans every special and partial-UTF-8 token: "
                              "thousands of a 128k vocabulary)")
     parser.add_argument("--dtype", default="bfloat16", help="synthetic: float type (a Q4_K_M GGUF loads as float16)")
+    parser.add_argument("--float", action="store_true", help="synthetic: float weights, not Q4_K_M's layouts")
+    parser.add_argument("--stack", action="store_true",
+                        help="stack the projections that read one input, as a server's load does "
+                             "(gmlx.engine.kernels.fused)")
     args = parser.parse_args()
 
     from gmlx.engine.kernels import fast_linear
 
     start = time.perf_counter()
-    loaded = load(args.model, args.dtype)
+    loaded = load(args.model, args.dtype, not args.float)
+    if args.stack:
+        from gmlx.engine.kernels.fused import fuse_projections
+
+        os.environ["GMLX_FUSE_PROJECTIONS"] = "1"
+        loaded.notes.append(fuse_projections(loaded.model) or "nothing to stack")
     graphs = os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE", "default")
     print(f"device: {mx.default_device()}  model: {args.model}  loaded in {time.perf_counter() - start:.1f} s  "
           f"MLX_CUDA_GRAPH_CACHE_SIZE={graphs}")

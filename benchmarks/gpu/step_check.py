@@ -27,7 +27,7 @@ from benchmarks.decode_throughput import SHAPES
 from gmlx.engine.kernels import fast_linear
 
 
-def build(shape: str, dtype: str = "bfloat16") -> nn.Module:
+def build(shape: str, dtype: str = "bfloat16", quantize: bool = True) -> nn.Module:
     from mlx_lm.models import llama
 
     s = SHAPES[shape]
@@ -37,6 +37,9 @@ def build(shape: str, dtype: str = "bfloat16") -> nn.Module:
     model = llama.Model(args)
     model.set_dtype(getattr(mx, dtype))
     n = args.num_hidden_layers
+    if not quantize:  # the float model (an MLX bf16 folder's layers)
+        mx.eval(model.parameters())
+        return model
 
     def six_bits(path: str) -> bool:  # llama.cpp's Q4_K_M: more bits in some layers
         if path == "lm_head":

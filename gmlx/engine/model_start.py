@@ -110,7 +110,7 @@ def _start_model(
 
     Raises ModelSourceError (and subclasses) from the loader.
     """
-    from gmlx.engine.kernels.fast_linear import use_fast_kernels
+    from gmlx.engine.kernels import prepare_layers
     from gmlx.engine.loading import load_model
     from gmlx.engine.loading.cpu_float import dequantize_for_cpu
     from gmlx.engine.worker import DEFAULT_PROMPT_CACHE_BYTES, ModelWorker
@@ -120,8 +120,7 @@ def _start_model(
         loaded.context_length = min(loaded.context_length, spec.max_kv_size)
     if (note := dequantize_for_cpu(loaded.model, free_bytes())) is not None:
         loaded.notes.append(note)
-    if (note := use_fast_kernels(loaded.model)) is not None:
-        loaded.notes.append(note)
+    loaded.notes.extend(prepare_layers(loaded.model))
     for note in loaded.notes:
         log.info("%s: %s", spec.id, note)
     speculation = None

@@ -345,9 +345,9 @@ def load_speculation(spec: DraftSpec, target: Any) -> Any:
         )
     if (why := spec_cache.check_cache(draft.model)) is not None:
         raise ModelSourceError(f"The draft model {spec.draft_source} cannot draft: {why}.")
-    from gmlx.engine.kernels.fast_linear import use_fast_kernels
+    from gmlx.engine.kernels import prepare_layers
 
-    if (note := use_fast_kernels(draft.model)) is not None:  # CUDA: as the target's layers
+    for note in prepare_layers(draft.model):  # as the target's layers
         log.info("%s's draft model: %s", target.id, note)
     log.info("%s drafts with %s (%d tokens a round)", target.id, spec.draft_source, spec.draft_tokens)
     return Speculation(spec, draft, int(target.config.get("vocab_size") or len(target.tokenizer)))

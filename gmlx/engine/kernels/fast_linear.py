@@ -35,7 +35,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import qmma_cuda
+from gmlx.engine.kernels import qgemv_cuda, qmma_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
@@ -43,6 +43,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
 log = logging.getLogger(__name__)
 MLX = "mlx"
 KERNEL = "kernel"
+GEMV = "gemv"
 DENSE = "dense"
 
 
@@ -95,7 +96,12 @@ class FastQuantizedLinear(nn.QuantizedLinear):
             return _by_rows(super().__call__, x)
         path, config = chosen
         q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-        y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else dequantized(x, *q)
+        if path == GEMV:
+            y = qgemv_cuda.gemv(x, *q, config=config)
+        elif path == KERNEL:
+            y = qmma_cuda.qmm(x, *q, config=config)
+        else:
+            y = dequantized(x, *q)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -175,7 +181,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
         m.set_paths(dict(chosen[_key(m)]))
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
-        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p == KERNEL else "")
+        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p in (KERNEL, GEMV) else "")
                                              for r, (p, c) in sorted(paths.items())) or "mlx")
         for (k, n, bits, _), paths in chosen.items())
     steps = ", ".join(f"{r}: {t:.2f}x" for r, t in confirmed.items()) or "none faster"
@@ -220,6 +226,10 @@ def _measure(layer: Any, reps: int = 20) -> Paths:
             for config in qmma_cuda.configs(rows):
                 candidates[(KERNEL, config)] = (
                     lambda x=x, c=config: qmma_cuda.qmm(x, *args, g, bits, config=c))
+        if qgemv_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
+            for config in qgemv_cuda.configs():
+                candidates[(GEMV, config)] = (
+                    lambda x=x, c=config: qgemv_cuda.gemv(x, *args, g, bits, config=c))
         exact = exact_product(x, *args, g, bits)
         want = candidates[(MLX, (0, 0))]()
         times = {name: _time(fn, reps) for name, fn in candidates.items()

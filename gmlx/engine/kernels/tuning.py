@@ -20,7 +20,8 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 3  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256
+FORMAT = 4  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
+# 4: the one-row kernel (qgemv_cuda)
 Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 

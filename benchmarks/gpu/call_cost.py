@@ -1,0 +1,100 @@
+"""What one call of a kernel costs the host on MLX's CUDA backend, by kind: MLX's own
+operations (an add, a 4-bit quantized product), a JIT custom kernel
+(``mx.fast.cuda_kernel``) with and without shape arguments, and a precompiled one
+(``mx.fast.precompiled_cuda_kernel`` from PTX that ``nvcc`` writes here). Each kind:
+200 independent calls on tiny inputs (the GPU's work is nothing), microseconds per call
+to build (Python and MLX's graph) and to evaluate (encode and launch), best of 5.
+
+Why: a decode step of one stream makes ~225 quantized products; a custom product that
+costs the host 30 us per call where MLX's own costs 10 loses ~5 ms a step whatever its
+GPU time (benchmarks/RESULTS.md, the tensor-core kernel).
+
+    python benchmarks/gpu/call_cost.py        # on the GPU machine (nvcc for the precompiled row)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+PTX_SOURCE = r"""
+extern "C" __global__ void gmlx_copy(const float* x, float* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i];
+}
+"""
+
+
+def ptx() -> bytes | None:
+    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
+    if nvcc is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src, out = Path(d) / "k.cu", Path(d) / "k.ptx"
+        src.write_text(PTX_SOURCE)
+        subprocess.run([nvcc, "-ptx", "-arch=compute_80", "-o", str(out), str(src)], check=True)
+        return out.read_bytes()
+
+
+def cost(call, n: int = 200, reps: int = 5) -> tuple[float, float]:
+    best = (float("inf"), float("inf"))
+    for _ in range(reps):
+        t = time.perf_counter()
+        outs = [call() for _ in range(n)]
+        t2 = time.perf_counter()
+        mx.eval(outs)
+        t3 = time.perf_counter()
+        best = min(best, ((t2 - t) / n * 1e6, (t3 - t2) / n * 1e6), key=sum)
+    return best
+
+
+def main() -> None:
+    x = mx.random.normal((256,))
+    row = mx.random.normal((1, 256)).astype(mx.bfloat16)
+    w, s, b = mx.quantize(mx.random.normal((256, 256)).astype(mx.bfloat16), group_size=32, bits=4)
+    mx.eval(x, row, w, s, b)
+    plain = mx.fast.cuda_kernel(name="gmlx_copy_plain", input_names=["x"], output_names=["out"],
+                                source="int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 256) out[i] = x[i];")
+    shaped = mx.fast.cuda_kernel(name="gmlx_copy_shaped", input_names=["x"], output_names=["out"],
+                                 source="int i = blockIdx.x * blockDim.x + threadIdx.x; "
+                                        "if (i < x_shape[0]) out[i] = x[i];")
+    kinds = {
+        "mx.add": lambda: x + 1.0,
+        "quantized_matmul 1x256x256 4-bit": lambda: mx.quantized_matmul(row, w, s, b, transpose=True,
+                                                                        group_size=32, bits=4),
+        "cuda_kernel": lambda: plain(inputs=[x], output_shapes=[(256,)], output_dtypes=[mx.float32],
+                                     grid=(256, 1, 1), threadgroup=(256, 1, 1))[0],
+        "cuda_kernel, shape argument": lambda: shaped(inputs=[x], output_shapes=[(256,)],
+                                                      output_dtypes=[mx.float32], grid=(256, 1, 1),
+                                                      threadgroup=(256, 1, 1))[0],
+        "cuda_kernel, 9 template arguments": lambda: plain(
+            inputs=[x], output_shapes=[(256,)], output_dtypes=[mx.float32], grid=(256, 1, 1),
+            threadgroup=(256, 1, 1),
+            template=[("T", mx.bfloat16), ("S", mx.float16), ("RT", 1), ("BITS", 4), ("G", 32), ("FT", 1),
+                      ("WARPS", 8), ("U", 8), ("BF", 1)])[0],
+    }
+    compiled = ptx()
+    if compiled is not None:
+        kinds["precompiled_cuda_kernel (PTX)"] = lambda: mx.fast.precompiled_cuda_kernel(
+            name="gmlx_copy", compiled_source=compiled, inputs=[x], output_shapes=[(256,)],
+            output_dtypes=[mx.float32], scalars=[256], grid=(256, 1, 1), threadgroup=(256, 1, 1))[0]
+    print(f"device {mx.default_device()}; 200 calls, best of 5")
+    print("| kind | build us/call | evaluate us/call | all |\n|---|---:|---:|---:|")
+    for name, call in kinds.items():
+        try:
+            mx.eval(call())
+            b_us, e_us = cost(call)
+            print(f"| {name} | {b_us:.1f} | {e_us:.1f} | {b_us + e_us:.1f} |", flush=True)
+        except Exception as e:  # noqa: BLE001 (one kind failing keeps the others)
+            print(f"| {name} | failed: {type(e).__name__}: {str(e)[:150]} | | |", flush=True)
+    if compiled is None:
+        print("(no nvcc: no precompiled row)")
+
+
+if __name__ == "__main__":
+    main()

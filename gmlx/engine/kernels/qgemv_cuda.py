@@ -1,0 +1,203 @@
+"""One-row quantized products on CUDA cores (a decode step of one stream): ``x [1, K] @
+dequantize(w).T`` for MLX's affine 4-, 6- and 8-bit layouts, bound by reading the
+weights once at full width.
+
+Why: at one row a decode step is the weights read once, and on the H200 MLX's own
+product reads a Llama-3-8B's 4-bit group-32 layers at ~0.8 TB/s (a step's products
+~6 ms of GPU time; the host's share of the step is ~3.5 ms), where llama.cpp's whole
+step takes ~4 ms. A custom kernel costs MLX's host no more than its own product
+(benchmarks/gpu/call_cost.py: 4.4 us a call against 6.3), so the GPU time is what to win.
+
+Layout: a weight row is a little-endian bit stream of codes (code ``k`` at bit
+``BITS * k``), a group of ``G`` codes shares a scale ``s`` and a bias ``b``: ``w = s * q +
+b``. A 32-code chunk is 16 (4-bit), 24 (6-bit) or 32 (8-bit) bytes, loaded by one lane
+in one to three wide loads, so a warp reads 512 to 1,024 contiguous bytes of a row at a
+time. Lane ``l`` takes chunks ``l, l + 32, ...`` of each of its warp's ``RPW`` rows; its 32
+values of ``x`` are read once per chunk (through L1: every warp reads the same ``x``),
+made float, and serve all ``RPW`` rows. A chunk's share is ``s * sum(x q) + b * sum(x)``
+in float32 (the codes made exact floats by ``2^23 + q``'s bit pattern minus ``2^23``), so
+no weight is rounded; the lanes' sums meet by shuffles. ``WARPS`` warps per block.
+
+Only built where MLX runs on CUDA; Metal and the CPU never reach it. The tests replay
+its indexing and arithmetic in numpy against MLX's CPU product
+(``tests/engine/kernels/test_qgemv_cuda.py``); ``benchmarks/gpu/gemv_check.py`` checks
+the kernel itself against MLX's CPU product on the GPU machine, and the load-time tuner
+(``fast_linear``) refuses it for any layer where it disagrees.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+BITS = (4, 6, 8)
+GROUPS = (32, 64, 128)
+
+_SOURCE = r"""
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int words = K / 32 * BITS;      // 32-bit words per weight row
+    const int chunks = K / 32;
+    const int groups = K / G;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n0 = (blockIdx.x * WARPS + warp) * RPW;
+    if (n0 >= N) return;
+
+    float acc[RPW];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+
+    for (int c = lane; c < chunks; c += 32) {
+        // this chunk's codes, scale and bias of each row: every load issued before any use
+        uint32_t q[RPW][BITS];
+        float s[RPW], b[RPW];
+        const int grp = c * 32 / G;
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int n = min(n0 + r, N - 1);  // past the end: read, never written
+            const uint32_t* p = w + (size_t)n * words + (size_t)c * BITS;
+            if (BITS == 4) {
+                const uint4 u = *reinterpret_cast<const uint4*>(p);
+                q[r][0] = u.x; q[r][1] = u.y; q[r][2] = u.z; q[r][3] = u.w;
+            } else if (BITS == 8) {
+                const uint4 u0 = reinterpret_cast<const uint4*>(p)[0];
+                const uint4 u1 = reinterpret_cast<const uint4*>(p)[1];
+                q[r][0] = u0.x; q[r][1] = u0.y; q[r][2] = u0.z; q[r][3] = u0.w;
+                q[r][4] = u1.x; q[r][5] = u1.y; q[r][6] = u1.z; q[r][7] = u1.w;
+            } else {
+                #pragma unroll
+                for (int v = 0; v < BITS / 2; ++v) {
+                    const uint2 u = reinterpret_cast<const uint2*>(p)[v];
+                    q[r][2 * v] = u.x; q[r][2 * v + 1] = u.y;
+                }
+            }
+            s[r] = static_cast<float>(scales[(size_t)n * groups + grp]);
+            b[r] = static_cast<float>(biases[(size_t)n * groups + grp]);
+        }
+        // this lane's 32 values of x, as floats, and their sum
+        float xf[32];
+        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
+        #pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 u = xp[v];
+            const T* e = reinterpret_cast<const T*>(&u);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
+        }
+        float xs = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) xs += xf[j];
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            #pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int bit = BITS * j;
+                const int wi = bit / 32;
+                const int off = bit % 32;
+                unsigned code;
+                if (off + BITS <= 32) {
+                    code = (q[r][wi] >> off) & MASK;
+                } else {
+                    code = __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
+                }
+                d[j & 3] += xf[j] * (__uint_as_float(0x4B000000u | code) - 8388608.0f);
+            }
+            acc[r] += s[r] * ((d[0] + d[1]) + (d[2] + d[3])) + b[r] * xs;
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        float v = acc[r];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == r && n0 + r < N) out[n0 + r] = static_cast<T>(v);
+    }
+"""
+
+
+def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
+    """Whether a product of this shape may take the kernel (the tuner still measures)."""
+    return (mode == "affine" and rows == 1 and bits in BITS and group_size in GROUPS
+            and k % group_size == 0 and k % 32 == 0)
+
+
+def configs() -> list[tuple[int, int]]:
+    """The launch shapes the load-time tuner times: (warps per block, rows per warp)."""
+    return [(4, 2), (8, 2), (4, 4), (8, 1)]
+
+
+@cache
+def _kernel() -> Any:
+    import mlx.core as mx
+
+    return mx.fast.cuda_kernel(
+        name="gmlx_qgemv",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
+
+
+def gemv(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
+         config: tuple[int, ...] | None = None) -> Any:
+    """``x [..., K] @ dequantize(w [N, K*bits/32], scales, biases).T`` -> ``[..., N]``
+    for one row of ``x`` (bf16 or fp16)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    warps, rpw = config or configs()[0]
+    (out,) = _kernel()(
+        inputs=[x.reshape(1, k), w, scales, biases],
+        template=[("T", x.dtype), ("S", scales.dtype), ("BITS", bits), ("G", group_size),
+                  ("WARPS", warps), ("RPW", rpw)],
+        grid=(-(-n // (warps * rpw)) * 32 * warps, 1, 1),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(1, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out.reshape(*lead, n)
+
+
+def replay(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
+    """The kernel's arithmetic in numpy, for one row: the same chunks, bit windows (a
+    code across two words through a 64-bit funnel), exact float codes and per-chunk
+    ``s * sum(x q) + b * sum(x)`` in float32, lanes' partial sums in the same order. For
+    the tests, against MLX's own product on the CPU."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    w = np.asarray(w, dtype=np.uint32)
+    s = np.asarray(scales, dtype=np.float32)
+    b = np.asarray(biases, dtype=np.float32)
+    n_rows, k = w.shape[0], x.shape[0]
+    chunks = k // 32
+    mask = (1 << bits) - 1
+    out = np.zeros(n_rows, dtype=np.float32)
+    for n in range(n_rows):
+        lanes = np.zeros(32, dtype=np.float32)
+        for c in range(chunks):
+            q = w[n, c * bits:(c + 1) * bits].astype(np.uint64)
+            xf = x[c * 32:(c + 1) * 32]
+            codes = np.empty(32, dtype=np.float32)
+            for j in range(32):
+                bit = bits * j
+                wi, off = bit // 32, bit % 32
+                window = q[wi] | ((q[wi + 1] << np.uint64(32)) if off + bits > 32 else np.uint64(0))
+                codes[j] = float((int(window) >> off) & mask)
+            d = np.zeros(4, dtype=np.float32)
+            for j in range(32):
+                d[j & 3] = np.float32(d[j & 3] + np.float32(xf[j] * codes[j]))
+            dot = np.float32((d[0] + d[1]) + (d[2] + d[3]))
+            xs = np.float32(0)
+            for j in range(32):
+                xs = np.float32(xs + xf[j])
+            g = c * 32 // group_size
+            lanes[c % 32] = np.float32(lanes[c % 32] + np.float32(s[n, g] * dot + b[n, g] * xs))
+        # the butterfly of shuffles: lane 0's sum after xor 16, 8, 4, 2, 1
+        v = lanes.copy()
+        for o in (16, 8, 4, 2, 1):
+            v = np.float32(v + v[np.arange(32) ^ o])
+        out[n] = v[0]
+    return out

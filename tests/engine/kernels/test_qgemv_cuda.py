@@ -1,0 +1,51 @@
+"""The one-row kernel's arithmetic (``qgemv_cuda``), replayed in numpy (CUDA cannot run on
+this machine; the kernel itself is checked against MLX's CPU product on the GPU machine
+by ``benchmarks/gpu/gemv_check.py`` and by the tuner at every load there).
+
+What is replayed: each lane's chunk of a weight row (its words, a code across two words
+through the 64-bit funnel), the exact float codes, the per-chunk ``s * sum(x q) + b *
+sum(x)`` in float32 and the lanes' butterfly of shuffles. Together they must be MLX's
+product, as closely as MLX's own is to a float32 one."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gmlx.engine.kernels import qgemv_cuda
+from gmlx.engine.kernels.fast_linear import agrees, exact_product
+
+
+def test_a_code_bit_pattern_is_its_exact_float() -> None:
+    """``2^23 + q``'s float bits minus ``2^23`` is ``q`` for every code of every width."""
+    codes = np.arange(256, dtype=np.uint32)
+    got = (np.uint32(0x4B000000) | codes).view(np.float32) - np.float32(8388608.0)
+    assert (got == codes.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize(("bits", "group", "k"), [(4, 32, 256), (4, 64, 1088), (6, 32, 320), (6, 128, 512),
+                                                  (8, 32, 256), (8, 64, 192)])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_the_kernel_arithmetic_is_mlx_product(bits: int, group: int, k: int, dtype) -> None:
+    """More than 32 chunks (k 1088: lanes take a second chunk), a code across two words
+    (6-bit), groups wider than a chunk (a group's scale shared by two or four lanes)."""
+    mx.random.seed(bits * k + group)
+    wq, s, b = mx.quantize(mx.random.normal((12, k)).astype(dtype), group_size=group, bits=bits)
+    x = (mx.random.normal((1, k)) * 3).astype(dtype)
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
+    exact = exact_product(x, wq, s, b, group, bits)
+    got = qgemv_cuda.replay(np.array(x.astype(mx.float32)), np.array(wq),
+                            np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), group, bits)
+    got = mx.array(got)[None].astype(dtype)  # the kernel writes its float32 sums as T
+    assert agrees(got, want, exact)
+    assert mx.allclose(got.astype(mx.float32), exact, rtol=1e-2, atol=1e-2 * mx.abs(exact).max().item())
+
+
+def test_which_products_it_takes() -> None:
+    assert qgemv_cuda.supports(1, 4096, 32, 4) and qgemv_cuda.supports(1, 14336, 32, 6)
+    assert not qgemv_cuda.supports(2, 4096, 32, 4)  # one row only
+    assert not qgemv_cuda.supports(1, 4096, 32, 3)  # 3-bit: not a layout it reads
+    assert not qgemv_cuda.supports(1, 4096, 32, 4, mode="mxfp4")
+    assert not qgemv_cuda.supports(1, 4100, 32, 4)  # not whole chunks
+    assert all(rows <= 32 for _, rows in qgemv_cuda.configs())  # lane r writes row r
