@@ -55,7 +55,7 @@ def chain_cost(n: int = 512, reps: int = 5) -> tuple[float, float, float]:
     return best
 
 
-def child(shape: str, widths: list[int]) -> None:
+def child(shape: str, widths: list[int], stack: bool) -> None:
     import mlx.core as mx
 
     sys.path.insert(0, str(ROOT))
@@ -65,7 +65,7 @@ def child(shape: str, widths: list[int]) -> None:
 
     rows = []
     model = build(shape, "float16")
-    for stacked in (False, True):
+    for stacked in (False, True) if stack else (False,):
         if stacked:
             os.environ["GMLX_FUSE_PROJECTIONS"] = "1"
         else:
@@ -90,18 +90,20 @@ def main() -> None:
     parser.add_argument("--tuned", action="store_true",
                         help="the quantized layers' tuned paths, as a server runs (default: only flattened, "
                              "GMLX_QMV_KERNEL=flat: no minutes of tuning per setting)")
+    parser.add_argument("--unstacked", action="store_true", help="only the model as loaded (no stacked pass)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     if args.child:
-        return child(args.shape, widths)
+        return child(args.shape, widths, not args.unstacked)
     print(f"{'setting':>9} {'stacked':>7} {'width':>5} {'step ms':>8} {'build ms':>9} {'launch ms':>9} "
           f"{'tok/s':>8} {'x unstacked':>11}", flush=True)
     chains = {}
     for name in args.settings.split(","):
         env = {**os.environ, **SETTINGS[name], "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                "GMLX_QMV_KERNEL": "1" if args.tuned else "flat"}
-        proc = subprocess.run([sys.executable, __file__, "--child", "--shape", args.shape, "--widths", args.widths],
+        proc = subprocess.run([sys.executable, __file__, "--child", "--shape", args.shape, "--widths", args.widths,
+                               *(["--unstacked"] if args.unstacked else [])],
                               env=env, capture_output=True, text=True, check=False)
         result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
         if result is None:
@@ -114,7 +116,7 @@ def main() -> None:
                   f"{r['tok_s'] / base[r['width']]:>11.2f}", flush=True)
         chains[name] = result["chain"]
         notes = {n for r in result["rows"] for n in r["notes"]}
-        print(f"{'':>9} device {result['device']}; notes: {'; '.join(sorted(notes))[:600]}", flush=True)
+        print(f"{'':>9} device {result['device']}; notes: {'; '.join(sorted(notes))}", flush=True)
     print(f"\n{'setting':>9} {'build us/op':>12} {'launch us/op':>13} {'all us/op':>10}  (a chain of 512 adds)")
     for name, (b, launch, total) in chains.items():
         print(f"{name:>9} {b:>12.2f} {launch:>13.2f} {total:>10.2f}")

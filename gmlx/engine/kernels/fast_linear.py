@@ -86,6 +86,15 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
     def set_paths(self, paths: Paths) -> None:
         object.__setattr__(self, "paths", paths)
+        object.__setattr__(self, "launches", {})  # the one-row kernel's, bound per launch shape
+
+    def _one_row(self, config: tuple[int, ...]) -> Callable[[Any], Any]:
+        launch = self.launches.get(config)
+        if launch is None:
+            launch = qgemv_cuda.bound(self["weight"], self["scales"], self["biases"], self.group_size,
+                                      self.bits, config)
+            self.launches[config] = launch
+        return launch
 
     def __call__(self, x: Any) -> Any:
         if not self.paths:
@@ -95,10 +104,11 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         if chosen is None:
             return _by_rows(super().__call__, x)
         path, config = chosen
-        q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         if path == GEMV:
-            y = qgemv_cuda.gemv(x, *q, config=config)
-        elif path == KERNEL:
+            y = self._one_row(config)(x)
+            return y + self["bias"] if "bias" in self else y
+        q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if path == KERNEL:
             y = qmma_cuda.qmm(x, *q, config=config)
         else:
             y = dequantized(x, *q)

@@ -49,3 +49,23 @@ def test_which_products_it_takes() -> None:
     assert not qgemv_cuda.supports(1, 4096, 32, 4, mode="mxfp4")
     assert not qgemv_cuda.supports(1, 4100, 32, 4)  # not whole chunks
     assert all(rows <= 32 for _, rows in qgemv_cuda.configs())  # lane r writes row r
+
+
+def test_each_layout_is_a_kernel_of_its_own_with_its_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX rebuilds a custom kernel's source at every call: the constants go into the
+    source once per layout (no template arguments to hash per call), comments out.
+    (``cuda_kernel`` stands in here: MLX has no CUDA backend on this machine.)"""
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    qgemv_cuda._kernel.cache_clear()
+    try:
+        first = qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2)
+        assert qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2) is first  # built once
+        qgemv_cuda._kernel(mx.bfloat16, 6, 64, 8, 1)
+    finally:
+        qgemv_cuda._kernel.cache_clear()
+    assert [k["name"] for k in made] == ["gmlx_qgemv_half_4_32_4_2", "gmlx_qgemv_nv_bfloat16_6_64_8_1"]
+    source = made[1]["source"]
+    assert source.startswith("using T = __nv_bfloat16; constexpr int BITS = 6; constexpr int G = 64; "
+                             "constexpr int WARPS = 8; constexpr int RPW = 1;")
+    assert "//" not in source and "x_shape" not in source  # x may have any leading shape
