@@ -9,9 +9,10 @@ log = logging.getLogger(__name__)
 
 
 def prepare_layers(model: Any) -> list[str]:
-    """``model``'s layers as the engine runs them: projections that read one input stacked
-    into one product (every backend; logged, not a load note: it changes no number a
-    user sees), then, on CUDA, the quantized layers' paths. Returns the load notes."""
+    """``model``'s layers as the engine runs them: with ``GMLX_FUSE_PROJECTIONS=1``,
+    projections that read one input stacked into one product (logged, not a load note: it
+    changes no number a user sees), then, on CUDA, the quantized layers' paths. Returns
+    the load notes."""
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 

@@ -6,17 +6,19 @@ First, every quantized layer hands MLX its input as ``(rows, K)`` (a decode step
 :class:`FastQuantizedLinear`). Then every distinct (in, out, bits, group) shape of the
 model's affine quantized layers is timed at each row bucket a decode step can have (1,
 2, 4, 8, 16, 32, 64 rows), at short prefills' sizes (128 and 256 rows) and at a long
-prefill chunk's (``LARGE`` rows, for every product over 256 rows) three ways: MLX's
-``quantized_matmul``, ``qmma_cuda.qmm`` (the tensor-core kernel, bf16 and fp16
-activations, up to 64 rows) and ``dequantized`` (dequantize, then a dense matmul: at
+prefill chunk's (``LARGE`` rows, for every product over 256 rows) four ways: MLX's
+``quantized_matmul``, ``qgemv_cuda`` (one row: CUDA cores, the weights read in wide loads;
+1.3-1.75x MLX's product on an 8B's large layers on the H200), ``qmma_cuda.qmm`` (the
+tensor-core kernel, bf16 and fp16 activations, up to 64 rows) and ``dequantized`` (dequantize, then a dense matmul: at
 prefill sizes it is MLX's float prefill plus one pass over the weights, a cost that does
 not shrink with the rows: on the H200 it made an 8B's 2k-token prefill 2.1x faster and a
 128-token prompt's first token slower, 231 against 139 ms, while one bucket covered
 every prefill, hence the three). A bucket takes the fastest path that agrees with a
 float32 product as closely as MLX's own does. A product timed alone is not a decode step,
-though (each custom-kernel call costs MLX about 30 us to issue on the H200, against
-about 10 for its own products, and that shows only among a step's hundreds of
-launches), so each bucket's choices are then confirmed on the whole model: a decode
+though (a custom kernel's call costs the host more than MLX's own product: MLX
+rebuilds its source at every call, and a step has hundreds of them; on the H200 the
+one-row path first cost ~2 ms of host a step, ~1 ms once its source and launch were
+fixed per layer), so each bucket's choices are then confirmed on the whole model: a decode
 step of that many streams (past 64 rows, a prefill), timed with and without them, and
 the bucket goes back to MLX's path unless its step got faster. Timing every path also
 compiles it, before the model reports ready. The decisions are kept per machine

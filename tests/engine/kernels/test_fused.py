@@ -12,6 +12,11 @@ from gmlx.engine.kernels import fused
 from gmlx.engine.kernels.fused import FusedGroup, FusedPart, fuse_projections
 
 
+@pytest.fixture(autouse=True)
+def _stacking_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GMLX_FUSE_PROJECTIONS", "1")  # off by default (see the module)
+
+
 def _llama(bias: bool = False) -> nn.Module:
     from mlx_lm.models import llama
 
@@ -114,8 +119,12 @@ def test_a_part_called_twice_with_one_input_computes_again() -> None:
     assert group.pending.x is None and not group.split  # nothing held after the last part
 
 
-def test_off_leaves_the_model_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GMLX_FUSE_PROJECTIONS", "0")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_off_by_default_leaves_the_model_as_it_is(monkeypatch: pytest.MonkeyPatch, setting: str | None) -> None:
+    if setting is None:
+        monkeypatch.delenv("GMLX_FUSE_PROJECTIONS")
+    else:
+        monkeypatch.setenv("GMLX_FUSE_PROJECTIONS", setting)
     model = _llama()
     assert fuse_projections(model) is None
     assert type(model.layers[0].self_attn.q_proj) is nn.Linear
@@ -135,8 +144,8 @@ def test_the_demo_model_answers_as_before() -> None:
 
 
 def test_a_started_model_runs_stacked(caplog: pytest.LogCaptureFixture) -> None:
-    """The engine's start stacks the projections and logs it (no load note: ``gmlx run``
-    prints those, and this changes nothing a user sees)."""
+    """Asked for, the engine's start stacks the projections and logs it (no load note:
+    ``gmlx run`` prints those, and this changes nothing a user sees)."""
     from gmlx.engine.addressing import ModelSpec
     from gmlx.engine.governor import Governor
     from gmlx.engine.model_start import WorkerSettings, start_model
