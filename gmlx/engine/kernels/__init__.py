@@ -18,4 +18,5 @@ def prepare_layers(model: Any) -> list[str]:
 
     if (stacked := fuse_projections(model)) is not None:
         log.info("%s", stacked)
-    return [note for note in (use_fast_kernels(model),) if note is not None]
+    note = use_fast_kernels(model)
+    return [] if note is None else [note]

@@ -108,12 +108,9 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         path, config = chosen
         if path == GEMV:
             y = self._one_row(config)(x)
-            return y + self["bias"] if "bias" in self else y
-        q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-        if path == KERNEL:
-            y = qmma_cuda.qmm(x, *q, config=config)
         else:
-            y = dequantized(x, *q)
+            q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else dequantized(x, *q)
         return y + self["bias"] if "bias" in self else y
 
 

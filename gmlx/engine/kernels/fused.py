@@ -94,8 +94,8 @@ class FusedGroup(nn.Module):
         if isinstance(layer, nn.QuantizedLinear):
             biases = layer.get("biases")
             y = mx.quantized_matmul(x, layer["weight"][a:b], layer["scales"][a:b],
-                                    None if biases is None else biases[a:b], transpose=True, group_size=layer.group_size, bits=layer.bits,
-                                    mode=layer.mode)
+                                    None if biases is None else biases[a:b], transpose=True,
+                                    group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
         else:
             y = x @ layer["weight"][a:b].T
         return y + layer["bias"][a:b] if "bias" in layer else y
@@ -127,8 +127,9 @@ def fuse_projections(model: nn.Module) -> str | None:
     stacked = {}
     for _, module in list(model.named_modules()):
         for g, names in enumerate(GROUPS):
-            members = [n for n in names if n in module and _layout(module[n]) is not None]
-            members = [n for n in members if _layout(module[n]) == _layout(module[members[0]])]
+            layouts = {n: _layout(module[n]) for n in names if n in module}
+            layouts = {n: layout for n, layout in layouts.items() if layout is not None}
+            members = [n for n, layout in layouts.items() if layout == next(iter(layouts.values()))]
             if len(members) < 2:
                 continue
             layers = [module[n] for n in members]
