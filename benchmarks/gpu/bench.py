@@ -261,7 +261,8 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
         if kind.startswith("gmlx"):
             result["load_log"] = log_lines(s.log)
             print("\n".join(f"    | {line}" for line in result["load_log"]), flush=True)
-        spy = start_profile(s, args.profile, variant, kind)
+        out = args.profile / f"{variant.replace(':', '-')}-{kind}.json" if args.profile else None
+        spy = start_profile(s, out)
         try:
             asyncio.run(asyncio.wait_for(drive(s, prompts, args, result), args.server_timeout))
         finally:
@@ -282,27 +283,26 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
     return result
 
 
-def start_profile(s: tp.Server, folder: Path | None, variant: str, kind: str) -> subprocess.Popen | None:
-    """py-spy recording the server from ready to its last request (every thread, idle
-    samples included: where each thread's wall time goes), as speedscope JSON in
-    ``folder``; None without ``--profile`` or py-spy."""
-    if folder is None or s.proc is None or not shutil.which("py-spy"):
+def start_profile(s: tp.Server, out: Path | None, rate: int = 500, native: bool = True) -> subprocess.Popen | None:
+    """py-spy recording the server from now until ``stop_profile`` (every thread, idle
+    samples included: where each thread's wall time goes), as speedscope JSON in ``out``;
+    None without a path or py-spy."""
+    if out is None or s.proc is None or not shutil.which("py-spy"):
         return None
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{variant.replace(':', '-')}-{kind}.json"
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", "500", "--threads",
-                            "--idle", "--native", "--format", "speedscope", "-o", str(out)],
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", str(rate), "--threads",
+                            "--idle", *(["--native"] if native else []), "--format", "speedscope", "-o", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     time.sleep(1.0)  # py-spy attached before the first request
     return spy
 
 
-def stop_profile(spy: subprocess.Popen | None) -> None:
+def stop_profile(spy: subprocess.Popen | None, timeout: float = 60.0) -> None:
     if spy is None:
         return
     spy.send_signal(signal.SIGINT)  # py-spy writes the profile and exits
     try:
-        spy.wait(60)
+        spy.wait(timeout)
     except subprocess.TimeoutExpired:
         spy.kill()
 

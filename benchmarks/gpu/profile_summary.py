@@ -40,7 +40,7 @@ def summarize(path: Path, top: int) -> str:
             seen = {label(frames[i]) for i in stack if any(o in (frames[i].get("file") or "") for o in OWN)}
             for name in seen:
                 inside[name] += w
-        lines.append(f"\n### thread {prof['name']}: {total} samples")
+        lines.append(f"\n### thread {prof['name']}: {total:.2f} {prof.get('unit', 'samples')}")
         lines.append("self: " + "; ".join(f"{n} {c / total:.1%}" for n, c in leaf.most_common(top)))
         lines.append("inside: " + "; ".join(f"{n} {c / total:.1%}" for n, c in inside.most_common(top)))
     return "\n".join(lines)

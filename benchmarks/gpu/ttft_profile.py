@@ -19,10 +19,8 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,13 +135,8 @@ def main() -> None:
             try:
                 s.wait_ready()
                 asyncio.run(drive(s, prompts, args, no_bias, "warm"))
-                if kind == kinds[0] and args.profile and shutil.which("py-spy") and s.proc is not None:
-                    args.profile.parent.mkdir(parents=True, exist_ok=True)
-                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", "1000",
-                                            "--threads", "--idle", "--format", "speedscope",
-                                            "-o", str(args.profile)],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                    time.sleep(1.0)
+                if kind == kinds[0]:
+                    spy = bench.start_profile(s, args.profile, rate=1000, native=False)
                 for label, b in (("none", no_bias), (f"{len(bias)} ids", bias)):
                     ttft, total = asyncio.run(drive(s, prompts, args, b, label[:4]))
                     lines.append(row(kind, label, ttft, total))
@@ -152,12 +145,7 @@ def main() -> None:
                 lines.append(f"| {kind} | failed: {type(e).__name__}: {str(e)[:200]} | | | | |")
                 print(lines[-1], "\n", s.tail(30), flush=True)
             finally:
-                if spy is not None:
-                    spy.send_signal(2)  # SIGINT: py-spy writes the profile and exits
-                    try:
-                        spy.wait(30)
-                    except subprocess.TimeoutExpired:
-                        spy.kill()
+                bench.stop_profile(spy, timeout=30)
                 s.stop()
         ttft = in_process(str(args.model), prompts, args)
         lines.append(row("gmlx worker, in process", "none", ttft, ttft))
