@@ -295,7 +295,11 @@ def _read(root: Path, key: str) -> Converted | None:
         log.warning("converted-weights cache entry %s is unusable (%s); rebuilding it", data, e)
         remove(key)
         return None
-    os.utime(sidecar)  # last use, for LRU eviction
+    # Last use, for LRU eviction, given as this moment's time: a time the kernel picks
+    # itself may be a coarse clock's (Linux's multigrain timestamps), a tick behind a
+    # write it stamped finely just before, which then looks more recent than this use.
+    now = time.time_ns()
+    os.utime(sidecar, ns=(now, now))
     return converted
 
 
