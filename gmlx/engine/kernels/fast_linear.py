@@ -88,14 +88,20 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
     def set_paths(self, paths: Paths) -> None:
         object.__setattr__(self, "paths", paths)
-        object.__setattr__(self, "launches", {})  # the one-row kernel's, bound per launch shape
+        object.__setattr__(self, "launches", {})  # the kernels' launches, bound per (path, config)
 
-    def _one_row(self, config: tuple[int, ...]) -> Callable[[Any], Any]:
-        launch = self.launches.get(config)
+    def _launch(self, chosen: tuple[str, tuple[int, ...]]) -> Callable[[Any], Any]:
+        launch = self.launches.get(chosen)
         if launch is None:
-            launch = qgemv_cuda.bound(self["weight"], self["scales"], self["biases"], self.group_size,
-                                      self.bits, config)
-            self.launches[config] = launch
+            path, config = chosen
+            q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            if path == GEMV:
+                launch = qgemv_cuda.bound(*q, config)
+            elif path == KERNEL:
+                launch = qmma_cuda.bound(*q, config)
+            else:
+                launch = lambda x: dequantized(x, *q)
+            self.launches[chosen] = launch
         return launch
 
     def __call__(self, x: Any) -> Any:
@@ -105,12 +111,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         chosen = self.paths.get(bucket(rows))
         if chosen is None:
             return _by_rows(super().__call__, x)
-        path, config = chosen
-        if path == GEMV:
-            y = self._one_row(config)(x)
-        else:
-            q = (self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-            y = qmma_cuda.qmm(x, *q, config=config) if path == KERNEL else dequantized(x, *q)
+        y = self._launch(chosen)(x)
         return y + self["bias"] if "bias" in self else y
 
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from gmlx.engine.kernels.cuda_source import compact, cuda_type
+
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
 
@@ -92,19 +94,34 @@ _SOURCE = r"""
         for (int j = 0; j < 32; ++j) xs += xf[j];
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
+            // 4-bit: a word's even and odd codes as bytes, each code then one byte permute
+            // into the float 2^23 + q; 8-bit: the permute alone
+            uint32_t lo[BITS == 4 ? 4 : 1], hi[BITS == 4 ? 4 : 1];
+            if (BITS == 4) {
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    lo[v] = q[r][v] & 0x0F0F0F0Fu;
+                    hi[v] = (q[r][v] >> 4) & 0x0F0F0F0Fu;
+                }
+            }
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll
             for (int j = 0; j < 32; ++j) {
-                const int bit = BITS * j;
-                const int wi = bit / 32;
-                const int off = bit % 32;
-                unsigned code;
-                if (off + BITS <= 32) {
-                    code = (q[r][wi] >> off) & MASK;
+                unsigned bits;
+                if (BITS == 4) {
+                    const uint32_t src = (j & 1) ? hi[j / 8] : lo[j / 8];
+                    bits = __byte_perm(src, 0x4B000000u, 0x7540 | ((j % 8) >> 1));
+                } else if (BITS == 8) {
+                    bits = __byte_perm(q[r][j / 4], 0x4B000000u, 0x7540 | (j & 3));
                 } else {
-                    code = __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
+                    const int bit = BITS * j;
+                    const int wi = bit / 32;
+                    const int off = bit % 32;
+                    const unsigned code = off + BITS <= 32 ? (q[r][wi] >> off) & MASK
+                                                           : __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
+                    bits = 0x4B000000u | code;
                 }
-                d[j & 3] += xf[j] * (__uint_as_float(0x4B000000u | code) - 8388608.0f);
+                d[j & 3] += xf[j] * (__uint_as_float(bits) - 8388608.0f);
             }
             acc[r] += s[r] * ((d[0] + d[1]) + (d[2] + d[3])) + b[r] * xs;
         }
@@ -130,25 +147,22 @@ def configs() -> list[tuple[int, int]]:
     return [(4, 2), (8, 2), (4, 4), (8, 1)]
 
 
-_CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+_BODY = compact(_SOURCE)
 
 
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int) -> Any:
-    """One kernel per layout and launch shape, its constants in the source: no template
-    arguments to hash and format on every call (MLX rebuilds a custom kernel's source at
-    each call; a decode step makes ~160 of them), and the source without its comments."""
+    """One kernel per layout and launch shape (:mod:`cuda_source` says why)."""
     import mlx.core as mx
 
-    body = "\n".join(line.split("//")[0].rstrip() for line in _SOURCE.splitlines() if line.split("//")[0].strip())
-    cuda_type = _CUDA_TYPES[str(dtype).removeprefix("mlx.core.")]
-    head = (f"using T = {cuda_type}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
+    t = cuda_type(dtype)
+    head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};\n")
     return mx.fast.cuda_kernel(
-        name=f"gmlx_qgemv_{cuda_type.strip('_')}_{bits}_{group_size}_{warps}_{rpw}",
+        name=f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}",
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
-        source=head + body,
+        source=head + _BODY,
     )
 
 

@@ -32,8 +32,11 @@ where it disagrees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
+
+from gmlx.engine.kernels.cuda_source import compact, cuda_type
 
 MAX_ROWS = 64
 BITS = (4, 6, 8)
@@ -45,8 +48,9 @@ _SOURCE = r"""
     constexpr bool PAIRED = BF == 0 || BITS < 8;   // codes enter the product as OFF + q
     constexpr float OFF = !PAIRED ? 0.0f : (BF ? 128.0f : 1024.0f);
     constexpr unsigned MAGIC = BF ? 0x43004300u : 0x64006400u;
-    const int rows = x_shape[0];
-    const int K = x_shape[1];
+    const int K = w_shape[1] * 32 / BITS;
+    int rows = 1;
+    for (int i = 0; i + 1 < x_ndim; ++i) rows *= x_shape[i];
     const int N = w_shape[0];
     const int chunks = K / 32;
     const int words = chunks * BITS;          // 32-bit words per weight row
@@ -238,6 +242,9 @@ _SOURCE = r"""
 """
 
 
+_BODY = compact(_SOURCE)
+
+
 def available() -> bool:
     """Whether MLX runs on CUDA here (the only place this kernel is built)."""
     import mlx.core as mx
@@ -280,15 +287,46 @@ def fits(rows: int, config: tuple[int, ...]) -> bool:
 
 
 @cache
-def _kernel() -> Any:
+def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int, ft: int, warps: int,
+            unroll: int) -> Any:
+    """One kernel per layout, row tiles and launch shape (:mod:`cuda_source` says why)."""
     import mlx.core as mx
 
+    t, s = cuda_type(dtype), cuda_type(scale_dtype)
+    head = (f"using T = {t}; using S = {s}; constexpr int RT = {tiles}; constexpr int BITS = {bits}; "
+            f"constexpr int G = {group_size}; constexpr int FT = {ft}; constexpr int WARPS = {warps}; "
+            f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n")
     return mx.fast.cuda_kernel(
-        name="gmlx_qmma",
+        name=f"gmlx_qmma_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
-        source=_SOURCE,
+        source=head + _BODY,
     )
+
+
+def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
+          config: tuple[int, ...] | None = None) -> Callable[[Any], Any]:
+    """``qmm`` of this layer's weights as a function of ``x`` alone, its launch worked
+    out once per row-tile count (a layer calls it on every decode step)."""
+    n = w.shape[0]
+    k = w.shape[1] * 32 // bits
+    weights = [w, scales, biases]
+    launches: dict[int, tuple[Any, tuple[int, int, int], tuple[int, int, int]]] = {}
+
+    def run(x: Any) -> Any:
+        rows = x.size // k
+        tiles = row_tiles(rows)
+        launch = launches.get(tiles)
+        if launch is None:
+            ft, warps, unroll = config or default_config(rows)
+            kernel = _kernel(x.dtype, scales.dtype, tiles, bits, group_size, ft, warps, unroll)
+            launch = launches[tiles] = (kernel, (-(-n // (16 * ft)) * 32 * warps, 1, 1), (32 * warps, 1, 1))
+        kernel, grid, threadgroup = launch
+        (out,) = kernel(inputs=[x, *weights], grid=grid, threadgroup=threadgroup,
+                        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])
+        return out
+
+    return run
 
 
 def qmm(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
@@ -296,21 +334,4 @@ def qmm(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     """``x [..., K] @ dequantize(w [N, K*bits/32], scales, biases).T`` -> ``[..., N]``
     on tensor cores, for at most ``MAX_ROWS`` rows in ``x``'s leading dimensions
     (``x`` bf16 or fp16)."""
-    import mlx.core as mx
-
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = w.shape[0]
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    ft, warps, unroll = config or default_config(rows)
-    (out,) = _kernel()(
-        inputs=[x2, w, scales, biases],
-        template=[("T", x.dtype), ("S", scales.dtype), ("RT", row_tiles(rows)), ("BITS", bits),
-                  ("G", group_size), ("FT", ft), ("WARPS", warps), ("U", unroll),
-                  ("BF", int(x.dtype == mx.bfloat16))],
-        grid=(-(-n // (16 * ft)) * 32 * warps, 1, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(rows, n)],
-        output_dtypes=[x.dtype],
-    )
-    return out.reshape(*lead, n)
+    return bound(w, scales, biases, group_size, bits, config)(x)

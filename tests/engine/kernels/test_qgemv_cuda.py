@@ -15,6 +15,7 @@ import pytest
 
 from gmlx.engine.kernels import qgemv_cuda
 from gmlx.engine.kernels.fast_linear import agrees, exact_product
+from tests.engine.kernels import byte_perm
 
 
 def test_a_code_bit_pattern_is_its_exact_float() -> None:
@@ -22,6 +23,23 @@ def test_a_code_bit_pattern_is_its_exact_float() -> None:
     codes = np.arange(256, dtype=np.uint32)
     got = (np.uint32(0x4B000000) | codes).view(np.float32) - np.float32(8388608.0)
     assert (got == codes.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_byte_permutes_make_every_code_its_float_bits(bits: int) -> None:
+    """The kernel's 4- and 8-bit codes: a word's codes (4-bit: its even and odd codes
+    masked into bytes first) each one ``__byte_perm`` into ``2^23 + q``'s bits, code ``j``
+    of a chunk where the bit stream has it."""
+    rng = np.random.default_rng(bits)
+    for words in rng.integers(0, 2**32, size=(50, bits), dtype=np.uint64).tolist():
+        stream = sum(w << (32 * i) for i, w in enumerate(words))
+        for j in range(32):
+            if bits == 4:
+                word = words[j // 8] >> 4 if j & 1 else words[j // 8]
+                got = byte_perm(word & 0x0F0F0F0F, 0x4B000000, 0x7540 | ((j % 8) >> 1))
+            else:
+                got = byte_perm(words[j // 4], 0x4B000000, 0x7540 | (j & 3))
+            assert got == 0x4B000000 | ((stream >> (bits * j)) & ((1 << bits) - 1))
 
 
 @pytest.mark.parametrize(("bits", "group", "k"), [(4, 32, 256), (4, 64, 1088), (6, 32, 320), (6, 128, 512),

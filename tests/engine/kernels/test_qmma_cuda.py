@@ -16,12 +16,7 @@ import numpy as np
 import pytest
 
 from gmlx.engine.kernels import qmma_cuda
-
-
-def _byte_perm(a: int, b: int, selector: int) -> int:
-    """CUDA's ``__byte_perm``: bytes 0-3 of ``a`` then 4-7 of ``b``, picked by nibbles."""
-    source = a | (b << 32)
-    return sum(((source >> (8 * ((selector >> (4 * i)) & 0xF))) & 0xFF) << (8 * i) for i in range(4))
+from tests.engine.kernels import byte_perm
 
 
 def _halves(word: int, bf16: bool) -> tuple[float, float]:
@@ -78,8 +73,8 @@ def _replay(x: np.ndarray, wq: np.ndarray, s: np.ndarray, b: np.ndarray, bits: i
                 xsum[g] = xval[r, c * 32 + 8 * t:c * 32 + 8 * t + 8].sum() + (xsum[g] if t else 0)
             else:
                 words = [0, 0, 0, 0]
-            regs = [_byte_perm(words[0], words[2], 0x5410), _byte_perm(words[0], words[2], 0x7632),
-                    _byte_perm(words[1], words[3], 0x5410), _byte_perm(words[1], words[3], 0x7632)]
+            regs = [byte_perm(words[0], words[2], 0x5410), byte_perm(words[0], words[2], 0x7632),
+                    byte_perm(words[1], words[3], 0x5410), byte_perm(words[1], words[3], 0x7632)]
             for m in range(2):  # b0: logical k 2t, 2t+1; b1: 2t+8, 2t+9; column g
                 for i, reg in enumerate(regs[2 * m:2 * m + 2]):
                     kk = 2 * t + 8 * i
@@ -127,3 +122,42 @@ def test_launch_shapes_fit_shared_memory() -> None:
         assert tiles * 8 >= rows and tiles in (1, 2, 4, 8)
         for ft, warps, _ in qmma_cuda.configs(rows):
             assert (warps - 1) * ft * tiles * 128 * 4 <= 48 * 1024
+
+
+def test_a_bound_launch_makes_each_kernel_once_and_keeps_leading_dimensions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's launch is worked out once per row-tile count, the constants in a kernel's
+    source (MLX builds the source at every call), and a decode step's ``(streams, 1, K)``
+    input is read as ``streams`` rows without a reshape. (``cuda_kernel`` stands in here,
+    answering with MLX's own product: MLX has no CUDA backend on this machine.)"""
+    made: list[dict] = []
+    launched: list[dict] = []
+
+    def cuda_kernel(**made_with):
+        made.append(made_with)
+
+        def kernel(inputs, grid, threadgroup, output_shapes, output_dtypes, **rest):
+            assert not rest  # no template arguments to format per call
+            launched.append({"grid": grid, "threadgroup": threadgroup, "shape": output_shapes[0]})
+            x, w, s, b = inputs
+            y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+            return [y.reshape(output_shapes[0]).astype(output_dtypes[0])]
+
+        return kernel
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    qmma_cuda._kernel.cache_clear()
+    wq, s, b = mx.quantize(mx.random.normal((40, 128)), group_size=32, bits=4)
+    s, b = s.astype(mx.float16), b.astype(mx.float16)
+    try:
+        run = qmma_cuda.bound(wq, s, b, 32, 4, config=(1, 4, 4))
+        for streams in (3, 5, 12):
+            x = mx.random.normal((streams, 1, 128)).astype(mx.float16)
+            assert run(x).shape == (streams, 1, 40)
+    finally:
+        qmma_cuda._kernel.cache_clear()
+    assert [m["name"] for m in made] == ["gmlx_qmma_half_half_1_4_32_1_4_4", "gmlx_qmma_half_half_2_4_32_1_4_4"]
+    assert made[0]["source"].startswith("using T = __half; using S = __half; constexpr int RT = 1; ")
+    assert "x_ndim" in made[0]["source"] and "//" not in made[0]["source"]
+    assert [launch["grid"] for launch in launched] == [(3 * 32 * 4, 1, 1)] * 3  # 40 features: 3 tiles of 16
+    assert [launch["shape"] for launch in launched] == [(3, 1, 40), (5, 1, 40), (12, 1, 40)]

@@ -1,0 +1,24 @@
+"""What the custom CUDA kernels share: their constants written into the source.
+
+MLX builds a custom kernel's whole source anew at every call (its header, the signature,
+one line per template argument, then the body) before it looks the compiled module up,
+so a kernel called a few hundred times a decode step pays for every character and every
+template argument, each step. The kernels here are made once per layout and launch
+shape instead, their constants in a short head and their body without comments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def cuda_type(dtype: Any) -> str:
+    """The CUDA name of an MLX floating dtype (``__half``, ``__nv_bfloat16``, ``float``)."""
+    return _CUDA_TYPES[str(dtype).removeprefix("mlx.core.")]
+
+
+def compact(source: str) -> str:
+    """``source`` without its ``//`` comments and blank lines."""
+    lines = (line.split("//")[0].rstrip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line.strip())
