@@ -20,8 +20,8 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 4  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
-# 4: the one-row kernel (qgemv_cuda)
+FORMAT = 5  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
+# 4: the one-row kernel (qgemv_cuda); 5: both kernels bound per layer, 4/8-bit codes by byte permutes
 Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 
