@@ -1,0 +1,113 @@
+"""Where a generator's decode step loses to the model's bare step: one model in one
+process, ms per token at each width four ways, each phase of the host's loop timed.
+
+On the H200 (12-03, an 8B in bf16, width 1) the bare step, built, handed over and
+waited for one at a time, took 7.04 ms (142 tok/s), and mlx-lm's BatchGenerator, which
+hands the next step over before it waits for the current one, 8.86 ms a token (112.9
+tok/s), where overlapping the host's building with the GPU's work should have made it
+faster. The four loops here add mlx-lm's pieces one at a time:
+
+- ``waited``: build the step (model, argmax), hand it over (``mx.async_eval``), wait
+  (``mx.eval``), read the tokens (``tolist``); the next step starts after.
+- ``pipelined``: mlx-lm's order: build step n+1 from step n's lazy tokens, hand it
+  over, then wait for step n and read its tokens.
+- ``logprobs``: ``pipelined`` plus what mlx-lm's step adds for every stream: the
+  normalized log-probabilities (``logits - logsumexp``), split per stream and waited for.
+- ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
+
+    python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
+    python benchmarks/gpu/pipeline_check.py demo --widths 1,4            # here, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.decode_throughput import run_peer
+from benchmarks.gpu.served_step import load
+
+PHASES = ("build", "hand over", "wait", "read")
+
+
+def _primed(model, width: int, context: int):
+    """A prompt cache after a ``context``-token prefill of ``width`` streams, and the
+    first tokens (lazy)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.zeros((width, context), mx.int32), cache=cache)
+    tokens = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(tokens)
+    return cache, tokens
+
+
+def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[float, dict[str, float]]:
+    """Seconds per token of one stream, and the host's seconds per step in each phase."""
+    cache, tokens = _primed(model, width, context)
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def step(tokens):
+        logits = model(tokens[:, None], cache=cache)[:, -1, :]
+        nxt = mx.argmax(logits, axis=-1)
+        if mode != "logprobs":
+            return nxt, []
+        return nxt, list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    current, current_lp = tokens, []
+    start = 0.0
+    for i in range(steps + 3):
+        if i == 3:  # the first steps compile and allocate
+            start = time.perf_counter()
+            spent = dict.fromkeys(PHASES, 0.0)
+        t0 = time.perf_counter()
+        nxt, nxt_lp = step(current)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt, nxt_lp)
+        t2 = time.perf_counter()
+        if mode == "waited":
+            mx.eval(nxt)
+            t3 = time.perf_counter()
+            nxt.tolist()
+        else:
+            mx.eval(current, current_lp)
+            t3 = time.perf_counter()
+            current.tolist()
+        t4 = time.perf_counter()
+        for phase, t in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            spent[phase] += t
+        current, current_lp = nxt, nxt_lp
+    mx.eval(current)
+    elapsed = time.perf_counter() - start
+    return elapsed / steps, {k: v / steps for k, v in spent.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a model reference gmlx serve takes, or synthetic:SHAPE")
+    p.add_argument("--widths", default="1,32")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", help="synthetic: float type")
+    p.add_argument("--float", action="store_true", help="synthetic: float weights, not Q4_K_M's layouts")
+    args = p.parse_args()
+    loaded = load(args.model, args.dtype, not args.float)
+    print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
+    print("| width | loop | ms / step | tok/s | build | hand over | wait | read |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for width in (int(w) for w in args.widths.split(",")):
+        for mode in ("waited", "pipelined", "logprobs"):
+            per_step, spent = loop(loaded.model, width, mode, args.steps)
+            phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)
+            print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} |", flush=True)
+        rate = run_peer(loaded, width, 128, args.steps)
+        print(f"| {width} | generator | {width / rate * 1e3:.2f} | {rate:.1f} | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
