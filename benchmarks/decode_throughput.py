@@ -12,6 +12,7 @@ their ratio (gmlx / peer; 1.0 means no overhead).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import threading
 import time
 from dataclasses import replace
@@ -98,36 +99,53 @@ def worker_ttft(worker, tokens: list[int], max_tokens: int) -> float:
     return first
 
 
-def run_gmlx(loaded, width: int, prompt_len: int, tokens: int, bias: dict[int, float] | None = None) -> float:
+def run_gmlx(loaded, width: int, prompt_len: int, tokens: int, bias: dict[int, float] | None = None,
+             readers: str = "loop") -> float:
     """Decode tokens/s of gmlx's ModelWorker with ``width`` concurrent requests (each
-    with ``bias`` as its logit bias)."""
+    with ``bias`` as its logit bias). ``readers="loop"`` reads them as the server does:
+    submitted from one event loop and read there, so a step's events wake that loop
+    once; ``"threads"``: one blocking reader thread per stream, each woken per token."""
     from gmlx.engine.types import GenerateRequest, SamplingParams
     from gmlx.engine.worker import ModelWorker
 
     worker = ModelWorker(loaded, decode_batch=width, prompt_cache_bytes=0)
+    sampling = SamplingParams(temperature=0, logit_bias=bias)
+    requests = [GenerateRequest(tuple(p), max_tokens=tokens, sampling=sampling) for p in prompts(width, prompt_len)]
+    stamps: list[list[float]] = [[] for _ in range(width)]
     try:
-        sampling = SamplingParams(temperature=0, logit_bias=bias)
-        handles = [worker.submit(GenerateRequest(tuple(p), max_tokens=tokens, sampling=sampling))
-                   for p in prompts(width, prompt_len)]
-        stamps: list[list[float]] = [[] for _ in range(width)]
+        if readers == "loop":
+            asyncio.run(_read_on_a_loop(worker, requests, stamps))
+        else:
+            handles = [worker.submit(r) for r in requests]
 
-        def consume(i: int) -> None:  # one reader per stream, as a server's clients are
-            for ev in handles[i]:
-                if ev.token_ids:
-                    stamps[i].append(time.perf_counter())
+            def consume(i: int) -> None:
+                for ev in handles[i]:
+                    if ev.token_ids:
+                        stamps[i].append(time.perf_counter())
 
-        readers = [threading.Thread(target=consume, args=(i,)) for i in range(width)]
-        for t in readers:
-            t.start()
-        for t in readers:
-            t.join()
-        # Count only what was decoded while every stream was decoding: prefill admits
-        # one prompt at a time, so the streams start (and end) a few steps apart.
-        start = max(s[0] for s in stamps)
-        end = min(s[-1] for s in stamps)
-        return sum(start < t <= end for s in stamps for t in s) / (end - start)
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(width)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     finally:
         worker.close()
+    # Count only what was decoded while every stream was decoding: prefill admits
+    # prompts over several steps, so the streams start (and end) a few steps apart.
+    start = max(s[0] for s in stamps)
+    end = min(s[-1] for s in stamps)
+    return sum(start < t <= end for s in stamps for t in s) / (end - start)
+
+
+async def _read_on_a_loop(worker, requests: list, stamps: list[list[float]]) -> None:
+    handles = [worker.submit(r) for r in requests]  # submitted on the loop: its mailbox
+
+    async def consume(i: int) -> None:
+        async for ev in handles[i]:
+            if ev.token_ids:
+                stamps[i].append(time.perf_counter())
+
+    await asyncio.gather(*(consume(i) for i in range(len(handles))))
 
 
 def main() -> None:
@@ -137,6 +155,8 @@ def main() -> None:
     parser.add_argument("--widths", default="1,4,16")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--readers", choices=("loop", "threads"), default="loop",
+                        help="gmlx's streams read on one event loop, as the server does, or one thread each")
     parser.add_argument("--threaded-peer", action="store_true",
                         help="also time the peer loop on its own thread (diagnoses threading costs)")
     args = parser.parse_args()
@@ -150,7 +170,7 @@ def main() -> None:
     print(f"{'width':>5} {'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'ratio':>6}{extra}")
     for width in (int(w) for w in args.widths.split(",")):
         peer = run_peer(loaded, width, args.prompt, args.tokens)
-        ours = run_gmlx(loaded, width, args.prompt, args.tokens)
+        ours = run_gmlx(loaded, width, args.prompt, args.tokens, readers=args.readers)
         threaded = f" {run_peer_in_thread(loaded, width, args.prompt, args.tokens):>12.1f}" if args.threaded_peer else ""
         print(f"{width:>5} {peer:>13.1f} {ours:>11.1f} {ours / peer:>6.2f}{threaded}")
 

@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--prefix", type=int, default=2048, help="prompt-cache miss/hit prompt length (0: skip)")
+    parser.add_argument("--readers", choices=("loop", "threads"), default="loop",
+                        help="gmlx's streams read on one event loop, as the server does, or one thread each")
     parser.add_argument("--no-serve", action="store_true", help="bare steps only (no BatchGenerator, no worker)")
     parser.add_argument("--bias", default="0",
                         help="comma-separated: rows where every request carries a logit bias of -100 on this "
@@ -164,7 +166,7 @@ def main() -> None:
                        f"{width / step:>11.1f}")
                 if not args.no_serve:
                     peer = run_peer(loaded, width, args.prompt, args.tokens, bias)
-                    ours = run_gmlx(loaded, width, args.prompt, args.tokens, bias)
+                    ours = run_gmlx(loaded, width, args.prompt, args.tokens, bias, args.readers)
                     row += f" {peer:>13.1f} {ours:>11.1f} {ours / peer:>12.2f}"
                 print(f"{row} {mx.get_cache_memory() / 1e9:>9.2f}", flush=True)
         if args.prefix:
