@@ -276,3 +276,30 @@ def test_each_product_takes_the_bucket_measured_near_its_rows(rows: int, want: i
 
     assert fast_linear.bucket(rows) == want
     assert want in fast_linear.BUCKETS
+
+
+def test_each_chosen_path_is_bound_once_per_layer(monkeypatch) -> None:
+    """A layer binds each (path, launch shape) it was given once, on first use, and every
+    product of a row bucket takes its path; a bucket with no path is MLX's product. (The
+    kernels' ``bound`` stand in, answering with MLX's product: CUDA cannot run here.)"""
+    from gmlx.engine.kernels import fast_linear, qgemv_cuda
+
+    bound: list[tuple[str, tuple[int, ...]]] = []
+
+    def binder(name: str):
+        def bind(w, scales, biases, group_size, bits, config):
+            bound.append((name, config))
+            return lambda x: mx.quantized_matmul(x, w, scales, biases, transpose=True,
+                                                 group_size=group_size, bits=bits)
+        return bind
+
+    monkeypatch.setattr(qgemv_cuda, "bound", binder("gemv"))
+    monkeypatch.setattr(qmma_cuda, "bound", binder("kernel"))
+    layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    x = mx.random.normal((12, 1, 64))
+    want = layer(x)
+    layer.__class__ = FastQuantizedLinear
+    layer.set_paths({1: (fast_linear.GEMV, (4, 2)), 8: (fast_linear.KERNEL, (1, 4, 4))})
+    for rows in (1, 1, 5, 8, 12, 1):
+        assert mx.allclose(layer(x[:rows]), want[:rows], atol=1e-5, rtol=1e-5)  # the bias added too
+    assert bound == [("gemv", (4, 2)), ("kernel", (1, 4, 4))]  # 12 rows: bucket 16, MLX's own
