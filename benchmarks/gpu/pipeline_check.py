@@ -13,6 +13,10 @@ faster. The four loops here add mlx-lm's pieces one at a time:
   over, then wait for step n and read its tokens.
 - ``logprobs``: ``pipelined`` plus what mlx-lm's step adds for every stream: the
   normalized log-probabilities (``logits - logsumexp``), split per stream and waited for.
+- ``batch cache``: ``pipelined`` on mlx-lm's batch KV cache (what its BatchGenerator
+  decodes on): its one-token steps carry a left-padding mask even when nothing is
+  padded, and MLX's CUDA attention takes its one-query kernel only without one.
+- ``gmlx cache``: ``pipelined`` on gmlx's batch KV cache, unmasked while nothing is padded.
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -36,12 +40,17 @@ from benchmarks.gpu.served_step import load
 PHASES = ("build", "hand over", "wait", "read")
 
 
-def _primed(model, width: int, context: int):
-    """A prompt cache after a ``context``-token prefill of ``width`` streams, and the
-    first tokens (lazy)."""
-    from mlx_lm.models.cache import make_prompt_cache
+def _primed(model, width: int, context: int, kind: str = "plain"):
+    """A prompt cache (``kind``: plain, mlx-lm's batch cache or gmlx's) after a
+    ``context``-token prefill of ``width`` streams, and the first tokens."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from gmlx.engine.prompt_cache import _AlignedBatchKVCache
 
     cache = make_prompt_cache(model)
+    if kind != "plain":
+        batch = BatchKVCache if kind == "batch cache" else _AlignedBatchKVCache
+        cache = [batch([0] * width) for _ in cache]
     logits = model(mx.zeros((width, context), mx.int32), cache=cache)
     tokens = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(tokens)
@@ -50,7 +59,7 @@ def _primed(model, width: int, context: int):
 
 def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[float, dict[str, float]]:
     """Seconds per token of one stream, and the host's seconds per step in each phase."""
-    cache, tokens = _primed(model, width, context)
+    cache, tokens = _primed(model, width, context, mode if mode.endswith("cache") else "plain")
     spent = dict.fromkeys(PHASES, 0.0)
 
     def step(tokens):
@@ -101,7 +110,7 @@ def main() -> None:
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for width in (int(w) for w in args.widths.split(",")):
-        for mode in ("waited", "pipelined", "logprobs"):
+        for mode in ("waited", "pipelined", "logprobs", "batch cache", "gmlx cache"):
             per_step, spent = loop(loaded.model, width, mode, args.steps)
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)
             print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} |", flush=True)

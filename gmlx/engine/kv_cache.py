@@ -139,9 +139,11 @@ class QuantKVCache(_BaseCache):
         vd = mx.dequantize(*self._used(self.vq), group_size=k.group_size, bits=k.val_bits)
         return mx.concatenate([kd, kf], axis=2), mx.concatenate([vd, vf], axis=2)
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array | None:
         prev = self._idx
         if not self._mixed():
+            if N == 1 and not any(self._lp):  # every position is valid: no mask, as a plain cache
+                return None
             return create_causal_mask(N, offset=prev, left_padding=self.left_padding)
         k = self.kvq
         rows = mx.arange(prev, prev + N)[:, None]  # the queries' positions in the arrays

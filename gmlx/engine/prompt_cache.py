@@ -75,6 +75,29 @@ class _AlignedBatchKVCache(BatchKVCache):
                                       for a in (self.keys, self.values))
         return super().update_and_fetch(keys, values)
 
+    @property
+    def left_padding(self) -> Any:
+        return self._left_padding
+
+    @left_padding.setter
+    def left_padding(self, value: Any) -> None:  # every change, in place ones too, lands here
+        self._left_padding, self._any_padding = value, None
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        """No mask for a decode step when no stream is padded, as mlx-lm gives a plain
+        cache: with a mask array MLX's CUDA attention leaves its one-query kernel for
+        its general path (several operations a layer), and the all-true mask costs its
+        own. The padding is read on the host once after each change (a merge, a filter,
+        a finalized prefill), not at every step."""
+        if N == 1 and not return_array and not kwargs.get("window_size") and not self._padded():
+            return None
+        return super().make_mask(N, return_array=return_array, **kwargs)
+
+    def _padded(self) -> bool:
+        if self._any_padding is None:
+            self._any_padding = any(self._left_padding.tolist())
+        return self._any_padding
+
 
 class _RoomyKVCache(KVCache):
     """A request's KV layer (cached history, or empty on a miss) that a batch merges

@@ -370,3 +370,70 @@ def test_hits_and_misses_prefilled_together_match_the_uncached_output(demo_model
                    + [(prompts[3], with_room(make_prompt_cache(model), len(prompts[3])))], 4)
     assert together == alone
     assert all(layer.offset == len(head) for layer in history)  # the shared history is as it was
+
+
+def test_a_decode_step_is_unmasked_only_while_no_stream_is_padded():
+    """A batch's one-token step has no mask while no stream is padded (MLX's one-query
+    attention kernel takes no mask array) and the left-padding mask otherwise, followed
+    through every way the padding changes: merges, filters, assignments and in-place
+    arithmetic. Prompt chunks keep their mask."""
+    import mlx.core as mx
+
+    from gmlx.engine.prompt_cache import _AlignedBatchKVCache
+
+    cache = _AlignedBatchKVCache([0, 0])
+    assert cache.make_mask(1) is None
+    assert cache.make_mask(4).shape == (2, 1, 4, 4)  # a chunk: causal, as mlx-lm builds it
+    assert cache.make_mask(1, return_array=True) is not None
+    cache.left_padding += mx.array([0, 3])  # in place: the same array object
+    assert cache.make_mask(1).tolist() == [[[[True]]], [[[False]]]]  # the padded stream sees nothing
+    k = mx.ones((2, 1, 4, 8))
+    cache.update_and_fetch(k, k)
+    cache.filter([1])  # mlx-lm drops the padding the kept streams share
+    assert cache.left_padding.tolist() == [0] and cache.make_mask(1) is None
+    cache.state = (cache.keys, cache.values, cache.offset, mx.array([2]), cache._idx)
+    assert cache.make_mask(1) is not None
+
+
+def test_unmasked_decode_steps_generate_what_each_prompt_generates_alone(demo_model, monkeypatch):
+    """Prompts of one length decode as a batch without masks and generate exactly what
+    each generates alone; with a longer prompt among them the steps are masked again."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.engine.prompt_cache import _AlignedBatchKVCache, with_room
+
+    model = demo_model.model
+    steps: list[bool] = []  # per one-token step: was it masked
+    make_mask = _AlignedBatchKVCache.make_mask
+
+    def recording(self, N, *args, **kwargs):
+        mask = make_mask(self, N, *args, **kwargs)
+        if N == 1:
+            steps.append(mask is not None)
+        return mask
+
+    monkeypatch.setattr(_AlignedBatchKVCache, "make_mask", recording)
+
+    def run(prompts):
+        gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
+                             stop_tokens=[])
+        uids = [gen.insert([p], max_tokens=[8], caches=[with_room(make_prompt_cache(model), len(p))])[0]
+                for p in prompts]
+        out = {uid: [] for uid in uids}
+        while any(len(v) < 8 for v in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        return [out[uid] for uid in uids]
+
+    base = list(chat(demo_model, "Which city?"))
+    same = [base[:3] + [base[3] + i] + base[4:] for i in (0, 1, 2)]  # one length, different tokens
+    alone = [run([p])[0] for p in same]
+    steps.clear()
+    assert run(same) == alone
+    assert steps and not any(steps)
+    longer = list(chat(demo_model, "And now something a good deal longer than the others."))
+    steps.clear()
+    assert run(same[:2] + [longer]) == alone[:2] + [run([longer])[0]]
+    assert any(steps)
