@@ -4,10 +4,16 @@ MLX builds a custom kernel's whole source anew at every call (its header, the si
 one line per template argument, then the body) before it looks the compiled module up,
 so a kernel called a few hundred times a decode step pays for every character and every
 template argument, each step. The kernels here are made once per layout and launch
-shape instead, their constants in a short head and their body without comments."""
+shape instead, their constants in a short head and their body without comments.
+
+MLX keeps compiled kernels on disk across processes under the kernel's name alone
+(``MLX_PTX_CACHE_DIR``; gmlx points it into its cache folder), so a name must change
+whenever its source does, or a gmlx with a changed kernel would run the old one
+(:func:`kernel_name`)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 _CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
@@ -22,3 +28,9 @@ def compact(source: str) -> str:
     """``source`` without its ``//`` comments and blank lines."""
     lines = (line.split("//")[0].rstrip() for line in source.splitlines())
     return "\n".join(line for line in lines if line.strip())
+
+
+def kernel_name(prefix: str, source: str) -> str:
+    """A custom kernel's name: ``prefix`` and a digest of the whole ``source`` (its
+    constants included), so a changed kernel never meets an old one's compiled code."""
+    return f"{prefix}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"

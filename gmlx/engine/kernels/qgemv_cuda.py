@@ -31,7 +31,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import compact, cuda_type
+from gmlx.engine.kernels.cuda_source import compact, cuda_type, kernel_name
 
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
@@ -159,7 +159,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int) -> Any
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};\n")
     return mx.fast.cuda_kernel(
-        name=f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}",
+        name=kernel_name(f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}", head + _BODY),
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
         source=head + _BODY,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gmlx.engine.kernels import qgemv_cuda
+from gmlx.engine.kernels.cuda_source import kernel_name
 from gmlx.engine.kernels.fast_linear import agrees, exact_product
 from tests.engine.kernels import byte_perm
 
@@ -82,8 +83,21 @@ def test_each_layout_is_a_kernel_of_its_own_with_its_constants(monkeypatch: pyte
         qgemv_cuda._kernel(mx.bfloat16, 6, 64, 8, 1)
     finally:
         qgemv_cuda._kernel.cache_clear()
-    assert [k["name"] for k in made] == ["gmlx_qgemv_half_4_32_4_2", "gmlx_qgemv_nv_bfloat16_6_64_8_1"]
+    assert [k["name"].rsplit("_", 1)[0] for k in made] == ["gmlx_qgemv_half_4_32_4_2",
+                                                          "gmlx_qgemv_nv_bfloat16_6_64_8_1"]
+    assert all(k["name"] == kernel_name(k["name"].rsplit("_", 1)[0], k["source"]) for k in made)
     source = made[1]["source"]
     assert source.startswith("using T = __nv_bfloat16; constexpr int BITS = 6; constexpr int G = 64; "
                              "constexpr int WARPS = 8; constexpr int RPW = 1;")
     assert "//" not in source and "x_shape" not in source  # x may have any leading shape
+
+
+def test_a_kernel_is_named_for_its_whole_source() -> None:
+    """MLX keeps compiled kernels on disk under their names alone: a changed source (or
+    constant) must get a new name, or a later gmlx would run the code it replaced."""
+    head = "using T = __half; constexpr int BITS = 4;\n"
+    name = kernel_name("gmlx_qgemv_half_4", head + "body();")
+    assert name == kernel_name("gmlx_qgemv_half_4", head + "body();")  # stable across processes
+    assert name.startswith("gmlx_qgemv_half_4_")
+    assert name != kernel_name("gmlx_qgemv_half_4", head + "body2();")
+    assert name != kernel_name("gmlx_qgemv_half_4", head.replace("4;", "8;") + "body();")
