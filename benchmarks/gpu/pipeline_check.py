@@ -16,6 +16,8 @@ faster. The four loops here add mlx-lm's pieces one at a time:
 - ``batch cache``: ``pipelined`` on mlx-lm's batch KV cache (what its BatchGenerator
   decodes on): its one-token steps carry a left-padding mask even when nothing is
   padded, and MLX's CUDA attention takes its one-query kernel only without one.
+- ``kernel``: ``batch cache`` with mlx-lm's attention routed as gmlx routes it on CUDA:
+  a masked one-query step in gmlx's kernel (``gmlx.engine.kernels.attention_cuda``).
 - ``gmlx cache``: ``pipelined`` on gmlx's batch KV cache, unmasked while nothing is padded.
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
@@ -57,9 +59,23 @@ def _primed(model, width: int, context: int, kind: str = "plain"):
     return cache, tokens
 
 
+def _attention(kernel: bool) -> None:
+    """mlx-lm's attention as MLX's alone, or routed to gmlx's kernel (as gmlx loads)."""
+    from mlx_lm.models import base
+
+    from gmlx.engine import mlxlm
+    from gmlx.engine.kernels import attention_cuda
+
+    base.mx = mx
+    if kernel:
+        mlxlm.route_attention(attention_cuda.routed)
+
+
 def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[float, dict[str, float]]:
     """Seconds per token of one stream, and the host's seconds per step in each phase."""
-    cache, tokens = _primed(model, width, context, mode if mode.endswith("cache") else "plain")
+    _attention(mode == "kernel")
+    kind = "batch cache" if mode == "kernel" else mode if mode.endswith("cache") else "plain"
+    cache, tokens = _primed(model, width, context, kind)
     spent = dict.fromkeys(PHASES, 0.0)
 
     def step(tokens):
@@ -110,10 +126,14 @@ def main() -> None:
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for width in (int(w) for w in args.widths.split(",")):
-        for mode in ("waited", "pipelined", "logprobs", "batch cache", "gmlx cache"):
+        from gmlx.engine.kernels import attention_cuda
+
+        kernel = ("kernel",) if attention_cuda.available() else ()
+        for mode in ("waited", "pipelined", "logprobs", "batch cache", *kernel, "gmlx cache"):
             per_step, spent = loop(loaded.model, width, mode, args.steps)
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)
             print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} |", flush=True)
+        _attention(False)
         rate = run_peer(loaded, width, 128, args.steps)
         print(f"| {width} | generator | {width / rate * 1e3:.2f} | {rate:.1f} | | | | |", flush=True)
 

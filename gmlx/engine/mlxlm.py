@@ -24,6 +24,7 @@ __all__ = [
     "model_classes",
     "pending_tokens",
     "prefill_lengths",
+    "route_attention",
     "route_clear_cache",
     "set_kv_used",
     "use_generation_batch",
@@ -161,4 +162,31 @@ def route_clear_cache(clear_cache: Callable[[], None]) -> None:
     view = types.ModuleType(mx.__name__, mx.__doc__)
     view.__dict__.update(vars(mx))
     view.clear_cache = clear_cache  # type: ignore[attr-defined]
+    module.mx = view  # type: ignore[attr-defined]
+
+
+# -- the models' attention ---------------------------------------------------------------
+
+
+def route_attention(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Make mlx-lm's attention (``mlx_lm.models.base.scaled_dot_product_attention``, which
+    its models call unless their cache is quantized) reach MLX's through
+    ``wrap(mx.fast.scaled_dot_product_attention)``: the ``mx`` that ``mlx_lm.models.base``
+    imported is replaced by a view of ``mlx.core`` whose ``fast`` is a view of
+    ``mlx.core.fast`` with that one function changed. Calling it again changes nothing
+    (the wrapped function carries ``__wrapped__``)."""
+    import importlib
+    import types
+
+    import mlx.core as mx
+
+    module = importlib.import_module("mlx_lm.models.base")
+    if hasattr(module.mx.fast.scaled_dot_product_attention, "__wrapped__"):
+        return
+    fast = types.ModuleType(mx.fast.__name__, mx.fast.__doc__)
+    fast.__dict__.update(vars(mx.fast))
+    fast.scaled_dot_product_attention = wrap(mx.fast.scaled_dot_product_attention)  # type: ignore[attr-defined]
+    view = types.ModuleType(mx.__name__, mx.__doc__)
+    view.__dict__.update(vars(mx))
+    view.fast = fast  # type: ignore[attr-defined]
     module.mx = view  # type: ignore[attr-defined]

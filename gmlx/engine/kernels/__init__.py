@@ -11,12 +11,18 @@ log = logging.getLogger(__name__)
 def prepare_layers(model: Any) -> list[str]:
     """``model``'s layers as the engine runs them: with ``GMLX_FUSE_PROJECTIONS=1``,
     projections that read one input stacked into one product (logged, not a load note: it
-    changes no number a user sees), then, on CUDA, the quantized layers' paths. Returns
+    changes no number a user sees), then, on CUDA, the padded batches' one-query
+    attention (:mod:`attention_cuda`, logged likewise) and the quantized layers' paths. Returns
     the load notes."""
+    from gmlx.engine import mlxlm
+    from gmlx.engine.kernels import attention_cuda
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 
     if (stacked := fuse_projections(model)) is not None:
         log.info("%s", stacked)
+    if attention_cuda.available():
+        mlxlm.route_attention(attention_cuda.routed)
+        log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")
     note = use_fast_kernels(model)
     return [] if note is None else [note]

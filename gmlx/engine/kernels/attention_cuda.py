@@ -1,0 +1,225 @@
+"""One-query attention over a padded batch, for CUDA: a decode step's attention when
+some stream's keys start after padding.
+
+MLX's CUDA attention runs a one-token step in one kernel only without a mask array; a
+batch whose streams joined at different steps carries a left-padding mask (mlx-lm's
+batch KV cache), so each layer of such a step took MLX's general path instead (a few
+products, a softmax and the mask's own conversion: on the H200 an 8B bf16 step at width
+32 took 16.0 ms masked against 11.5 unmasked, nearly all host time). This kernel takes
+the boolean mask of shape ``(B, 1, 1, keys)`` as it is and skips the masked keys.
+
+One block of 256 threads per (stream, query head). Keys go by in tiles of 256: each
+thread scores one key of the tile (its dot product with the query, in float32, times
+``scale * log2(e)``), the block takes the tile's maximum and the running softmax is
+rescaled by ``exp2(old max - new max)``; then the threads, split into ``256 / D``
+groups of ``D``, add the tile's values weighted by ``exp2(score - max)``, one dimension
+each. Masked keys weigh nothing. The keys and values are read through their strides, so
+the cache's views (``keys[..., :used, :]``) are never copied; grouped-query heads share
+their key-value head. Used only where built (CUDA) and where the step's mask allows it
+(:func:`supports`); ``GMLX_ATTENTION_KERNEL=0`` leaves MLX's attention alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+from gmlx.engine.kernels.cuda_source import compact, cuda_type, kernel_name
+
+THREADS = 256
+HEAD_DIMS = (64, 128, 256)
+_FLOOR = -3.0e38  # the score of a masked key (finite: no inf - inf)
+
+_SOURCE = """
+constexpr int SPLIT = THREADS / D;
+__shared__ float qs[D];
+__shared__ float ps[THREADS];
+__shared__ float red[THREADS / 32];
+__shared__ float part[SPLIT][D];
+const int t = threadIdx.x;
+const int lane = t & 31;
+const int warp = t >> 5;
+const int heads = q_shape[1];
+const int b = blockIdx.x / heads;
+const int h = blockIdx.x % heads;
+const int kvh = h / (heads / k_shape[1]);
+const int keys = k_shape[2];
+if (t < D) qs[t] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[3]]) * QSCALE;
+__syncthreads();
+const T* kb = k + b * k_strides[0] + kvh * k_strides[1];
+const T* vb = v + b * v_strides[0] + kvh * v_strides[1];
+const bool* mb = mask + b * mask_strides[0];
+const bool dense = k_strides[3] == 1;
+const int d = t % D;
+const int g = t / D;
+float m = FLOOR;
+float total = 0.0f;
+float acc = 0.0f;
+for (int j0 = 0; j0 < keys; j0 += THREADS) {
+    const int j = j0 + t;
+    const bool live = j < keys && mb[j * mask_strides[3]];
+    float s = FLOOR;
+    if (live) {
+        const T* kr = kb + j * k_strides[2];
+        float dot = 0.0f;
+        if (dense) {
+            #pragma unroll
+            for (int e = 0; e < D; e += 8) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(kr + e);
+                const T* kv = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) dot += qs[e + i] * static_cast<float>(kv[i]);
+            }
+        } else {
+            for (int e = 0; e < D; ++e) dot += qs[e] * static_cast<float>(kr[e * k_strides[3]]);
+        }
+        s = dot;
+    }
+    float w = s;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+    if (lane == 0) red[warp] = w;
+    __syncthreads();
+    float top = red[0];
+    #pragma unroll
+    for (int i = 1; i < THREADS / 32; ++i) top = fmaxf(top, red[i]);
+    const float mn = fmaxf(m, top);
+    __syncthreads();
+    const float p = live ? exp2f(s - mn) : 0.0f;
+    ps[t] = p;
+    float sum = p;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    float tile = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < THREADS / 32; ++i) tile += red[i];
+    const float corr = exp2f(m - mn);
+    total = total * corr + tile;
+    acc *= corr;
+    const int n = min(THREADS, keys - j0);
+    for (int i = g; i < n; i += SPLIT) {
+        const float pi = ps[i];
+        if (pi != 0.0f) acc += pi * static_cast<float>(vb[(j0 + i) * v_strides[2] + d * v_strides[3]]);
+    }
+    m = mn;
+    __syncthreads();
+}
+part[g][d] = acc;
+__syncthreads();
+if (t < D) {
+    float r = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < SPLIT; ++i) r += part[i][t];
+    out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? r / total : 0.0f);
+}
+"""
+
+_BODY = compact(_SOURCE)
+
+
+def available() -> bool:
+    """Whether MLX runs on CUDA here (the only place the kernel is built), and it is not
+    turned off (``GMLX_ATTENTION_KERNEL=0``)."""
+    import mlx.core as mx
+
+    if os.environ.get("GMLX_ATTENTION_KERNEL", "1") == "0":
+        return False
+    return mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
+
+
+def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
+    """Whether an attention call may take the kernel: one query per stream in fp16 or
+    bf16, one head size for keys and values (64, 128 or 256), whole groups of query
+    heads per key-value head, no sinks, and a boolean mask of shape ``(B, 1, 1, keys)``."""
+    import mlx.core as mx
+
+    if sinks is not None or not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
+        return False
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[2] != 1:
+        return False
+    b, heads, _, d = q.shape
+    return (q.dtype in (mx.float16, mx.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and d in HEAD_DIMS and k.shape[3] == d and v.shape[3] == d
+            and k.shape[0] == b and v.shape[:3] == k.shape[:3] and heads % k.shape[1] == 0
+            and tuple(mask.shape) == (b, 1, 1, k.shape[2]))
+
+
+@cache
+def _kernel(dtype: Any, head_dim: int, scale: float) -> Any:
+    """One kernel per float type, head size and scale (:mod:`cuda_source` says why)."""
+    import mlx.core as mx
+
+    t = cuda_type(dtype)
+    qscale = float(scale) * math.log2(math.e)
+    head = (f"using T = {t}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
+            f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
+    return mx.fast.cuda_kernel(
+        name=kernel_name(f"gmlx_attend_{t.strip('_')}_{head_dim}", head + _BODY),
+        input_names=["q", "k", "v", "mask"],
+        output_names=["out"],
+        source=head + _BODY,
+        ensure_row_contiguous=False,
+    )
+
+
+def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
+    """``softmax(q k^T * scale, where mask) v`` for one query per stream: q ``(B, H, 1,
+    D)``, k and v ``(B, Hkv, keys, D)``, mask ``(B, 1, 1, keys)`` (True: attend) ->
+    ``(B, H, 1, D)``."""
+    b, heads, _, d = q.shape
+    (out,) = _kernel(q.dtype, d, float(scale))(
+        inputs=[q, k, v, mask], grid=(b * heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype])
+    return out
+
+
+def routed(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``mx.fast.scaled_dot_product_attention`` (``original``) with the calls the kernel
+    supports sent to it."""
+
+    def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
+                                     sinks: Any = None, **kwargs: Any) -> Any:
+        if not kwargs and supports(q, k, v, mask, sinks):
+            return attend(q, k, v, scale, mask)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        return original(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def replay(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
+    """The kernel's arithmetic in numpy (float32): the same tiles of 256 keys, base-2
+    exponents, running maximum and rescaling, masked keys weighing nothing. For the
+    tests, against MLX's own attention on the CPU."""
+    import numpy as np
+
+    q, k, v = (np.asarray(a, dtype=np.float32) for a in (q, k, v))
+    mask = np.asarray(mask, dtype=bool)
+    b_n, heads, _, d = q.shape
+    group = heads // k.shape[1]
+    keys = k.shape[2]
+    qscale = np.float32(scale * math.log2(math.e))
+    out = np.zeros(q.shape, dtype=np.float32)
+    for b in range(b_n):
+        for h in range(heads):
+            qs = q[b, h, 0] * qscale
+            kr, vr = k[b, h // group], v[b, h // group]
+            m, total, acc = np.float32(_FLOOR), np.float32(0), np.zeros(d, dtype=np.float32)
+            for j0 in range(0, keys, THREADS):
+                live = mask[b, 0, 0, j0 : j0 + THREADS]
+                s = np.where(live, kr[j0 : j0 + THREADS] @ qs, np.float32(_FLOOR))
+                mn = max(m, np.float32(s.max()))
+                p = np.where(live, np.exp2(s - mn), 0).astype(np.float32)
+                corr = np.float32(np.exp2(np.float32(m - mn)))
+                total = total * corr + p.sum(dtype=np.float32)
+                acc = acc * corr + p @ vr[j0 : j0 + THREADS]
+                m = mn
+            out[b, h, 0] = acc / total if total > 0 else 0
+    return out
