@@ -37,7 +37,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_throughput import run_peer
-from benchmarks.gpu.served_step import load
+from benchmarks.gpu.served_step import attention, load
 
 PHASES = ("build", "hand over", "wait", "read")
 
@@ -59,21 +59,9 @@ def _primed(model, width: int, context: int, kind: str = "plain"):
     return cache, tokens
 
 
-def _attention(kernel: bool) -> None:
-    """mlx-lm's attention as MLX's alone, or routed to gmlx's kernel (as gmlx loads)."""
-    from mlx_lm.models import base
-
-    from gmlx.engine import mlxlm
-    from gmlx.engine.kernels import attention_cuda
-
-    base.mx = mx
-    if kernel:
-        mlxlm.route_attention(attention_cuda.routed)
-
-
 def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[float, dict[str, float]]:
     """Seconds per token of one stream, and the host's seconds per step in each phase."""
-    _attention(mode == "kernel")
+    attention(mode == "kernel")
     kind = "batch cache" if mode == "kernel" else mode if mode.endswith("cache") else "plain"
     cache, tokens = _primed(model, width, context, kind)
     spent = dict.fromkeys(PHASES, 0.0)
@@ -133,7 +121,7 @@ def main() -> None:
             per_step, spent = loop(loaded.model, width, mode, args.steps)
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)
             print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} |", flush=True)
-        _attention(False)
+        attention(False)
         rate = run_peer(loaded, width, 128, args.steps)
         print(f"| {width} | generator | {width / rate * 1e3:.2f} | {rate:.1f} | | | | |", flush=True)
 

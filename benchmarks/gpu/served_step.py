@@ -75,6 +75,19 @@ def prefix_ttft(loaded, length: int, reps: int = 3) -> tuple[float, float]:
         worker.close()
 
 
+def attention(kernel: bool) -> None:
+    """mlx-lm's attention as MLX's alone, or routed to gmlx's padded-batch kernel as a
+    server's load routes it on CUDA (the route is the process's: set it per run)."""
+    from mlx_lm.models import base
+
+    from gmlx.engine import mlxlm
+    from gmlx.engine.kernels import attention_cuda
+
+    base.mx = mx
+    if kernel and attention_cuda.available():
+        mlxlm.route_attention(attention_cuda.routed)
+
+
 def unswap(model) -> None:
     """The quantized layers back to MLX's own classes (a mode after another)."""
     from mlx import nn
@@ -117,6 +130,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=2048, help="prompt-cache miss/hit prompt length (0: skip)")
     parser.add_argument("--readers", choices=("loop", "threads"), default="loop",
                         help="gmlx's streams read on one event loop, as the server does, or one thread each")
+    parser.add_argument("--attention", choices=("mlx", "kernel"), default="kernel",
+                        help="gmlx's worker with MLX's attention alone, or with a padded batch's one-query "
+                             "attention in gmlx's kernel, as a server loads on CUDA (mlx-lm's: MLX's always)")
     parser.add_argument("--no-serve", action="store_true", help="bare steps only (no BatchGenerator, no worker)")
     parser.add_argument("--bias", default="0",
                         help="comma-separated: rows where every request carries a logit bias of -100 on this "
@@ -165,8 +181,11 @@ def main() -> None:
                 row = (f"{mode:>6} {width:>5} {n:>5} {step * 1e3:>8.2f} {build * 1e3:>9.2f} {launch * 1e3:>9.2f} "
                        f"{width / step:>11.1f}")
                 if not args.no_serve:
+                    attention(False)
                     peer = run_peer(loaded, width, args.prompt, args.tokens, bias)
+                    attention(args.attention == "kernel")
                     ours = run_gmlx(loaded, width, args.prompt, args.tokens, bias, args.readers)
+                    attention(False)
                     row += f" {peer:>13.1f} {ours:>11.1f} {ours / peer:>12.2f}"
                 print(f"{row} {mx.get_cache_memory() / 1e9:>9.2f}", flush=True)
         if args.prefix:
