@@ -334,11 +334,25 @@ def test_a_merged_batch_has_whole_steps_and_room_for_the_prompt():
     assert with_room([histories[2]], 1)[0].keys is histories[2].keys  # shared, never copied
 
 
+def _generate(model, inserts, width: int, n: int) -> list[list[int]]:
+    """``n`` greedy tokens for each (prompt, cache or None) of ``inserts``, prefilled
+    together by mlx-lm's BatchGenerator and decoded ``width`` at a time."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=width, prefill_batch_size=width, stop_tokens=[])
+    uids = [gen.insert([rest], max_tokens=[n], caches=[cache])[0] for rest, cache in inserts]
+    out = {uid: [] for uid in uids}
+    while any(len(v) < n for v in out.values()):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[uid] for uid in uids]
+
+
 def test_hits_and_misses_prefilled_together_match_the_uncached_output(demo_model):
     """Hits with short and long new text and a miss, prefilled as one batch (merged
     through ``with_room``), each generate what they generate alone without a cache."""
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
     from gmlx.engine.prompt_cache import with_room
@@ -356,14 +370,7 @@ def test_hits_and_misses_prefilled_together_match_the_uncached_output(demo_model
     mx.eval([c.state for c in history])
 
     def run(inserts, width):
-        gen = BatchGenerator(model, completion_batch_size=width, prefill_batch_size=width, stop_tokens=[])
-        uids = [gen.insert([rest], max_tokens=[10], caches=[cache])[0] for rest, cache in inserts]
-        out = {uid: [] for uid in uids}
-        while any(len(v) < 10 for v in out.values()):
-            for r in gen.next_generated():
-                out[r.uid].append(r.token)
-        gen.close()
-        return [out[uid] for uid in uids]
+        return _generate(model, inserts, width, 10)
 
     alone = [run([(p, None)], 1)[0] for p in prompts]
     together = run([(p[len(head):], with_room(history, len(p) - len(head))) for p in prompts[:3]]
@@ -398,7 +405,6 @@ def test_a_decode_step_is_unmasked_only_while_no_stream_is_padded():
 def test_unmasked_decode_steps_generate_what_each_prompt_generates_alone(demo_model, monkeypatch):
     """Prompts of one length decode as a batch without masks and generate exactly what
     each generates alone; with a longer prompt among them the steps are masked again."""
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
     from gmlx.engine.prompt_cache import _AlignedBatchKVCache, with_room
@@ -416,16 +422,8 @@ def test_unmasked_decode_steps_generate_what_each_prompt_generates_alone(demo_mo
     monkeypatch.setattr(_AlignedBatchKVCache, "make_mask", recording)
 
     def run(prompts):
-        gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
-                             stop_tokens=[])
-        uids = [gen.insert([p], max_tokens=[8], caches=[with_room(make_prompt_cache(model), len(p))])[0]
-                for p in prompts]
-        out = {uid: [] for uid in uids}
-        while any(len(v) < 8 for v in out.values()):
-            for r in gen.next_generated():
-                out[r.uid].append(r.token)
-        gen.close()
-        return [out[uid] for uid in uids]
+        return _generate(model, [(p, with_room(make_prompt_cache(model), len(p))) for p in prompts],
+                         len(prompts), 8)
 
     base = list(chat(demo_model, "Which city?"))
     same = [base[:3] + [base[3] + i] + base[4:] for i in (0, 1, 2)]  # one length, different tokens

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import compact, cuda_type, kernel_name
+from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 THREADS = 256
 HEAD_DIMS = (64, 128, 256)
@@ -152,19 +152,13 @@ def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float) -> Any:
     """One kernel per float type, head size and scale (:mod:`cuda_source` says why)."""
-    import mlx.core as mx
 
     t = cuda_type(dtype)
     qscale = float(scale) * math.log2(math.e)
     head = (f"using T = {t}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
             f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
-    return mx.fast.cuda_kernel(
-        name=kernel_name(f"gmlx_attend_{t.strip('_')}_{head_dim}", head + _BODY),
-        input_names=["q", "k", "v", "mask"],
-        output_names=["out"],
-        source=head + _BODY,
-        ensure_row_contiguous=False,
-    )
+    return build(f"gmlx_attend_{t.strip('_')}_{head_dim}", head, _BODY, ["q", "k", "v", "mask"],
+                 ensure_row_contiguous=False)
 
 
 def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:

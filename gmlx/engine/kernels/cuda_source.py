@@ -34,3 +34,14 @@ def kernel_name(prefix: str, source: str) -> str:
     """A custom kernel's name: ``prefix`` and a digest of the whole ``source`` (its
     constants included), so a changed kernel never meets an old one's compiled code."""
     return f"{prefix}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+
+
+def build(prefix: str, head: str, body: str, inputs: list[str], **options: Any) -> Any:
+    """The custom kernel of source ``head + body`` (its constants, then its code) with
+    ``inputs`` and one output ``out``, named by :func:`kernel_name`; ``options`` go to
+    ``mx.fast.cuda_kernel`` (``ensure_row_contiguous``)."""
+    import mlx.core as mx
+
+    source = head + body
+    return mx.fast.cuda_kernel(name=kernel_name(prefix, source), input_names=inputs, output_names=["out"],
+                               source=source, **options)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import compact, cuda_type, kernel_name
+from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
@@ -153,17 +153,12 @@ _BODY = compact(_SOURCE)
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why)."""
-    import mlx.core as mx
 
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};\n")
-    return mx.fast.cuda_kernel(
-        name=kernel_name(f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}", head + _BODY),
-        input_names=["x", "w", "scales", "biases"],
-        output_names=["out"],
-        source=head + _BODY,
-    )
+    return build(f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}", head, _BODY,
+                 ["x", "w", "scales", "biases"])
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,

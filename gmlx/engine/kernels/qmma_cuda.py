@@ -36,7 +36,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import compact, cuda_type, kernel_name
+from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 MAX_ROWS = 64
 BITS = (4, 6, 8)
@@ -296,13 +296,8 @@ def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int
     head = (f"using T = {t}; using S = {s}; constexpr int RT = {tiles}; constexpr int BITS = {bits}; "
             f"constexpr int G = {group_size}; constexpr int FT = {ft}; constexpr int WARPS = {warps}; "
             f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n")
-    return mx.fast.cuda_kernel(
-        name=kernel_name(f"gmlx_qmma_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
-                         head + _BODY),
-        input_names=["x", "w", "scales", "biases"],
-        output_names=["out"],
-        source=head + _BODY,
-    )
+    return build(f"gmlx_qmma_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
+                 head, _BODY, ["x", "w", "scales", "biases"])
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
