@@ -11,8 +11,8 @@ log = logging.getLogger(__name__)
 def prepare_layers(model: Any) -> list[str]:
     """``model``'s layers as the engine runs them: with ``GMLX_FUSE_PROJECTIONS=1``,
     projections that read one input stacked into one product (logged, not a load note: it
-    changes no number a user sees), then, on CUDA, the padded batches' one-query
-    attention (:mod:`attention_cuda`, logged likewise) and the quantized layers' paths. Returns
+    changes no number a user sees), then, on CUDA and asked for, the padded batches'
+    one-query attention (:mod:`attention_cuda`, logged likewise) and the quantized layers' paths. Returns
     the load notes."""
     from gmlx.engine import mlxlm
     from gmlx.engine.kernels import attention_cuda
@@ -21,7 +21,7 @@ def prepare_layers(model: Any) -> list[str]:
 
     if (stacked := fuse_projections(model)) is not None:
         log.info("%s", stacked)
-    if attention_cuda.available():
+    if attention_cuda.enabled():
         mlxlm.route_attention(attention_cuda.routed)
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")
     note = use_fast_kernels(model)

@@ -16,7 +16,9 @@ groups of ``D``, add the tile's values weighted by ``exp2(score - max)``, one di
 each. Masked keys weigh nothing. The keys and values are read through their strides, so
 the cache's views (``keys[..., :used, :]``) are never copied; grouped-query heads share
 their key-value head. Used only where built (CUDA) and where the step's mask allows it
-(:func:`supports`); ``GMLX_ATTENTION_KERNEL=0`` leaves MLX's attention alone.
+(:func:`supports`), and only with ``GMLX_ATTENTION_KERNEL=1`` (:func:`enabled`): it has not
+run on a GPU yet (written when no device time was left); its arithmetic is tested here
+against MLX's masked attention through a numpy replay (:func:`replay`).
 """
 
 from __future__ import annotations
@@ -123,13 +125,17 @@ _BODY = compact(_SOURCE)
 
 
 def available() -> bool:
-    """Whether MLX runs on CUDA here (the only place the kernel is built), and it is not
-    turned off (``GMLX_ATTENTION_KERNEL=0``)."""
+    """Whether MLX runs on CUDA here (the only place the kernel is built)."""
     import mlx.core as mx
 
-    if os.environ.get("GMLX_ATTENTION_KERNEL", "1") == "0":
-        return False
     return mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
+
+
+def enabled() -> bool:
+    """Whether a server's load routes attention to the kernel: on CUDA, with
+    ``GMLX_ATTENTION_KERNEL=1``. Off by default until ``benchmarks/gpu/attention_check.py``
+    has shown it agreeing with MLX and faster than MLX's masked path on the H200."""
+    return os.environ.get("GMLX_ATTENTION_KERNEL", "0") == "1" and available()
 
 
 def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:

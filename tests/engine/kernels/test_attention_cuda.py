@@ -116,3 +116,24 @@ def test_a_routed_model_decodes_a_padded_batch_as_mlx_does(monkeypatch: pytest.M
     assert calls == [(2, 2, 1, 64)] * len(model.layers)  # each layer's one-query step, not the prompt
     assert mx.allclose(got, want, atol=2e-2).item()
     assert mx.fast.scaled_dot_product_attention is routed_fast.scaled_dot_product_attention.__wrapped__
+
+
+def test_a_load_routes_only_on_cuda_and_when_asked(demo_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel is built only on CUDA and used only with ``GMLX_ATTENTION_KERNEL=1``
+    (not yet run on a GPU): on this CPU a load leaves mlx-lm's attention as MLX's,
+    whatever the variable says."""
+    from mlx_lm.models import base
+
+    from gmlx.engine.kernels import prepare_layers
+
+    monkeypatch.setattr(base, "mx", base.mx)
+    monkeypatch.setenv("GMLX_ATTENTION_KERNEL", "1")
+    assert not attention_cuda.available() and not attention_cuda.enabled()
+    prepare_layers(demo_model.model)
+    assert base.mx is mx
+    monkeypatch.setattr(attention_cuda, "available", lambda: True)  # as on CUDA
+    assert attention_cuda.enabled()
+    monkeypatch.setenv("GMLX_ATTENTION_KERNEL", "0")
+    assert not attention_cuda.enabled()
+    monkeypatch.delenv("GMLX_ATTENTION_KERNEL")
+    assert not attention_cuda.enabled()  # off unless asked for
