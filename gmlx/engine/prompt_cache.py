@@ -65,7 +65,8 @@ class _AlignedBatchKVCache(BatchKVCache):
     fresh device allocation, paid inside the decode steps that follow (an H200,
     Qwen2.5-1.5B shape: the three steps after a 2k-token prefix hit took 24-26 ms against
     11 ms after a miss; with whole steps, 11 ms). Growing to the next whole step keeps
-    every stream's arrays at the sizes the buffer cache already holds."""
+    every stream's arrays at the sizes the buffer cache already holds. Its one-token
+    steps carry no mask while no stream is padded (:meth:`make_mask`)."""
 
     def update_and_fetch(self, keys: Any, values: Any) -> Any:
         used = kv_used(self)

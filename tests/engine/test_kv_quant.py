@@ -273,3 +273,13 @@ def test_speculative_greedy_output_equals_undrafted_over_the_quantized_cache(dem
     assert any(quantized for quantized, _ in rounds)  # verified over the quantized cache
     if drafter == "self":  # rows keeping different counts (their max_tokens) moved within the codes
         assert any(quantized and moved for quantized, moved in rounds)
+
+
+def test_a_decode_step_over_unpadded_codes_has_no_mask():
+    """As with a plain cache, a one-token step needs no mask while no stream is padded
+    (the greedy tests above show the output unchanged); padded streams, prompt chunks and
+    a mixed scheme's two-part keys keep theirs."""
+    assert QuantKVCache(UNIFORM8, [0, 0]).make_mask(1) is None
+    assert QuantKVCache(UNIFORM8, [0, 2]).make_mask(1).tolist() == [[[[True]]], [[[False]]]]
+    assert QuantKVCache(UNIFORM8, [0, 0]).make_mask(3) is not None
+    assert QuantKVCache(KVARN, [0, 0]).make_mask(1) is not None  # full-precision tail beside the codes

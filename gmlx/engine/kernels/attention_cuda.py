@@ -158,7 +158,6 @@ def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float) -> Any:
     """One kernel per float type, head size and scale (:mod:`cuda_source` says why)."""
-
     t = cuda_type(dtype)
     qscale = float(scale) * math.log2(math.e)
     head = (f"using T = {t}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "

@@ -153,7 +153,6 @@ _BODY = compact(_SOURCE)
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why)."""
-
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};\n")
