@@ -9,6 +9,10 @@ rescaling) and the routing tests put that replay where the kernel would be, said
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -137,3 +141,143 @@ def test_a_load_routes_only_on_cuda_and_when_asked(demo_model, monkeypatch: pyte
     assert not attention_cuda.enabled()
     monkeypatch.delenv("GMLX_ATTENTION_KERNEL")
     assert not attention_cuda.enabled()  # off unless asked for
+
+
+# -- the kernel's own source, run on the CPU --------------------------------------------------
+
+GXX = shutil.which("g++")
+CUDA_INCLUDE = next((p for p in ("/usr/local/cuda/include",) if Path(p, "cuda_bf16.h").exists()), None)
+
+# CUDA's block and warp primitives for a block run as 256 host threads: shared memory as
+# the body's static arrays (blocks run one after another), ``__syncthreads`` as a barrier
+# of the block, a shuffle as an exchange through memory between two barriers of the warp.
+_EMULATION = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+using std::min;
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx, blockIdx;
+#undef __shared__
+#define __shared__ static
+#undef __grid_constant__
+#define __grid_constant__
+using Shape = std::array<int32_t, 10>;
+using Strides = std::array<int64_t, 10>;
+static std::barrier<>* block_barrier;
+static std::barrier<>* warp_barrier[32];
+static float exchange[32][32];
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    exchange[warp][lane] = v;
+    warp_barrier[warp]->arrive_and_wait();
+    const float r = exchange[warp][lane ^ o];
+    warp_barrier[warp]->arrive_and_wait();
+    return r;
+}
+using E = ELEMENT;
+void kernel(const E* q, const Shape q_shape, const Strides q_strides,
+            const E* k, const Shape k_shape, const Strides k_strides,
+            const E* v, const Shape v_shape, const Strides v_strides,
+            const bool* mask, const Shape mask_shape, const Strides mask_strides, E* out) {
+BODY
+}
+template <typename X> std::vector<X> load(const char* path, size_t n) {
+    std::vector<X> data(n);
+    FILE* f = std::fopen(path, "rb");
+    if (!f || std::fread(data.data(), sizeof(X), n, f) != n) { std::perror(path); std::exit(2); }
+    std::fclose(f);
+    return data;
+}
+int main(int argc, char** argv) {
+    // B heads kv_heads keys capacity D threads
+    int a[7]; for (int i = 0; i < 7; ++i) a[i] = std::atoi(argv[i + 1]);
+    const int B = a[0], H = a[1], HK = a[2], L = a[3], C = a[4], D = a[5], THREADS_ = a[6];
+    auto q = load<E>("q.bin", (size_t)B * H * D);
+    auto k = load<E>("k.bin", (size_t)B * HK * C * D);
+    auto v = load<E>("v.bin", (size_t)B * HK * C * D);
+    auto m = load<unsigned char>("mask.bin", (size_t)B * L);
+    const bool* mb = reinterpret_cast<const bool*>(m.data());
+    std::vector<E> out((size_t)B * H * D);
+    Shape qs{B, H, 1, D}, ks{B, HK, L, D}, ms{B, 1, 1, L};
+    Strides qt{(int64_t)H * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, mt{L, L, L, 1};
+    for (int blk = 0; blk < B * H; ++blk) {
+        std::barrier<> block(THREADS_);
+        std::vector<std::barrier<>*> warps;
+        block_barrier = &block;
+        for (int w = 0; w < THREADS_ / 32; ++w) warp_barrier[w] = new std::barrier<>(32);
+        std::vector<std::thread> threads;
+        for (int t = 0; t < THREADS_; ++t)
+            threads.emplace_back([&, t] {
+                threadIdx.x = t; blockIdx.x = blk;
+                kernel(q.data(), qs, qt, k.data(), ks, kt, v.data(), ks, kt, mb, ms, mt, out.data());
+            });
+        for (auto& th : threads) th.join();
+        for (int w = 0; w < THREADS_ / 32; ++w) delete warp_barrier[w];
+    }
+    FILE* f = std::fopen("out.bin", "wb");
+    std::fwrite(out.data(), sizeof(E), out.size(), f);
+    std::fclose(f);
+}
+"""
+
+
+def _run_kernel_source(tmp: Path, q, k_full, v_full, keys: int, mask, scale: float):
+    """The kernel's source for ``q``'s dtype and head size, compiled with the emulation
+    above and run over ``keys`` of the cache arrays ``k_full`` / ``v_full`` (read through
+    their strides, as the cache's views are)."""
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        attention_cuda._kernel.cache_clear()
+        try:
+            attention_cuda._kernel(q.dtype, q.shape[-1], scale)
+        finally:
+            attention_cuda._kernel.cache_clear()
+    element = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}[q.dtype]
+    source = _EMULATION.replace("ELEMENT", element).replace("BODY", made[0]["source"])
+    (tmp / "attend.cpp").write_text(source)
+    done = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{CUDA_INCLUDE}",
+                           "attend.cpp", "-o", "attend"], check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    bits = mx.uint16
+    for name, a in (("q", q), ("k", k_full), ("v", v_full)):
+        (tmp / f"{name}.bin").write_bytes(np.array(a.view(bits)).tobytes())
+    (tmp / "mask.bin").write_bytes(np.array(mask.reshape(-1)).astype(np.bool_).tobytes())
+    b, heads, _, d = q.shape
+    args = [b, heads, k_full.shape[1], keys, k_full.shape[2], d, attention_cuda.THREADS]
+    run = subprocess.run(["./attend", *map(str, args)], check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    raw = np.frombuffer((tmp / "out.bin").read_bytes(), dtype=np.uint16).reshape(q.shape)
+    return mx.array(raw).view(q.dtype)
+
+
+@pytest.mark.skipif(GXX is None or CUDA_INCLUDE is None,
+                    reason="the kernel's source runs here only with g++ and the CUDA toolkit's headers")
+@pytest.mark.parametrize("dtype,d,keys,padding", [(mx.bfloat16, 128, 300, [0, 17, 290]),
+                                                  (mx.float16, 64, 40, [0, 3, 39])])
+def test_the_kernel_source_itself_matches_mlx(tmp_path: Path, dtype, d: int, keys: int, padding: list[int]) -> None:
+    """The kernel's own source (not a replay), each block run as 256 host threads with
+    CUDA's barriers and shuffles emulated, over views of longer cache arrays: two tiles
+    of keys with a stream padded into its second, and one short tile."""
+    b, heads, kv_heads, capacity = 3, 4, 2, keys + 45
+    mx.random.seed(d + keys)
+    q = mx.random.normal((b, heads, 1, d)).astype(dtype)
+    k_full = (mx.random.normal((b, kv_heads, capacity, d)) * 2).astype(dtype)
+    v_full = mx.random.normal((b, kv_heads, capacity, d)).astype(dtype)
+    mask = (mx.array(padding)[:, None, None, None] <= mx.arange(keys)[None]).reshape(b, 1, 1, keys)
+    k, v = k_full[..., :keys, :], v_full[..., :keys, :]
+    scale = d ** -0.5
+    got = _run_kernel_source(tmp_path, q, k_full, v_full, keys, mask, scale).astype(mx.float32)
+    want = mx.fast.scaled_dot_product_attention(*(a.astype(mx.float32) for a in (q, k, v)), scale=scale, mask=mask)
+    assert mx.allclose(got, want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+    assert not mx.allclose(got, mx.fast.scaled_dot_product_attention(  # the padding was read
+        *(a.astype(mx.float32) for a in (q, k, v)), scale=scale), atol=2e-2).item()

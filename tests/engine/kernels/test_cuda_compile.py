@@ -1,0 +1,97 @@
+"""Every custom CUDA kernel's source compiles for the H200 (sm_90) as MLX would compile
+it: the signature MLX writes around the body (the inputs' CUDA types, then each
+``name_shape`` / ``name_strides`` / ``name_ndim`` the body names, then the outputs),
+MLX's default header reduced to what the kernels use, and the body gmlx generates.
+
+MLX has no CUDA backend on this machine, so nothing here runs a kernel; ``nvcc``
+compiling them catches what would otherwise first fail on the accelerator machine, at a
+model's load. Skips where no ``nvcc`` is installed."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from gmlx.engine.kernels import attention_cuda, qgemv_cuda, qmma_cuda
+
+NVCC = shutil.which("nvcc") or next(
+    (p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc") if os.access(p, os.X_OK)), None)
+
+# What MLX's default header and its device utilities give a custom kernel's source.
+_HEADER = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+#define inf cuda::std::numeric_limits<float>::infinity()
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+namespace cg = cooperative_groups;
+"""
+
+_CUDA_TYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+              mx.uint32: "uint32_t", mx.bool_: "bool"}
+
+
+def _wrapped(made: dict, input_types: list) -> str:
+    """The kernel as MLX's ``build_kernel`` writes it (mlx/backend/cuda/custom_kernel.cpp)."""
+    source = made["source"]
+    params = []
+    for name, dtype in zip(made["input_names"], input_types, strict=True):
+        params.append(f"const {_CUDA_TYPE[dtype]}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"const __grid_constant__ Shape {name}_shape")
+        if f"{name}_strides" in source:
+            params.append(f"const __grid_constant__ Strides {name}_strides")
+        if f"{name}_ndim" in source:
+            params.append(f"const __grid_constant__ int {name}_ndim")
+    out_type = _CUDA_TYPE[input_types[0]]
+    params += [f"{out_type}* {name}" for name in made["output_names"]]
+    return f"__global__ void {made['name']}(\n    " + ",\n    ".join(params) + ") {\n" + source + "\n}\n"
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    for module in (qgemv_cuda, qmma_cuda, attention_cuda):
+        module._kernel.cache_clear()  # made again here, through the stand-in
+    return made
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc here (the CUDA toolkit) to compile the kernels with")
+def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    made = _capture(monkeypatch)
+    kernels: list[tuple[dict, list]] = []
+    try:
+        for dtype in (mx.float16, mx.bfloat16):
+            for bits in qgemv_cuda.BITS:
+                for warps, rpw in qgemv_cuda.configs()[:2]:
+                    qgemv_cuda._kernel(dtype, bits, 64, warps, rpw)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
+            for rows in (1, 16, 64):
+                for ft, warps, unroll in qmma_cuda.configs(rows):
+                    qmma_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), 4, 32, ft, warps, unroll)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
+            for d in attention_cuda.HEAD_DIMS:
+                attention_cuda._kernel(dtype, d, d ** -0.5)
+                kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
+    finally:
+        for module in (qgemv_cuda, qmma_cuda, attention_cuda):
+            module._kernel.cache_clear()
+    names = [m["name"] for m, _ in kernels]
+    assert len(set(names)) == len(names)  # one name per distinct source
+    source = _HEADER + "\n".join(_wrapped(m, types) for m, types in kernels) + "} // namespace\n"
+    (tmp_path / "kernels.cu").write_text(source)
+    done = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "--ptx", "-o", str(tmp_path / "kernels.ptx"),
+                           str(tmp_path / "kernels.cu")], check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ptx = (tmp_path / "kernels.ptx").read_text()
+    assert all(re.search(rf"\.entry\s+\S*{re.escape(n)}", ptx) for n in names)
