@@ -17,8 +17,10 @@ each. Masked keys weigh nothing. The keys and values are read through their stri
 the cache's views (``keys[..., :used, :]``) are never copied; grouped-query heads share
 their key-value head. Used only where built (CUDA) and where the step's mask allows it
 (:func:`supports`), and only with ``GMLX_ATTENTION_KERNEL=1`` (:func:`enabled`): it has not
-run on a GPU yet (written when no device time was left); its arithmetic is tested here
-against MLX's masked attention through a numpy replay (:func:`replay`).
+run on a GPU yet (written when no device time was left). The tests compile its source for
+sm_90 with nvcc as MLX wraps it, run that source itself on the CPU (each block as 256
+host threads, CUDA's barriers and shuffles emulated) and its arithmetic as a numpy replay
+(:func:`replay`), each against MLX's masked attention.
 """
 
 from __future__ import annotations

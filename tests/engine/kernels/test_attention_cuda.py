@@ -2,10 +2,12 @@
 against MLX's own masked attention on the CPU, which calls it takes, and its route
 through mlx-lm's attention into a real model's decode step.
 
-MLX has no CUDA backend on this machine, so the kernel itself cannot run here: its
-arithmetic is replayed (``attention_cuda.replay``, the same tiles, base-2 exponents and
-rescaling) and the routing tests put that replay where the kernel would be, said in each.
-``benchmarks/gpu/attention_check.py`` runs the kernel itself on the H200 against MLX."""
+MLX has no CUDA backend on this machine, so the kernel cannot run through MLX here: its
+own source runs on the CPU with CUDA's block primitives emulated (g++ and the CUDA
+toolkit's headers; skipped without them), its arithmetic is replayed in numpy
+(``attention_cuda.replay``: the same tiles, base-2 exponents and rescaling), and the
+routing tests put that replay where the kernel would be, said in each.
+``benchmarks/gpu/attention_check.py`` runs the kernel on the H200 against MLX."""
 
 from __future__ import annotations
 
