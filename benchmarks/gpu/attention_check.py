@@ -13,13 +13,13 @@ evaluated together: the host's building and launching included, as in a decode s
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.gpu.gemv_check import per_product
 from gmlx.engine.kernels import attention_cuda
 
 
@@ -43,17 +43,6 @@ def reference(q, k, v, scale: float, mask):
     return mx.softmax(scores, axis=-1) @ vf
 
 
-def per_call(fn, calls: int = 100) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
-
-
 def main() -> None:
     if not attention_cuda.available():
         sys.exit("the kernel is built only on CUDA")
@@ -73,9 +62,10 @@ def main() -> None:
         err_k = mx.abs(got.astype(mx.float32) - ref).max().item()
         err_m = mx.abs(mlx.astype(mx.float32) - ref).max().item()
         args = (q, k, v)
-        t_k = per_call(lambda a=args, s=scale, m=mask: attention_cuda.attend(*a, s, m))
-        t_m = per_call(lambda a=args, s=scale, m=mask: mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m))
-        t_u = per_call(lambda a=args, s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s))
+        t_k = per_product(lambda a=args, s=scale, m=mask: attention_cuda.attend(*a, s, m), 100)
+        t_m = per_product(lambda a=args, s=scale, m=mask: mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m),
+                          100)
+        t_u = per_product(lambda a=args, s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), 100)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {keys} | {err_k:.4f} | {err_m:.4f} "
               f"| {t_k:.1f} | {t_m:.1f} | {t_u:.1f} |", flush=True)
 

@@ -1,11 +1,11 @@
 """Where a generator's decode step loses to the model's bare step: one model in one
-process, ms per token at each width four ways, each phase of the host's loop timed.
+process, ms per token at each width in the loops below, each phase of the host's loop timed.
 
 On the H200 (12-03, an 8B in bf16, width 1) the bare step, built, handed over and
 waited for one at a time, took 7.04 ms (142 tok/s), and mlx-lm's BatchGenerator, which
 hands the next step over before it waits for the current one, 8.86 ms a token (112.9
 tok/s), where overlapping the host's building with the GPU's work should have made it
-faster. The four loops here add mlx-lm's pieces one at a time:
+faster. The loops here add mlx-lm's pieces one at a time:
 
 - ``waited``: build the step (model, argmax), hand it over (``mx.async_eval``), wait
   (``mx.eval``), read the tokens (``tolist``); the next step starts after.
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_throughput import run_peer
 from benchmarks.gpu.served_step import attention, load
+from gmlx.engine.kernels import attention_cuda
 
 PHASES = ("build", "hand over", "wait", "read")
 
@@ -113,10 +114,8 @@ def main() -> None:
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    kernel = ("kernel",) if attention_cuda.available() else ()
     for width in (int(w) for w in args.widths.split(",")):
-        from gmlx.engine.kernels import attention_cuda
-
-        kernel = ("kernel",) if attention_cuda.available() else ()
         for mode in ("waited", "pipelined", "logprobs", "batch cache", *kernel, "gmlx cache"):
             per_step, spent = loop(loaded.model, width, mode, args.steps)
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)

@@ -152,17 +152,24 @@ def route_clear_cache(clear_cache: Callable[[], None]) -> None:
     by a view of ``mlx.core`` with that one function changed. Calling it again with the
     same function changes nothing."""
     import importlib
-    import types
 
     import mlx.core as mx
 
     module = importlib.import_module("mlx_lm.generate")
     if getattr(module.mx, "clear_cache", None) is clear_cache:
         return
-    view = types.ModuleType(mx.__name__, mx.__doc__)
-    view.__dict__.update(vars(mx))
-    view.clear_cache = clear_cache  # type: ignore[attr-defined]
-    module.mx = view  # type: ignore[attr-defined]
+    module.mx = _view(mx, clear_cache=clear_cache)  # type: ignore[attr-defined]
+
+
+def _view(module: Any, **changed: Any) -> Any:
+    """A module object holding what ``module`` holds, with ``changed`` names replaced:
+    what an mlx-lm module sees in place of ``mlx.core`` (or ``mlx.core.fast``)."""
+    import types
+
+    view = types.ModuleType(module.__name__, module.__doc__)
+    view.__dict__.update(vars(module))
+    view.__dict__.update(changed)
+    return view
 
 
 # -- the models' attention ---------------------------------------------------------------
@@ -176,17 +183,11 @@ def route_attention(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) ->
     ``mlx.core.fast`` with that one function changed. Calling it again changes nothing
     (the wrapped function carries ``__wrapped__``)."""
     import importlib
-    import types
 
     import mlx.core as mx
 
     module = importlib.import_module("mlx_lm.models.base")
     if hasattr(module.mx.fast.scaled_dot_product_attention, "__wrapped__"):
         return
-    fast = types.ModuleType(mx.fast.__name__, mx.fast.__doc__)
-    fast.__dict__.update(vars(mx.fast))
-    fast.scaled_dot_product_attention = wrap(mx.fast.scaled_dot_product_attention)  # type: ignore[attr-defined]
-    view = types.ModuleType(mx.__name__, mx.__doc__)
-    view.__dict__.update(vars(mx))
-    view.fast = fast  # type: ignore[attr-defined]
-    module.mx = view  # type: ignore[attr-defined]
+    fast = _view(mx.fast, scaled_dot_product_attention=wrap(mx.fast.scaled_dot_product_attention))
+    module.mx = _view(mx, fast=fast)  # type: ignore[attr-defined]

@@ -232,10 +232,11 @@ int main(int argc, char** argv) {
 """
 
 
-def _run_kernel_source(tmp: Path, q, k_full, v_full, keys: int, mask, scale: float):
+def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
     """The kernel's source for ``q``'s dtype and head size, compiled with the emulation
-    above and run over ``keys`` of the cache arrays ``k_full`` / ``v_full`` (read through
-    their strides, as the cache's views are)."""
+    above and run over ``k`` and ``v`` held as the first positions of cache arrays of
+    ``capacity`` positions (read through their strides, as the cache's views are; the
+    positions past them hold 1e4, which would show in any output that read them)."""
     made: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
@@ -250,12 +251,14 @@ def _run_kernel_source(tmp: Path, q, k_full, v_full, keys: int, mask, scale: flo
     done = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{CUDA_INCLUDE}",
                            "attend.cpp", "-o", "attend"], check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
+    beyond = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
+    k_full, v_full = (mx.pad(a, beyond, constant_values=1e4) for a in (k, v))
     bits = mx.uint16
     for name, a in (("q", q), ("k", k_full), ("v", v_full)):
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(bits)).tobytes())
     (tmp / "mask.bin").write_bytes(np.array(mask.reshape(-1)).astype(np.bool_).tobytes())
     b, heads, _, d = q.shape
-    args = [b, heads, k_full.shape[1], keys, k_full.shape[2], d, attention_cuda.THREADS]
+    args = [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS]
     run = subprocess.run(["./attend", *map(str, args)], check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     raw = np.frombuffer((tmp / "out.bin").read_bytes(), dtype=np.uint16).reshape(q.shape)
@@ -270,15 +273,9 @@ def test_the_kernel_source_itself_matches_mlx(tmp_path: Path, dtype, d: int, key
     """The kernel's own source (not a replay), each block run as 256 host threads with
     CUDA's barriers and shuffles emulated, over views of longer cache arrays: two tiles
     of keys with a stream padded into its second, and one short tile."""
-    b, heads, kv_heads, capacity = 3, 4, 2, keys + 45
-    mx.random.seed(d + keys)
-    q = mx.random.normal((b, heads, 1, d)).astype(dtype)
-    k_full = (mx.random.normal((b, kv_heads, capacity, d)) * 2).astype(dtype)
-    v_full = mx.random.normal((b, kv_heads, capacity, d)).astype(dtype)
-    mask = (mx.array(padding)[:, None, None, None] <= mx.arange(keys)[None]).reshape(b, 1, 1, keys)
-    k, v = k_full[..., :keys, :], v_full[..., :keys, :]
+    q, k, v, mask = _inputs(3, 4, 2, keys, d, padding, dtype)
     scale = d ** -0.5
-    got = _run_kernel_source(tmp_path, q, k_full, v_full, keys, mask, scale).astype(mx.float32)
+    got = _run_kernel_source(tmp_path, q, k, v, mask, scale, capacity=keys + 45).astype(mx.float32)
     want = mx.fast.scaled_dot_product_attention(*(a.astype(mx.float32) for a in (q, k, v)), scale=scale, mask=mask)
     assert mx.allclose(got, want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
     assert not mx.allclose(got, mx.fast.scaled_dot_product_attention(  # the padding was read
