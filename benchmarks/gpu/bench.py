@@ -16,7 +16,7 @@ only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
 ``gmlx-graph400`` adds it with MLX's own CUDA graph-cache settings, capacity 400 and the
 thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs of up to
 80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention; ``gmlx-stacked`` with q/k/v and gate/up stacked
-into one product each; ``gmlx-attend`` with a padded batch's attention in gmlx's kernel; ``mlx_lm-gmlxenv`` is
+into one product each; ``gmlx-mlxattend`` with a padded batch's attention in MLX's general path (gmlx's kernel off); ``mlx_lm-gmlxenv`` is
 mlx_lm.server with the MLX settings gmlx makes, so only the server differs). One server
 runs at a time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
@@ -81,7 +81,7 @@ import throughput as tp
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
-           "gmlx-attend", "gmlx-mlx",
+           "gmlx-mlxattend", "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -97,8 +97,8 @@ GMLX_VARIANTS = {
     # MLX's attention through cuDNN's fused kernel (gmlx turns it off: its graphs are
     # built and compiled per shape, inside the request that first meets one)
     "gmlx-cudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "1"},
-    # a padded batch's one-query attention in gmlx's kernel (kernels.attention_cuda; off by default)
-    "gmlx-attend": {"GMLX_ATTENTION_KERNEL": "1"},
+    # a padded batch's one-query attention in MLX's general path (kernels.attention_cuda off)
+    "gmlx-mlxattend": {"GMLX_ATTENTION_KERNEL": "0"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
 }

@@ -130,9 +130,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=2048, help="prompt-cache miss/hit prompt length (0: skip)")
     parser.add_argument("--readers", choices=("loop", "threads"), default="loop",
                         help="gmlx's streams read on one event loop, as the server does, or one thread each")
-    parser.add_argument("--attention", choices=("mlx", "kernel"), default="mlx",
-                        help="gmlx's worker with MLX's attention alone (a server's default), or with a padded "
-                             "batch's one-query attention in gmlx's kernel (GMLX_ATTENTION_KERNEL=1); "
+    parser.add_argument("--attention", choices=("mlx", "kernel"), default="kernel",
+                        help="gmlx's worker with a padded batch's one-query attention in gmlx's kernel (a "
+                             "server's default on CUDA), or with MLX's attention alone (GMLX_ATTENTION_KERNEL=0); "
                              "mlx-lm's BatchGenerator: MLX's always")
     parser.add_argument("--no-serve", action="store_true", help="bare steps only (no BatchGenerator, no worker)")
     parser.add_argument("--bias", default="0",

@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 def prepare_layers(model: Any) -> list[str]:
     """``model``'s layers as the engine runs them: with ``GMLX_FUSE_PROJECTIONS=1``,
     projections that read one input stacked into one product (logged, not a load note: it
-    changes no number a user sees), then, on CUDA and asked for, the padded batches'
+    changes no number a user sees), then, on CUDA (unless turned off), the padded batches'
     one-query attention (:mod:`attention_cuda`, logged likewise) and the quantized layers' paths. Returns
     the load notes."""
     from gmlx.engine import mlxlm

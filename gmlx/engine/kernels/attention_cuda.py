@@ -16,11 +16,15 @@ groups of ``D``, add the tile's values weighted by ``exp2(score - max)``, one di
 each. Masked keys weigh nothing. The keys and values are read through their strides, so
 the cache's views (``keys[..., :used, :]``) are never copied; grouped-query heads share
 their key-value head. Used only where built (CUDA) and where the step's mask allows it
-(:func:`supports`), and only with ``GMLX_ATTENTION_KERNEL=1`` (:func:`enabled`): it has not
-run on a GPU yet (written when no device time was left). The tests compile its source for
-sm_90 with nvcc as MLX wraps it, run that source itself on the CPU (each block as 256
-host threads, CUDA's barriers and shuffles emulated) and its arithmetic as a numpy replay
-(:func:`replay`), each against MLX's masked attention.
+(:func:`supports`); ``GMLX_ATTENTION_KERNEL=0`` turns it off (:func:`enabled`). On the H200
+(``benchmarks/gpu/attention_check.py``, 2026-12-03) it agreed with attention in float32
+more closely than MLX's masked path (largest difference 0.0005-0.0018 in bf16 against
+MLX's 0.0012-0.0081) and took 1.2-4.5x less time a call (8 streams, 2,100 keys: 147 us
+against 184; 32 streams, 300 keys: 65 against 116); an 8B bf16 step at width 32 through
+mlx-lm's masked cache took 8.62 ms routed here against 11.43. The tests compile its
+source for sm_90 with nvcc as MLX wraps it, run that source itself on the CPU (each
+block as 256 host threads, CUDA's barriers and shuffles emulated) and its arithmetic as
+a numpy replay (:func:`replay`), each against MLX's masked attention.
 """
 
 from __future__ import annotations
@@ -134,10 +138,9 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether a server's load routes attention to the kernel: on CUDA, with
-    ``GMLX_ATTENTION_KERNEL=1``. Off by default until ``benchmarks/gpu/attention_check.py``
-    has shown it agreeing with MLX and faster than MLX's masked path on the H200."""
-    return os.environ.get("GMLX_ATTENTION_KERNEL", "0") == "1" and available()
+    """Whether a server's load routes attention to the kernel: on CUDA, unless
+    ``GMLX_ATTENTION_KERNEL=0``."""
+    return os.environ.get("GMLX_ATTENTION_KERNEL", "1") != "0" and available()
 
 
 def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:

@@ -124,10 +124,9 @@ def test_a_routed_model_decodes_a_padded_batch_as_mlx_does(monkeypatch: pytest.M
     assert mx.fast.scaled_dot_product_attention is routed_fast.scaled_dot_product_attention.__wrapped__
 
 
-def test_a_load_routes_only_on_cuda_and_when_asked(demo_model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel is built only on CUDA and used only with ``GMLX_ATTENTION_KERNEL=1``
-    (not yet run on a GPU): on this CPU a load leaves mlx-lm's attention as MLX's,
-    whatever the variable says."""
+def test_a_load_routes_only_on_cuda_unless_turned_off(demo_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel is built only on CUDA, where it is on unless ``GMLX_ATTENTION_KERNEL=0``:
+    on this CPU a load leaves mlx-lm's attention as MLX's, whatever the variable says."""
     from mlx_lm.models import base
 
     from gmlx.engine.kernels import prepare_layers
@@ -142,7 +141,7 @@ def test_a_load_routes_only_on_cuda_and_when_asked(demo_model, monkeypatch: pyte
     monkeypatch.setenv("GMLX_ATTENTION_KERNEL", "0")
     assert not attention_cuda.enabled()
     monkeypatch.delenv("GMLX_ATTENTION_KERNEL")
-    assert not attention_cuda.enabled()  # off unless asked for
+    assert attention_cuda.enabled()  # on CUDA, on by default
 
 
 # -- the kernel's own source, run on the CPU --------------------------------------------------

@@ -8,6 +8,8 @@ so; the products themselves run for real on the CPU."""
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import pytest
 from mlx import nn
@@ -230,10 +232,28 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     assert file.read_text().startswith("{") and f'"format": {tuning.FORMAT}' in file.read_text()
 
 
-def test_the_step_timer_runs_a_real_decode_step() -> None:
+def test_the_step_timer_runs_real_decode_steps_each_fed_the_last_ones_tokens() -> None:
+    """As the worker runs them: one prompt, then one-token steps (two untimed), each fed
+    the greedy pick of the step before, never the same zeros again."""
+    import mlx.core as mx
+
     from gmlx.engine.kernels.fast_linear import _step_time
 
-    assert _step_time(_tiny_quantized_llama(), 2, context=4, steps=2) > 0
+    model = _tiny_quantized_llama()
+    seen: list[tuple[tuple[int, ...], list, list]] = []
+
+    class Recording:
+        layers = model.layers  # what mlx-lm's cache maker reads
+
+        def __call__(self, tokens, cache=None):
+            out = model(tokens, cache=cache)
+            seen.append((tokens.shape, tokens, mx.argmax(out[:, -1, :], axis=-1)))
+            return out
+
+    assert _step_time(Recording(), 2, context=4, steps=3) > 0
+    assert [shape for shape, _, _ in seen] == [(2, 4)] + [(2, 1)] * 6
+    for (_, _, picked), (_, fed, _) in itertools.pairwise(seen[1:]):
+        assert fed.reshape(-1).tolist() == picked.tolist()
 
 
 def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
