@@ -19,6 +19,12 @@ step n's tokens are read):
 
     python benchmarks/gpu/static_step.py synthetic:llama3-8b --capacity 512
     python benchmarks/gpu/static_step.py demo --check          # here: tokens equal mlx-lm's?
+
+Measured on the H200 (2026-12-03, width 1, benchmarks/RESULTS.md): no. Q4_K_M's layouts
+9.48 ms plain, 9.82 compiled; bf16 7.82 and 8.37. Compiling removed the Python graph
+building but not MLX's per-operation hand-over, which is where a one-stream step's host
+time goes; the full-capacity masked attention cost about what compiling saved. (Here on
+the CPU, with a two-layer model, compiling halves the step: the Python side dominates.)
 """
 
 from __future__ import annotations
