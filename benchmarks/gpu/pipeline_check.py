@@ -19,6 +19,12 @@ faster. The loops here add mlx-lm's pieces one at a time:
 - ``kernel``: ``batch cache`` with mlx-lm's attention routed as gmlx routes it on CUDA:
   a masked one-query step in gmlx's kernel (``gmlx.engine.kernels.attention_cuda``).
 - ``gmlx cache``: ``pipelined`` on gmlx's batch KV cache, unmasked while nothing is padded.
+- ``threaded``: ``pipelined`` with each step handed over (``mx.async_eval``, which lets
+  go of the GIL) on a second thread while this one builds the next: the host's two parts
+  overlap, so a host-bound step should cost the larger of them rather than their sum. The
+  arrays live on a stream any thread may evaluate (``mx.new_thread_unsafe_stream``); a
+  step's tokens are read only after it was handed over, so no array is evaluated by two
+  threads at once.
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -41,6 +47,7 @@ from benchmarks.gpu.served_step import attention, load
 from gmlx.engine.kernels import attention_cuda
 
 PHASES = ("build", "hand over", "wait", "read")
+LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "threaded")
 
 
 def _primed(model, width: int, context: int, kind: str = "plain"):
@@ -60,8 +67,9 @@ def _primed(model, width: int, context: int, kind: str = "plain"):
     return cache, tokens
 
 
-def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[float, dict[str, float]]:
-    """Seconds per token of one stream, and the host's seconds per step in each phase."""
+def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[float, dict[str, float], list]:
+    """Seconds per token of one stream, the host's seconds per step in each phase, and
+    the last step's tokens."""
     attention(mode == "kernel")
     kind = "batch cache" if mode == "kernel" else mode if mode.endswith("cache") else "plain"
     cache, tokens = _primed(model, width, context, kind)
@@ -99,7 +107,57 @@ def loop(model, width: int, mode: str, steps: int, context: int = 128) -> tuple[
         current, current_lp = nxt, nxt_lp
     mx.eval(current)
     elapsed = time.perf_counter() - start
-    return elapsed / steps, {k: v / steps for k, v in spent.items()}
+    return elapsed / steps, {k: v / steps for k, v in spent.items()}, current.tolist()
+
+
+def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, dict[str, float], list]:
+    """``pipelined``, each step handed over on a second thread while the next is built;
+    as :func:`loop` returns (``hand over``: the building thread waiting for the other to
+    have handed the step over)."""
+    import queue
+    import threading
+
+    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    handed: queue.SimpleQueue = queue.SimpleQueue()
+
+    def hand_over() -> None:
+        while (arrays := todo.get()) is not None:
+            mx.async_eval(arrays)
+            handed.put(arrays)
+
+    thread = threading.Thread(target=hand_over, name="hand-over", daemon=True)
+    thread.start()
+    spent = dict.fromkeys(PHASES, 0.0)
+    try:
+        with mx.stream(stream):
+            cache, current = _primed(model, width, context)
+            todo.put(current)
+            start = 0.0
+            for i in range(steps + 3):
+                if i == 3:
+                    start = time.perf_counter()
+                    spent = dict.fromkeys(PHASES, 0.0)
+                t0 = time.perf_counter()
+                nxt = mx.argmax(model(current[:, None], cache=cache)[:, -1, :], axis=-1)
+                t1 = time.perf_counter()
+                handed.get()  # ``current`` handed over: only now may it be waited for
+                todo.put(nxt)
+                t2 = time.perf_counter()
+                mx.eval(current)
+                t3 = time.perf_counter()
+                current.tolist()
+                t4 = time.perf_counter()
+                for phase, t in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    spent[phase] += t
+                current = nxt
+            handed.get()
+            mx.eval(current)
+            elapsed = time.perf_counter() - start
+    finally:
+        todo.put(None)
+        thread.join()
+    return elapsed / steps, {k: v / steps for k, v in spent.items()}, current.tolist()
 
 
 def main() -> None:
@@ -109,20 +167,32 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", help="synthetic: float type")
     p.add_argument("--float", action="store_true", help="synthetic: float weights, not Q4_K_M's layouts")
+    p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {','.join(LOOPS)} "
+                   "(kernel: CUDA only)")
+    p.add_argument("--no-generator", action="store_true", help="skip mlx-lm's BatchGenerator row")
     args = p.parse_args()
     loaded = load(args.model, args.dtype, not args.float)
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
-    print("| width | loop | ms / step | tok/s | build | hand over | wait | read |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as pipelined |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     kernel = ("kernel",) if attention_cuda.available() else ()
     for width in (int(w) for w in args.widths.split(",")):
-        for mode in ("waited", "pipelined", "logprobs", "batch cache", *kernel, "gmlx cache"):
-            per_step, spent = loop(loaded.model, width, mode, args.steps)
+        want = None
+        for mode in args.loops.split(","):
+            if mode == "kernel" and not kernel:
+                continue
+            per_step, spent, last = (threaded(loaded.model, width, args.steps) if mode == "threaded"
+                                     else loop(loaded.model, width, mode, args.steps))
+            want = last if mode == "pipelined" and want is None else want
+            same = "" if want is None else "yes" if last == want else "no"
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)
-            print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} |", flush=True)
+            print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} | {same} |",
+                  flush=True)
         attention(False)
+        if args.no_generator:
+            continue
         rate = run_peer(loaded, width, 128, args.steps)
-        print(f"| {width} | generator | {width / rate * 1e3:.2f} | {rate:.1f} | | | | |", flush=True)
+        print(f"| {width} | generator | {width / rate * 1e3:.2f} | {rate:.1f} | | | | | |", flush=True)
 
 
 if __name__ == "__main__":
