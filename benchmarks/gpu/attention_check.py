@@ -50,7 +50,7 @@ def main() -> None:
     print("| dtype | D | streams | keys | kernel err | MLX masked err | kernel us | MLX masked us | MLX unmasked us |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     cases = [(mx.bfloat16, 128, b, keys) for b in (2, 8, 32) for keys in (300, 2100)]
-    cases += [(mx.float16, 128, 8, 700), (mx.bfloat16, 64, 8, 700)]
+    cases += [(mx.float16, 128, 8, 700), (mx.bfloat16, 64, 8, 700), (mx.bfloat16, 256, 8, 700)]
     for dtype, d, batch, keys in cases:
         heads, kv_heads = (32, 8) if d == 128 else (16, 2)
         q, k, v, mask = inputs(batch, keys, heads, kv_heads, d, dtype, capacity=keys + 200)
