@@ -235,12 +235,10 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
 def test_the_step_timer_runs_real_decode_steps_each_fed_the_last_ones_tokens() -> None:
     """As the worker runs them: one prompt, then one-token steps (two untimed), each fed
     the greedy pick of the step before, never the same zeros again."""
-    import mlx.core as mx
-
     from gmlx.engine.kernels.fast_linear import _step_time
 
     model = _tiny_quantized_llama()
-    seen: list[tuple[tuple[int, ...], list, list]] = []
+    seen: list[tuple[tuple[int, ...], mx.array, mx.array]] = []  # (input shape, input, greedy pick)
 
     class Recording:
         layers = model.layers  # what mlx-lm's cache maker reads
