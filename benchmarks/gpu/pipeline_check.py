@@ -25,6 +25,9 @@ faster. The loops here add mlx-lm's pieces one at a time:
   arrays live on a stream any thread may evaluate (``mx.new_thread_unsafe_stream``); a
   step's tokens are read only after it was handed over, so no array is evaluated by two
   threads at once.
+- ``chunkedN`` (e.g. ``chunked8``): ``pipelined`` with the forward pass handed over every
+  N layers on a second thread while this one builds the next N
+  (``gmlx.engine.handover``, what ``GMLX_HANDOVER_LAYERS=N`` does in a server).
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -47,7 +50,7 @@ from benchmarks.gpu.served_step import attention, load
 from gmlx.engine.kernels import attention_cuda
 
 PHASES = ("build", "hand over", "wait", "read")
-LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "threaded")
+LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "threaded", "chunked8")
 
 
 def _primed(model, width: int, context: int, kind: str = "plain"):
@@ -160,6 +163,22 @@ def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, 
     return elapsed / steps, {k: v / steps for k, v in spent.items()}, current.tolist()
 
 
+def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str, float], list]:
+    """One row's loop, by its name."""
+    from gmlx.engine import handover
+
+    if mode == "threaded":
+        return threaded(model, width, steps)
+    if mode.startswith("chunked"):
+        chunks = handover.attach(model, int(mode.removeprefix("chunked") or 8))
+        try:
+            with mx.stream(chunks.stream):
+                return loop(model, width, "pipelined", steps)
+        finally:
+            handover.detach(model)
+    return loop(model, width, mode, steps)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a model reference gmlx serve takes, or synthetic:SHAPE")
@@ -181,8 +200,7 @@ def main() -> None:
         for mode in args.loops.split(","):
             if mode == "kernel" and not kernel:
                 continue
-            per_step, spent, last = (threaded(loaded.model, width, args.steps) if mode == "threaded"
-                                     else loop(loaded.model, width, mode, args.steps))
+            per_step, spent, last = run_loop(loaded.model, width, mode, args.steps)
             want = last if mode == "pipelined" and want is None else want
             same = "" if want is None else "yes" if last == want else "no"
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from gmlx.engine import mlxlm, scheduling
+from gmlx.engine import handover, mlxlm, scheduling
 from gmlx.engine.errors import EngineError, GmlxError
 from gmlx.engine.kv_layers import make_cache
 from gmlx.engine.kv_quant import KVQuant
@@ -63,6 +63,7 @@ class Batch:
         # Tokens XTC never excludes: ending or breaking a line must stay possible.
         self._protected_ids = sorted(tok.eos_token_ids | set(tok.encode("\n", add_special_tokens=False)))
         self._gen: Any = None
+        self._handover: handover.HandOver | None = None  # GMLX_HANDOVER_LAYERS (gmlx.engine.handover)
         # image requests being prefilled from embeddings, by their (negative) uid
         self._staged: dict[int, tuple[Any, Any]] = {}
         self._staged_uid = 0
@@ -81,8 +82,11 @@ class Batch:
         # Prompts prefill in chunks between decode steps; how many share a step is set
         # before each step (`prefill_width`): the capacity model prices one chunk's
         # transient, and a burst of long prompts must not multiply it.
+        if self._handover is None and (every := handover.layers_per_chunk()):
+            self._handover = handover.attach(self.loaded.model, every)
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
-                                          self.width, self.prefill_step_size)
+                                          self.width, self.prefill_step_size,
+                                          None if self._handover is None else self._handover.stream)
         if self.speculation is not None:  # decoding streams verify drafts in rounds
             mlxlm.use_generation_batch(self._gen, self.speculation.generation_batch(
                 self.loaded.model, self._draft_policy, self.prefill_step_size))
@@ -108,6 +112,9 @@ class Batch:
         gen, self._gen = self._gen, None
         gen.close()
         mx.synchronize(gen.stream)
+        if self._handover is not None:
+            handover.detach(self.loaded.model)
+            self._handover = None
 
     def admit(self, active: ActiveRequest) -> None:
         """Start ``active`` from the longest cached prefix of its prompt; an image

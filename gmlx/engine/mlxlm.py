@@ -54,11 +54,12 @@ def infer_tool_parser(hf_tokenizer: Any) -> str | None:
 # -- the batch generator --------------------------------------------------------------
 
 
-def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step: int) -> Any:
+def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step: int,
+                    stream: Any = None) -> Any:
     """mlx-lm's ``BatchGenerator`` decoding up to ``width`` streams, each ending at any
     of ``stop_tokens``. Prompts prefill ``prefill_step`` tokens a step, one prompt at
     a time until the caller sets ``prefill_batch_size`` (the worker sets both before
-    every step)."""
+    every step). ``stream``: the one it computes on (default: mlx-lm's own)."""
     from mlx_lm.generate import BatchGenerator
 
     return BatchGenerator(
@@ -67,6 +68,7 @@ def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step
         completion_batch_size=width,
         prefill_batch_size=1,
         prefill_step_size=prefill_step,
+        **({} if stream is None else {"stream": stream}),
     )
 
 

@@ -1,0 +1,148 @@
+"""Handing a forward pass to the device in chunks of layers, on a second thread, while
+the stepping thread builds the next chunk.
+
+On a GPU a decode step of a few streams is bound by the host: on the H200 an 8B's
+one-stream step took ~6.3 ms, of which ~2.3 building its graph in Python and ~3.9
+handing its ~870 operations to MLX (``mx.async_eval``), one after the other, while the
+GPU needed about 3. MLX lets go of the GIL while it hands a graph over, so the two can
+overlap: after every ``every`` layers the layer's output is handed over on a second
+thread (which evaluates that much of the graph, the layers' cache writes included) while
+this thread builds the following layers. The forward pass waits for the last hand-over
+before it returns, so whatever the caller evaluates next (the step's own
+``async_eval``, a read of its tokens) never meets a hand-over in flight: the two threads
+only ever overlap building with evaluating, never evaluating with evaluating.
+
+Arrays MLX evaluates on another thread must live on a stream any thread may use
+(``mx.new_thread_unsafe_stream``); the hand-over happens only for a forward pass that
+runs on the stream :func:`attach` made (the generator's), and every other call of the
+model (warm-up, the tuner, a drafter on its own stream) runs as it always did.
+
+Off unless ``GMLX_HANDOVER_LAYERS`` names the layers per chunk (e.g. 8): not yet measured
+on a GPU (``benchmarks/gpu/pipeline_check.py``'s ``chunked`` loop asks the question).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from functools import cache
+from typing import Any
+
+ENV = "GMLX_HANDOVER_LAYERS"
+
+
+def layers_per_chunk() -> int:
+    """``GMLX_HANDOVER_LAYERS`` as a count of layers; 0 (off) when unset or not a
+    positive number."""
+    try:
+        return max(0, int(os.environ.get(ENV, "0")))
+    except ValueError:
+        return 0
+
+
+class HandOver:
+    """The second thread: evaluates (``mx.async_eval``) what it is handed, in order."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.handed = 0  # chunks handed over (for tests and the load log)
+        self._todo: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gmlx-hand-over", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        while True:
+            arrays = self._todo.get()
+            try:
+                if arrays is None:
+                    return
+                if self._error is None:
+                    with mx.stream(self.stream):
+                        mx.async_eval(arrays)
+            except BaseException as e:  # noqa: BLE001 - raised again on the stepping thread
+                self._error = e
+            finally:
+                self._todo.task_done()
+
+    def hand(self, arrays: Any) -> None:
+        self.handed += 1
+        self._todo.put(arrays)
+
+    def join(self) -> None:
+        """Wait until everything handed over is; raises what a hand-over raised."""
+        self._todo.join()
+        if (error := self._error) is not None:
+            self._error = None
+            raise error
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join()
+
+
+def attach(model: Any, every: int, device: Any = None) -> HandOver:
+    """Make ``model``'s forward passes on the returned hand-over's stream hand every
+    ``every`` layers' output to its thread; :func:`detach` undoes it. The model's
+    parameter tree is unchanged (its layers change class, not place)."""
+    import mlx.core as mx
+
+    stream = mx.new_thread_unsafe_stream(device or mx.default_device())
+    handover = HandOver(stream)
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        if (i + 1) % every == 0 and i + 1 < len(layers):  # the last chunk: the caller's own hand-over
+            object.__setattr__(layer, "_gmlx_handover", handover)
+            layer.__class__ = _handing(type(layer))
+    object.__setattr__(model, "_gmlx_handover", handover)
+    model.__class__ = _joining(type(model))
+    return handover
+
+
+def detach(model: Any) -> None:
+    """Undo :func:`attach` and stop its thread (after what it was handed)."""
+    handover = model.__dict__.get("_gmlx_handover")
+    if handover is None:
+        return
+    for m in [model, *model.layers]:
+        if "_gmlx_handover" in m.__dict__:
+            m.__class__ = m.__class__.__bases__[0]
+            object.__delattr__(m, "_gmlx_handover")
+    handover.close()
+
+
+def _on_stream(handover: HandOver) -> bool:
+    import mlx.core as mx
+
+    return mx.default_stream(mx.default_device()) == handover.stream
+
+
+@cache
+def _handing(cls: type) -> type:
+    """``cls`` whose call hands its output over when it runs on the hand-over's stream."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = cls.__call__(self, *args, **kwargs)
+        handover = self._gmlx_handover
+        if _on_stream(handover):
+            handover.hand(out)
+        return out
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+@cache
+def _joining(cls: type) -> type:
+    """``cls`` whose call returns only after its layers' hand-overs are done."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        handover = self._gmlx_handover
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            handover.join()
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
