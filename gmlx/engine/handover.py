@@ -17,6 +17,12 @@ Arrays MLX evaluates on another thread must live on a stream any thread may use
 runs on the stream :func:`attach` made (the generator's), and every other call of the
 model (warm-up, the tuner, a drafter on its own stream) runs as it always did.
 
+A layer that reads an array on the host in the middle of a forward pass (a mask built
+inside the layer loop from a cache's padding not yet evaluated) would evaluate while a
+hand-over may be in flight; mlx-lm's llama-family models build their masks before the
+loop, and gmlx's batch cache keeps its padding evaluated, but this is one reason more the
+setting stays opt-in.
+
 Off unless ``GMLX_HANDOVER_LAYERS`` names the layers per chunk (e.g. 8): not yet measured
 on a GPU (``benchmarks/gpu/pipeline_check.py``'s ``chunked`` loop asks the question).
 """
