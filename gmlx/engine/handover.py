@@ -98,7 +98,7 @@ def attach(model: Any, every: int, device: Any = None) -> HandOver:
 
     stream = mx.new_thread_unsafe_stream(device or mx.default_device())
     handover = HandOver(stream)
-    layers = list(model.layers)
+    layers = list(getattr(model, "layers", None) or [])  # a model without mlx-lm's ``layers``: none hand over
     for i, layer in enumerate(layers):
         if (i + 1) % every == 0 and i + 1 < len(layers):  # the last chunk: the caller's own hand-over
             object.__setattr__(layer, "_gmlx_handover", handover)
@@ -113,7 +113,7 @@ def detach(model: Any) -> None:
     handover = model.__dict__.get("_gmlx_handover")
     if handover is None:
         return
-    for m in [model, *model.layers]:
+    for m in [model, *(getattr(model, "layers", None) or [])]:
         if "_gmlx_handover" in m.__dict__:
             m.__class__ = m.__class__.__bases__[0]
             object.__delattr__(m, "_gmlx_handover")
