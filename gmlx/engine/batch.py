@@ -79,11 +79,11 @@ class Batch:
 
     def open(self) -> None:
         """Start mlx-lm's generator, on the thread that steps it."""
+        if self._handover is None and (every := handover.layers_per_chunk()):
+            self._handover = handover.attach(self.loaded.model, every)
         # Prompts prefill in chunks between decode steps; how many share a step is set
         # before each step (`prefill_width`): the capacity model prices one chunk's
         # transient, and a burst of long prompts must not multiply it.
-        if self._handover is None and (every := handover.layers_per_chunk()):
-            self._handover = handover.attach(self.loaded.model, every)
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
                                           self.width, self.prefill_step_size,
                                           None if self._handover is None else self._handover.stream)
