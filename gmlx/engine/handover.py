@@ -52,7 +52,7 @@ class HandOver:
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
-        self.handed = 0  # chunks handed over (for tests and the load log)
+        self.handed = 0  # chunks handed over (what the tests read)
         self._todo: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="gmlx-hand-over", daemon=True)
@@ -90,15 +90,15 @@ class HandOver:
         self._thread.join()
 
 
-def attach(model: Any, every: int, device: Any = None) -> HandOver:
+def attach(model: Any, every: int) -> HandOver:
     """Make ``model``'s forward passes on the returned hand-over's stream hand every
     ``every`` layers' output to its thread; :func:`detach` undoes it. The model's
     parameter tree is unchanged (its layers change class, not place)."""
     import mlx.core as mx
 
-    stream = mx.new_thread_unsafe_stream(device or mx.default_device())
+    stream = mx.new_thread_unsafe_stream(mx.default_device())
     handover = HandOver(stream)
-    layers = list(getattr(model, "layers", None) or [])  # a model without mlx-lm's ``layers``: none hand over
+    layers = _layers(model)
     for i, layer in enumerate(layers):
         if (i + 1) % every == 0 and i + 1 < len(layers):  # the last chunk: the caller's own hand-over
             object.__setattr__(layer, "_gmlx_handover", handover)
@@ -113,11 +113,16 @@ def detach(model: Any) -> None:
     handover = model.__dict__.get("_gmlx_handover")
     if handover is None:
         return
-    for m in [model, *(getattr(model, "layers", None) or [])]:
+    for m in [model, *_layers(model)]:
         if "_gmlx_handover" in m.__dict__:
             m.__class__ = m.__class__.__bases__[0]
             object.__delattr__(m, "_gmlx_handover")
     handover.close()
+
+
+def _layers(model: Any) -> list[Any]:
+    """mlx-lm's ``model.layers``; none for a model without them (nothing hands over)."""
+    return list(getattr(model, "layers", None) or [])
 
 
 def _on_stream(handover: HandOver) -> bool:
