@@ -20,7 +20,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.gemv_check import per_product
-from gmlx.engine.kernels import attention_cuda
+from gmlx.engine.kernels import attention_cuda, cuda_source
 
 
 def inputs(batch: int, keys: int, heads: int, kv_heads: int, d: int, dtype, capacity: int):
@@ -44,7 +44,7 @@ def reference(q, k, v, scale: float, mask):
 
 
 def main() -> None:
-    if not attention_cuda.available():
+    if not cuda_source.available():
         sys.exit("the kernel is built only on CUDA")
     print(f"device {mx.default_device()}")
     print("| dtype | D | streams | keys | kernel err | MLX masked err | kernel us | MLX masked us | MLX unmasked us |")

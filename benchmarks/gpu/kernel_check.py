@@ -24,7 +24,7 @@ import time
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import qmma_cuda
+from gmlx.engine.kernels import cuda_source, qmma_cuda
 from gmlx.engine.kernels.fast_linear import agrees, dequantized, exact_product
 
 # (in, out) of Llama-3-8B's products: q/o, k/v, gate/up, down, lm_head
@@ -75,7 +75,7 @@ def main() -> None:
                         help="time every launch shape of EXPLORE on two shapes (4/32)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     args = parser.parse_args()
-    assert qmma_cuda.available(), "MLX does not run on CUDA here"
+    assert cuda_source.available(), "MLX does not run on CUDA here"
     dtype = getattr(mx, args.dtype)
     mx.random.seed(0)
     lines = [f"mlx {mx.__version__}, {mx.default_device()}, activations {args.dtype}", "",

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_throughput import run_peer
 from benchmarks.gpu.served_step import attention, load
-from gmlx.engine.kernels import attention_cuda
+from gmlx.engine.kernels import cuda_source
 
 PHASES = ("build", "hand over", "wait", "read")
 LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "threaded", "chunked8")
@@ -194,7 +194,7 @@ def main() -> None:
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as pipelined |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    kernel = ("kernel",) if attention_cuda.available() else ()
+    kernel = ("kernel",) if cuda_source.available() else ()
     for width in (int(w) for w in args.widths.split(",")):
         want = None
         for mode in args.loops.split(","):

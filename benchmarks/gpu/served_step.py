@@ -81,10 +81,10 @@ def attention(kernel: bool) -> None:
     from mlx_lm.models import base
 
     from gmlx.engine import mlxlm
-    from gmlx.engine.kernels import attention_cuda
+    from gmlx.engine.kernels import attention_cuda, cuda_source
 
     base.mx = mx
-    if kernel and attention_cuda.available():
+    if kernel and cuda_source.available():
         mlxlm.route_attention(attention_cuda.routed)
 
 

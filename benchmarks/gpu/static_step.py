@@ -40,7 +40,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.served_step import attention, load
-from gmlx.engine.kernels import attention_cuda
+from gmlx.engine.kernels import cuda_source
 
 
 class StaticCache:
@@ -152,7 +152,7 @@ def main() -> None:
     if args.prompt + args.steps + 8 > args.capacity:
         p.error("--capacity must hold the prompt and every step")
     loaded = load(args.model, args.dtype, not args.float)
-    modes = ["plain", "static", "compiled"] + (["compiled kernel"] if attention_cuda.available() else [])
+    modes = ["plain", "static", "compiled"] + (["compiled kernel"] if cuda_source.available() else [])
     print(f"device {mx.default_device()}; model {args.model}; prompt {args.prompt}, capacity {args.capacity}, "
           f"{args.steps} pipelined steps after 3")
     print("| width | loop | ms / step | tok/s | same tokens as plain |")

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from gmlx.engine.kernels import cuda_source
 from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 THREADS = 256
@@ -130,17 +131,10 @@ if (t < D) {
 _BODY = compact(_SOURCE)
 
 
-def available() -> bool:
-    """Whether MLX runs on CUDA here (the only place the kernel is built)."""
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
-
-
 def enabled() -> bool:
     """Whether a server's load routes attention to the kernel: on CUDA, unless
     ``GMLX_ATTENTION_KERNEL=0``."""
-    return os.environ.get("GMLX_ATTENTION_KERNEL", "1") != "0" and available()
+    return os.environ.get("GMLX_ATTENTION_KERNEL", "1") != "0" and cuda_source.available()
 
 
 def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:

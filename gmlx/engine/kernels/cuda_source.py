@@ -24,6 +24,13 @@ def cuda_type(dtype: Any) -> str:
     return _CUDA_TYPES[str(dtype).removeprefix("mlx.core.")]
 
 
+def available() -> bool:
+    """Whether MLX runs on CUDA here (the only place gmlx's kernels are built)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
+
+
 def compact(source: str) -> str:
     """``source`` without its ``//`` comments and blank lines."""
     lines = (line.split("//")[0].rstrip() for line in source.splitlines())

@@ -37,7 +37,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import qgemv_cuda, qmma_cuda
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmma_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
@@ -138,7 +138,7 @@ def use_fast_kernels(model: nn.Module) -> str | None:
     load note, or None when there is nothing to do. ``GMLX_QMV_KERNEL=0`` leaves the
     model as it is; ``GMLX_QMV_KERNEL=flat`` only flattens (no tuning)."""
     mode = os.environ.get("GMLX_QMV_KERNEL", "1")
-    if mode == "0" or not qmma_cuda.available():
+    if mode == "0" or not cuda_source.available():
         return None
     modules = [m for _, m in model.named_modules()]
     for m in modules:

@@ -245,13 +245,6 @@ _SOURCE = r"""
 _BODY = compact(_SOURCE)
 
 
-def available() -> bool:
-    """Whether MLX runs on CUDA here (the only place this kernel is built)."""
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
-
-
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether a product of this shape may take the kernel (the tuner still measures)."""
     return (mode == "affine" and bits in BITS and group_size in GROUPS and 1 <= rows <= MAX_ROWS

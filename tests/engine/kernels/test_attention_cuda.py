@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from gmlx.engine import mlxlm
-from gmlx.engine.kernels import attention_cuda
+from gmlx.engine.kernels import attention_cuda, cuda_source
 
 
 def _inputs(batch: int, heads: int, kv_heads: int, keys: int, d: int, padding: list[int], dtype=mx.float32):
@@ -133,10 +133,10 @@ def test_a_load_routes_only_on_cuda_unless_turned_off(demo_model, monkeypatch: p
 
     monkeypatch.setattr(base, "mx", base.mx)
     monkeypatch.setenv("GMLX_ATTENTION_KERNEL", "1")
-    assert not attention_cuda.available() and not attention_cuda.enabled()
+    assert not cuda_source.available() and not attention_cuda.enabled()
     prepare_layers(demo_model.model)
     assert base.mx is mx
-    monkeypatch.setattr(attention_cuda, "available", lambda: True)  # as on CUDA
+    monkeypatch.setattr(cuda_source, "available", lambda: True)  # as on CUDA
     assert attention_cuda.enabled()
     monkeypatch.setenv("GMLX_ATTENTION_KERNEL", "0")
     assert not attention_cuda.enabled()

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 
-from gmlx.engine.kernels import qmma_cuda
+from gmlx.engine.kernels import cuda_source, qmma_cuda
 from gmlx.engine.kernels.fast_linear import (
     FastQuantizedLinear,
     agrees,
@@ -27,7 +27,7 @@ from gmlx.engine.kernels.fast_linear import (
 def test_not_used_where_it_is_not_built() -> None:
     model = nn.Sequential(nn.Linear(256, 64))
     nn.quantize(model, group_size=64, bits=4)
-    assert not qmma_cuda.available()  # this machine: MLX on the CPU (Metal is the same)
+    assert not cuda_source.available()  # this machine: MLX on the CPU (Metal is the same)
     assert use_fast_kernels(model) is None
     assert not any(isinstance(m, FastQuantizedLinear) for _, m in model.named_modules())
 
@@ -79,7 +79,7 @@ def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> Non
     model = _tiny_quantized_llama()
     x = mx.random.normal((2, 64))
     before = model.layers[0].self_attn.q_proj(x)
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
         1: (fast_linear.DENSE, (0, 0)), 2: (fast_linear.DENSE, (0, 0))})
 
@@ -101,7 +101,7 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
     from gmlx.engine.kernels import fast_linear
 
     model = _tiny_quantized_llama()
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
     note = use_fast_kernels(model)
@@ -137,7 +137,7 @@ def test_every_quantized_product_gets_its_rows_flattened(monkeypatch) -> None:
     model = _tiny_quantized_llama()
     tokens = mx.array([[3], [5], [7], [11]])
     before = model(tokens)
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setenv("GMLX_QMV_KERNEL", "flat")
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: pytest.fail("timed in flat mode"))
     quantized = sum(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
@@ -164,7 +164,7 @@ def test_a_tied_output_layer_is_flattened_too(monkeypatch) -> None:
     nn.quantize(model, group_size=32, bits=4)
     tokens = mx.array([[3], [5]])
     before = model(tokens)
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setenv("GMLX_QMV_KERNEL", "flat")
     use_fast_kernels(model)
     assert isinstance(model.model.embed_tokens, fast_linear_module().FlatQuantizedEmbedding)
@@ -181,7 +181,7 @@ def fast_linear_module():
 
 def test_off_means_untouched(monkeypatch) -> None:
     model = _tiny_quantized_llama()
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setenv("GMLX_QMV_KERNEL", "0")
     assert use_fast_kernels(model) is None
     assert all(type(m) is not FastQuantizedLinear for _, m in model.named_modules())
@@ -203,7 +203,7 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
         calls["step"] += 1
         return 0.5 if any(rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0
 
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", measure)
     monkeypatch.setattr(fast_linear, "_step_time", step_time)
     first = use_fast_kernels(_tiny_quantized_llama())
@@ -222,7 +222,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     from gmlx import paths
     from gmlx.engine.kernels import fast_linear, tuning
 
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
     file = paths.cache_dir() / "kernels" / "tuning.json"
@@ -269,7 +269,7 @@ def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
     nn.quantize(loaded.model, group_size=32, bits=4)
     before = capacity.probe_geometry(loaded)
     assert before.dense_scratch_bytes == 0
-    monkeypatch.setattr(qmma_cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
         fast_linear.LARGE: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 0.5 if any(
