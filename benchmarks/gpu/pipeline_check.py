@@ -28,6 +28,9 @@ faster. The loops here add mlx-lm's pieces one at a time:
 - ``chunkedN`` (e.g. ``chunked8``): ``pipelined`` with the forward pass handed over every
   N layers on a second thread while this one builds the next N
   (``gmlx.engine.handover``, what ``GMLX_HANDOVER_LAYERS=N`` does in a server).
+- ``one token``: ``gmlx cache`` with the attention's one-token steps in four operations
+  fewer a layer (``gmlx.engine.kernels.one_token``, a server's default: the reshapes
+  around an attention of one token need no transposes).
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -50,7 +53,7 @@ from benchmarks.gpu.served_step import attention, load
 from gmlx.engine.kernels import cuda_source
 
 PHASES = ("build", "hand over", "wait", "read")
-LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "threaded", "chunked8")
+LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "one token", "threaded", "chunked8")
 
 
 def _primed(model, width: int, context: int, kind: str = "plain"):
@@ -166,6 +169,7 @@ def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, 
 def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str, float], list]:
     """One row's loop, by its name."""
     from gmlx.engine import handover
+    from gmlx.engine.kernels import one_token
 
     if mode == "threaded":
         return threaded(model, width, steps)
@@ -176,6 +180,12 @@ def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str,
                 return loop(model, width, "pipelined", steps)
         finally:
             handover.detach(model)
+    if mode == "one token":
+        one_token.attach(model)
+        try:
+            return loop(model, width, "gmlx cache", steps)
+        finally:
+            one_token.detach(model)
     return loop(model, width, mode, steps)
 
 

@@ -2,7 +2,10 @@
 model's bare step (graph build and evaluation timed apart), mlx-lm's BatchGenerator and
 gmlx's worker on the same weights, with the quantized layers as MLX leaves them
 (``plain``), only flattened (``flat``) and with the tuned paths (``tuned``); ``clear``
-empties MLX's buffer cache between modes. A mode may come back (``plain,tuned,plain``):
+empties MLX's buffer cache between modes; ``one-token`` gives the attention layers the
+one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
+operations fewer a layer) and ``model-attention`` takes them back, for the modes after.
+A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
 
     python benchmarks/gpu/served_step.py /tmp/models/llama3-8b/q4_k_m.gguf [--widths 1,8,32]
@@ -168,6 +171,13 @@ def main() -> None:
     for mode in args.modes.split(","):
         if mode == "clear":
             mx.clear_cache()
+            continue
+        if mode in ("one-token", "model-attention"):
+            from gmlx.engine.kernels import one_token
+
+            one_token.attach(loaded.model) if mode == "one-token" else one_token.detach(loaded.model)
+            print(f"  {mode}: the modes after run " + ("one-token steps in fewer operations" if mode == "one-token"
+                                                       else "mlx-lm's own attention code"), flush=True)
             continue
         os.environ["GMLX_QMV_KERNEL"] = {"plain": "0", "flat": "flat", "tuned": "1"}[mode]
         if mode == "plain":

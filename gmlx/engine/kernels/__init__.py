@@ -9,16 +9,19 @@ log = logging.getLogger(__name__)
 
 
 def prepare_layers(model: Any) -> list[str]:
-    """``model``'s layers as the engine runs them: with ``GMLX_FUSE_PROJECTIONS=1``,
-    projections that read one input stacked into one product (logged, not a load note: it
-    changes no number a user sees), then, on CUDA (unless turned off), the padded batches'
-    one-query attention (:mod:`attention_cuda`, logged likewise) and the quantized layers' paths. Returns
-    the load notes."""
+    """``model``'s layers as the engine runs them: llama-family attention's one-token
+    steps in fewer operations (:mod:`one_token`; everywhere, the same numbers), with
+    ``GMLX_FUSE_PROJECTIONS=1`` projections that read one input stacked into one product
+    (logged, not a load note: neither changes a number a user sees), then, on CUDA (unless
+    turned off), the padded batches' one-query attention (:mod:`attention_cuda`, logged
+    likewise) and the quantized layers' paths. Returns the load notes."""
     from gmlx.engine import mlxlm
-    from gmlx.engine.kernels import attention_cuda
+    from gmlx.engine.kernels import attention_cuda, one_token
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 
+    if changed := one_token.attach(model):
+        log.info("one-token steps of %d attention layer(s) in fewer operations", changed)
     if (stacked := fuse_projections(model)) is not None:
         log.info("%s", stacked)
     if attention_cuda.enabled():

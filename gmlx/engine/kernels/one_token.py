@@ -1,0 +1,92 @@
+"""A one-token step's attention in fewer operations, for mlx-lm's llama-family models.
+
+mlx-lm's attention (llama, and mistral's models through it, qwen2, qwen3) reshapes each
+of the queries, keys and values to ``(B, L, heads, D)`` and transposes it to ``(B, heads,
+L, D)``, and the attention's output back the other way. With one token a stream (``L =
+1``, every decode step) a transpose moves nothing: ``(B, 1, heads, D)`` and ``(B, heads,
+1, D)`` hold their elements in the same order, so each reshape-and-transpose is one
+reshape, and the output's transpose-and-reshape one reshape: four operations fewer a
+layer (an 8B's step: 128 of its ~870), the same arrays, element for element (the tests
+compare the logits bit for bit, on padded batches and quantized caches too).
+
+A decode step of a few streams on a GPU is bound by the host, at a few microseconds an
+operation built and handed to MLX, whatever the operation does; these do nothing.
+Prompt steps (``L > 1``) and calls without a cache run the model's own code. Only the
+attention classes named in :data:`FAMILIES` change (their ``__class__``, not their
+parameters); ``GMLX_ONE_TOKEN_ATTENTION=0`` leaves every model as mlx-lm wrote it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+from typing import Any
+
+ENV = "GMLX_ONE_TOKEN_ATTENTION"
+# mlx-lm modules whose ``Attention.__call__`` is the pattern above (qwen3 adds a norm of
+# each head's queries and keys, over the last axis: the same with one token either way)
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def enabled() -> bool:
+    """Whether ``GMLX_ONE_TOKEN_ATTENTION`` leaves the one-token path on (the default)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def attach(model: Any) -> int:
+    """Give every attention of ``model`` whose class is one of :data:`FAMILIES`' the
+    one-token path; returns how many changed (0 when turned off)."""
+    if not enabled():
+        return 0
+    classes = _classes()
+    changed = 0
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls in classes:
+            module.__class__ = _one_token(cls)
+            changed += 1
+    return changed
+
+
+def detach(model: Any) -> None:
+    """Give ``model``'s attention layers their own classes back (what :func:`attach`
+    changed; a benchmark's loops compare the two on one model)."""
+    for _, module in model.named_modules():
+        if getattr(type(module), "one_token", False):
+            module.__class__ = type(module).__bases__[0]
+
+
+@cache
+def _classes() -> frozenset[type]:
+    found = set()
+    for name in FAMILIES:
+        try:
+            found.add(importlib.import_module(f"mlx_lm.models.{name}").Attention)
+        except (ImportError, AttributeError):  # an mlx-lm without it
+            continue
+    return frozenset(found)
+
+
+@cache
+def _one_token(cls: type) -> type:
+    """``cls`` with a one-token step in fewer operations."""
+    from mlx_lm.models import base
+
+    def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
+        B, L, _ = x.shape
+        if L != 1 or cache is None:
+            return cls.__call__(self, x, mask, cache)
+        queries = self.q_proj(x).reshape(B, self.n_heads, 1, -1)
+        keys = self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1)
+        values = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
+        if "q_norm" in self:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        # through the module, so a routed attention (attention_cuda) is the one called
+        out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.reshape(B, 1, -1))
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": __name__, "one_token": True})
