@@ -23,8 +23,13 @@ hand-over may be in flight; mlx-lm's llama-family models build their masks befor
 loop, and gmlx's batch cache keeps its padding evaluated, but this is one reason more the
 setting stays opt-in.
 
-Off unless ``GMLX_HANDOVER_LAYERS`` names the layers per chunk (e.g. 8): not yet measured
-on a GPU (``benchmarks/gpu/pipeline_check.py``'s ``chunked`` loop asks the question).
+Off unless ``GMLX_HANDOVER_LAYERS`` names the layers per chunk (e.g. 8). Measured on the
+H200 (``benchmarks/gpu/pipeline_check.py``, an 8B, 2026-12-03 13:45): with Q4_K_M's
+layouts one stream's step took 6.0-6.2 ms in chunks of 4 or 8 layers against 6.2-6.4
+handed over whole, in bf16 5.1-5.6 against 4.7, and at 8 streams 10.5 against 6.6-10.3:
+the overlap happens (handing over fell from ~4 ms to ~1) but the graph building slowed
+by about as much (1.3-1.7 ms to 4.5-4.7), the two threads taking turns at the GIL and at
+MLX's own locks. Not worth turning on as it is.
 """
 
 from __future__ import annotations
