@@ -1,7 +1,7 @@
 """A one-token step's attention in fewer operations, for mlx-lm's llama-family models.
 
-mlx-lm's attention (llama, and mistral's models through it, qwen2, qwen3) reshapes each
-of the queries, keys and values to ``(B, L, heads, D)`` and transposes it to ``(B, heads,
+mlx-lm's attention (llama, and mistral's models through it, qwen2, qwen3, gemma3's text
+model, phi3) reshapes each of the queries, keys and values to ``(B, L, heads, D)`` and transposes it to ``(B, heads,
 L, D)``, and the attention's output back the other way. With one token a stream (``L =
 1``, every decode step) a transpose moves nothing: ``(B, 1, heads, D)`` and ``(B, heads,
 1, D)`` hold their elements in the same order, so each reshape-and-transpose is one
@@ -24,9 +24,11 @@ from functools import cache
 from typing import Any
 
 ENV = "GMLX_ONE_TOKEN_ATTENTION"
-# mlx-lm modules whose ``Attention.__call__`` is the pattern above (qwen3 adds a norm of
-# each head's queries and keys, over the last axis: the same with one token either way)
-FAMILIES = ("llama", "qwen2", "qwen3")
+# mlx-lm modules whose ``Attention.__call__`` is the pattern above: qwen3 and gemma3 add a
+# norm of each head's queries and keys over its last axis (the same with one token either
+# way), phi3 splits one q/k/v product (a family that norms before the reshape, olmo2's,
+# is not the pattern)
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3")
 
 
 def enabled() -> bool:
@@ -71,15 +73,22 @@ def _classes() -> frozenset[type]:
 @cache
 def _one_token(cls: type) -> type:
     """``cls`` with a one-token step in fewer operations."""
+    import mlx.core as mx
     from mlx_lm.models import base
 
     def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
         B, L, _ = x.shape
         if L != 1 or cache is None:
             return cls.__call__(self, x, mask, cache)
-        queries = self.q_proj(x).reshape(B, self.n_heads, 1, -1)
-        keys = self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1)
-        values = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
+        if "qkv_proj" in self:  # phi3
+            q_end = self.n_heads * self.head_dim
+            queries, keys, values = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim],
+                                             axis=-1)
+        else:
+            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(B, self.n_heads, 1, -1)
+        keys = keys.reshape(B, self.n_kv_heads, 1, -1)
+        values = values.reshape(B, self.n_kv_heads, 1, -1)
         if "q_norm" in self:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries = self.rope(queries, offset=cache.offset)

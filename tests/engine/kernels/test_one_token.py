@@ -11,20 +11,30 @@ import re
 import mlx.core as mx
 import pytest
 from mlx import nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from gmlx.engine.kernels import one_token
 
 LAYERS = 3
 
 
+FAMILY_ARGS = {
+    "llama": {},
+    "qwen2": {"max_position_embeddings": 512},
+    "qwen3": {"head_dim": 32, "max_position_embeddings": 512},
+    # a window of 4 keys on every other layer: the 8-token prompt wraps its rotating cache
+    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 4,
+                    "sliding_window_pattern": 2},
+    "phi3": {"max_position_embeddings": 512},
+}
+
+
 def _model(family: str, quantized: bool = False) -> nn.Module:
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs(model_type=family, hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=128,
-                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-                            rope_theta=1e4, tie_word_embeddings=False,
-                            **({"head_dim": 32} if family == "qwen3" else {}),
-                            **({"max_position_embeddings": 512} if family != "llama" else {}))
+    args = module.ModelArgs.from_dict(dict(  # from_dict: each family takes the keys it knows
+        model_type=family, hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=1e4, tie_word_embeddings=False,
+        **FAMILY_ARGS[family]))
     mx.random.seed(5)
     model = module.Model(args)
     if quantized:
@@ -42,12 +52,14 @@ def _steps(model: nn.Module, cache: list, prompts: mx.array, n: int = 4) -> list
     return out
 
 
+ONE = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
 CACHES = {
-    "single": (lambda: KVCache(), mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])),
+    # the model's own: a rotating cache on gemma3's windowed layers
+    "model's own": (lambda model: make_prompt_cache(model), ONE),
     # three streams left-padded by different amounts: each step carries a mask
-    "padded batch": (lambda: BatchKVCache([0, 3, 5]),
+    "padded batch": (lambda model: [BatchKVCache([0, 3, 5]) for _ in range(LAYERS)],
                      mx.array([[3, 1, 4, 1, 5, 9, 2, 6], [0, 0, 0, 7, 7, 8, 8, 9], [0, 0, 0, 0, 0, 2, 4, 6]])),
-    "quantized cache": (lambda: QuantizedKVCache(group_size=32, bits=8), mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])),
+    "quantized cache": (lambda model: [QuantizedKVCache(group_size=32, bits=8) for _ in range(LAYERS)], ONE),
 }
 
 
@@ -57,10 +69,10 @@ CACHES = {
 def test_the_same_logits_bit_for_bit(family: str, quantized: bool, kind: str) -> None:
     make, prompts = CACHES[kind]
     model = _model(family, quantized)
-    want = _steps(model, [make() for _ in range(LAYERS)], prompts)
+    want = _steps(model, make(model), prompts)
     names = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
     assert one_token.attach(model) == LAYERS
-    got = _steps(model, [make() for _ in range(LAYERS)], prompts)
+    got = _steps(model, make(model), prompts)
     assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == names  # nothing moved
     for step, (a, b) in enumerate(zip(want, got, strict=True)):
         assert a.shape == b.shape
@@ -87,7 +99,7 @@ def test_four_operations_fewer_a_layer_in_a_decode_step_only(family: str, tmp_pa
     assert after[1] == before[1]  # a prompt step runs the model's own code
     one_token.detach(model)
     assert _operations(model, decode, tmp_path) == before[0]
-    assert {type(layer.self_attn) for layer in model.model.layers} == {importlib.import_module(
+    assert {type(layer.self_attn) for layer in model.layers} == {importlib.import_module(
         f"mlx_lm.models.{family}").Attention}
 
 
@@ -101,10 +113,11 @@ def test_turned_off_leaves_the_model_as_mlx_lm_wrote_it(monkeypatch: pytest.Monk
 
 
 def test_other_families_are_left_alone() -> None:
-    module = importlib.import_module("mlx_lm.models.gemma")
-    args = module.ModelArgs(model_type="gemma", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                            vocab_size=256)
+    """olmo2 norms its projections before the reshape (over every head at once): not the
+    pattern, so its attention keeps its own code."""
+    module = importlib.import_module("mlx_lm.models.olmo2")
+    args = module.ModelArgs(model_type="olmo2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256)
     model = module.Model(args)
     assert one_token.attach(model) == 0
-    assert {type(layer.self_attn) for layer in model.model.layers} == {module.Attention}
+    assert {type(layer.self_attn) for layer in model.layers} == {module.Attention}
