@@ -41,6 +41,7 @@ from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmma_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
+MAX_KEPT_ROWS = 64  # inputs of at most this many rows (decode steps) keep their worked-out call
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
 log = logging.getLogger(__name__)
 MLX = "mlx"
@@ -89,6 +90,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
     def set_paths(self, paths: Paths) -> None:
         object.__setattr__(self, "paths", paths)
         object.__setattr__(self, "launches", {})  # the kernels' launches, bound per (path, config)
+        object.__setattr__(self, "by_shape", {})  # a decode-sized input's whole call, per (shape, dtype)
 
     def _launch(self, chosen: tuple[str, tuple[int, ...]]) -> Callable[[Any], Any]:
         launch = self.launches.get(chosen)
@@ -105,14 +107,33 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         return launch
 
     def __call__(self, x: Any) -> Any:
-        if not self.paths:
-            return _by_rows(super().__call__, x)
+        # Every layer of every decode step comes here, and a step of a few streams is bound
+        # by the host: a decode-sized input's whole call (path, launch, bias) is worked out
+        # once per shape and kept (``by_shape``), so a step pays one lookup a layer.
+        key = (x.shape, x.dtype)
+        call = self.by_shape.get(key)
+        if call is None:
+            call = self._call_for(x)
+            if x.size <= MAX_KEPT_ROWS * x.shape[-1]:  # prefill shapes vary with every prompt
+                self.by_shape[key] = call
+        return call(x)
+
+    def _call_for(self, x: Any) -> Callable[[Any], Any]:
+        """What a call with ``x``'s shape runs: the chosen path's launch (plus the bias),
+        or MLX's product with the rows flattened."""
         rows = x.size // x.shape[-1] if x.shape[-1] else 0
-        chosen = self.paths.get(bucket(rows))
+        chosen = self.paths.get(bucket(rows)) if self.paths else None
         if chosen is None:
-            return _by_rows(super().__call__, x)
-        y = self._launch(chosen)(x)
-        return y + self["bias"] if "bias" in self else y
+            product = super().__call__
+            shape = x.shape
+            if len(shape) <= 2 or x.size == shape[-2] * shape[-1]:  # rows already (see _by_rows)
+                return product
+            return lambda x: _by_rows(product, x)
+        launch = self._launch(chosen)
+        if "bias" not in self:
+            return launch
+        bias = self["bias"]
+        return lambda x: launch(x) + bias
 
 
 class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -257,16 +278,24 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
     for rows in buckets:
         saved = {id(m): m.paths.pop(rows) for m in swapped if rows in m.paths}
         try:
+            _forget_calls(swapped)
             without = _step_time(model, rows)
             for m in swapped:
                 if id(m) in saved:
                     m.paths[rows] = saved[id(m)]
+            _forget_calls(swapped)
             with_paths = _step_time(model, rows)
         except (TypeError, ValueError, RuntimeError):  # a model this cannot step: keep MLX's
             with_paths, without = 1.0, 0.0
         if with_paths < 0.98 * without:
             kept[rows] = without / with_paths
     return kept
+
+
+def _forget_calls(layers: list[Any]) -> None:
+    """Drop the calls ``layers`` worked out per shape (their ``paths`` changed)."""
+    for m in layers:
+        m.by_shape.clear()
 
 
 def _step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -> float:

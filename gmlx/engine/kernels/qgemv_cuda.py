@@ -169,11 +169,15 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     grid = (-(-n // (warps * rpw)) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
     inputs_after_x = [w, scales, biases]
+    kernels: dict[Any, Any] = {}  # per activation dtype
 
     def run(x: Any) -> Any:
-        (out,) = _kernel(x.dtype, bits, group_size, warps, rpw)(
-            inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
-            output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])
+        dtype = x.dtype
+        kernel = kernels.get(dtype)
+        if kernel is None:
+            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw)
+        (out,) = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
+                        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[dtype])
         return out
 
     return run

@@ -321,3 +321,61 @@ def test_each_chosen_path_is_bound_once_per_layer(monkeypatch) -> None:
     for rows in (1, 1, 5, 8, 12, 1):
         assert mx.allclose(layer(x[:rows]), want[:rows], atol=1e-5, rtol=1e-5)  # the bias added too
     assert bound == [("gemv", (4, 2)), ("kernel", (1, 4, 4))]  # 12 rows: bucket 16, MLX's own
+
+
+def test_a_decode_shape_works_out_its_call_once_and_a_prefill_shape_every_time(monkeypatch) -> None:
+    """Every layer of every decode step comes through ``__call__``: a decode-sized input
+    (at most ``MAX_KEPT_ROWS`` rows) keeps its worked-out call per shape; a prefill's
+    rows vary with every prompt and are worked out each time, so nothing piles up."""
+    from gmlx.engine.kernels import fast_linear
+
+    worked_out: list[tuple[int, ...]] = []
+    real = FastQuantizedLinear._call_for
+
+    def spy(self, x):
+        worked_out.append(tuple(x.shape))
+        return real(self, x)
+
+    monkeypatch.setattr(FastQuantizedLinear, "_call_for", spy)
+    layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    decode, prefill = mx.random.normal((3, 1, 64)), mx.random.normal((1, fast_linear.MAX_KEPT_ROWS + 1, 64))
+    want = layer(decode), layer(prefill)
+    layer.__class__ = FastQuantizedLinear
+    layer.set_paths({4: (fast_linear.DENSE, (0, 0))})
+    for _ in range(3):
+        assert mx.allclose(layer(decode), want[0], atol=1e-4, rtol=1e-4)  # the dense path, bias added
+        assert mx.allclose(layer(prefill), want[1], atol=1e-4, rtol=1e-4)  # MLX's, rows flattened
+    assert worked_out == [(3, 1, 64), *[(1, fast_linear.MAX_KEPT_ROWS + 1, 64)] * 3]
+    assert list(layer.by_shape) == [((3, 1, 64), decode.dtype)]
+
+
+def test_the_confirming_steps_run_the_paths_they_time(monkeypatch) -> None:
+    """The whole-step check times each bucket without its paths, then with them, on the
+    same shapes: the calls the layers worked out for the first run must not stand in for
+    the second. The stand-in clock says a step is faster when the dense path really ran
+    in it; the step itself is the model's, for real."""
+    from gmlx.engine.kernels import fast_linear
+
+    model = _tiny_quantized_llama()
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {2: (fast_linear.DENSE, (0, 0))})
+    ran_dense: list[bool] = []
+    real_dense = fast_linear.dequantized
+
+    def dense(*args):
+        ran_dense.append(True)
+        return real_dense(*args)
+
+    monkeypatch.setattr(fast_linear, "dequantized", dense)
+
+    def step_time(model: nn.Module, rows: int) -> float:
+        ran_dense.clear()
+        for _ in range(2):  # the same shapes twice, as the real timer's steps are
+            mx.eval(model(mx.zeros((rows, 1), mx.int32)))
+        return 0.5 if ran_dense else 1.0
+
+    monkeypatch.setattr(fast_linear, "_step_time", step_time)
+    note = use_fast_kernels(model)
+    assert note is not None and "2: 2.00x" in note
+    swapped = [m for _, m in model.named_modules() if isinstance(m, FastQuantizedLinear)]
+    assert swapped and all(m.paths == {2: (fast_linear.DENSE, (0, 0))} for m in swapped)
