@@ -35,11 +35,13 @@ faster. The loops here add mlx-lm's pieces one at a time:
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
     python benchmarks/gpu/pipeline_check.py demo --widths 1,4            # here, on the CPU
+    python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1 --count --loops "gmlx cache"
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 from pathlib import Path
@@ -166,6 +168,27 @@ def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, 
     return elapsed / steps, {k: v / steps for k, v in spent.items()}, current.tolist()
 
 
+def operations(model, width: int, mode: str) -> collections.Counter:
+    """The operations of one decode step's graph in ``mode``'s model and cache (``gmlx
+    cache`` or ``one token``), by kind: what the host builds and hands to MLX each step.
+    (On the CPU MLX's fast operations, rope and attention among them, are built from
+    several; on a GPU each is one.)"""
+    import re
+    import tempfile
+
+    from gmlx.engine.kernels import one_token
+
+    if mode == "one token":
+        one_token.attach(model)
+    try:
+        cache, tokens = _primed(model, width, 16, "gmlx cache")
+        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+            mx.export_to_dot(f.name, mx.argmax(model(tokens[:, None], cache=cache)[:, -1, :], axis=-1))
+            return collections.Counter(re.findall(r'label ="([A-Za-z_]+)', Path(f.name).read_text()))
+    finally:
+        one_token.detach(model)
+
+
 def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str, float], list]:
     """One row's loop, by its name."""
     from gmlx.engine import handover
@@ -199,12 +222,19 @@ def main() -> None:
     p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {','.join(LOOPS)} "
                    "(kernel: CUDA only)")
     p.add_argument("--no-generator", action="store_true", help="skip mlx-lm's BatchGenerator row")
+    p.add_argument("--count", action="store_true", help="first print the operations of one decode step "
+                   "(gmlx cache and one token), by kind")
     args = p.parse_args()
     loaded = load(args.model, args.dtype, not args.float)
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as pipelined |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     kernel = ("kernel",) if cuda_source.available() else ()
+    for width in (int(w) for w in args.widths.split(",")) if args.count else ():
+        for mode in ("gmlx cache", "one token"):
+            kinds = operations(loaded.model, width, mode)
+            print(f"width {width}, {mode}: {sum(kinds.values())} operations a step ("
+                  + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")", flush=True)
     for width in (int(w) for w in args.widths.split(",")):
         want = None
         for mode in args.loops.split(","):
