@@ -121,3 +121,26 @@ def test_other_families_are_left_alone() -> None:
     model = module.Model(args)
     assert one_token.attach(model) == 0
     assert {type(layer.self_attn) for layer in model.layers} == {module.Attention}
+
+
+@pytest.mark.parametrize("family", one_token.FAMILIES)
+def test_the_same_tokens_through_mlx_lm_generator(family: str) -> None:
+    """Three prompts of different lengths decoded together by mlx-lm's BatchGenerator (a
+    padded batch on its own batch caches, gemma3's rotating ones among them), greedy."""
+    from gmlx.engine import mlxlm
+
+    def generate(model: nn.Module) -> dict[int, list[int]]:
+        gen = mlxlm.batch_generator(model, [255], 4, 16)
+        uids = gen.insert([[1, 2, 3, 4, 5, 6, 7], [9, 8], [4] * 20], max_tokens=[24, 24, 24])
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(r.token)
+        gen.close()
+        return out
+
+    model = _model(family, quantized=True)
+    want = generate(model)
+    one_token.attach(model)
+    assert generate(model) == want
+    assert sorted(len(tokens) for tokens in want.values()) == [24, 24, 24]
