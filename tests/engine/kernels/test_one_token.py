@@ -130,7 +130,7 @@ def test_the_same_tokens_through_mlx_lm_generator(family: str) -> None:
     from gmlx.engine import mlxlm
 
     def generate(model: nn.Module) -> dict[int, list[int]]:
-        gen = mlxlm.batch_generator(model, [255], 4, 16)
+        gen = mlxlm.batch_generator(model, [10_000], 4, 16)  # a stop token never drawn: 24 each
         uids = gen.insert([[1, 2, 3, 4, 5, 6, 7], [9, 8], [4] * 20], max_tokens=[24, 24, 24])
         out: dict[int, list[int]] = {u: [] for u in uids}
         while responses := gen.next_generated():
