@@ -227,14 +227,14 @@ def main() -> None:
     args = p.parse_args()
     loaded = load(args.model, args.dtype, not args.float)
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
-    print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as pipelined |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    kernel = ("kernel",) if cuda_source.available() else ()
     for width in (int(w) for w in args.widths.split(",")) if args.count else ():
         for mode in ("gmlx cache", "one token"):
             kinds = operations(loaded.model, width, mode)
             print(f"width {width}, {mode}: {sum(kinds.values())} operations a step ("
                   + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")", flush=True)
+    print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as pipelined |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    kernel = ("kernel",) if cuda_source.available() else ()
     for width in (int(w) for w in args.widths.split(",")):
         want = None
         for mode in args.loops.split(","):

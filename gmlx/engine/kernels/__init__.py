@@ -9,7 +9,7 @@ log = logging.getLogger(__name__)
 
 
 def prepare_layers(model: Any) -> list[str]:
-    """``model``'s layers as the engine runs them: llama-family attention's one-token
+    """``model``'s layers as the engine runs them: llama-pattern attention's one-token
     steps in fewer operations (:mod:`one_token`; everywhere, the same numbers), with
     ``GMLX_FUSE_PROJECTIONS=1`` projections that read one input stacked into one product
     (logged, not a load note: neither changes a number a user sees), then, on CUDA (unless

@@ -1,13 +1,14 @@
-"""A one-token step's attention in fewer operations, for mlx-lm's llama-family models.
+"""A one-token step's attention in fewer operations, for mlx-lm's llama-pattern models.
 
 mlx-lm's attention (llama, and mistral's models through it, qwen2, qwen3, gemma3's text
-model, phi3) reshapes each of the queries, keys and values to ``(B, L, heads, D)`` and transposes it to ``(B, heads,
-L, D)``, and the attention's output back the other way. With one token a stream (``L =
-1``, every decode step) a transpose moves nothing: ``(B, 1, heads, D)`` and ``(B, heads,
-1, D)`` hold their elements in the same order, so each reshape-and-transpose is one
-reshape, and the output's transpose-and-reshape one reshape: four operations fewer a
-layer (an 8B's step: 128 of its ~870), the same arrays, element for element (the tests
-compare the logits bit for bit, on padded batches and quantized caches too).
+model, phi3) reshapes each of the queries, keys and values to ``(B, L, heads, D)`` and
+transposes it to ``(B, heads, L, D)``, and the attention's output back the other way.
+With one token a stream (``L = 1``, every decode step) a transpose moves nothing: ``(B,
+1, heads, D)`` and ``(B, heads, 1, D)`` hold their elements in the same order, so each
+reshape-and-transpose is one reshape, and the output's transpose-and-reshape one reshape:
+four operations fewer a layer (an 8B's step: 128 of its ~870), the same arrays, element
+for element (the tests compare the logits bit for bit, on padded batches, rotating and
+quantized caches too).
 
 A decode step of a few streams on a GPU is bound by the host, at a few microseconds an
 operation built and handed to MLX, whatever the operation does; these do nothing.
