@@ -10,8 +10,9 @@ import pytest
 from mlx import nn
 from mlx_lm.models import llama
 
-from gmlx.engine import handover, mlxlm
+from gmlx.engine import handover
 from gmlx.engine.types import GenerateRequest, SamplingParams
+from tests.engine.decoding import decode_together
 
 
 def _model() -> nn.Module:
@@ -25,15 +26,7 @@ def _model() -> nn.Module:
 
 
 def _generate(model: nn.Module, stream=None) -> dict[int, list[int]]:
-    """Three prompts of different lengths decoded together (a padded batch), greedy."""
-    gen = mlxlm.batch_generator(model, [255], 4, 16, stream)
-    uids = gen.insert([[1, 2, 3, 4, 5, 6, 7], [9, 8], [4] * 20], max_tokens=[24, 24, 24])
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(r.token)
-    gen.close()
-    return out
+    return decode_together(model, 255, stream)
 
 
 def test_a_chunked_forward_generates_the_same_tokens_and_detaches_cleanly() -> None:

@@ -14,6 +14,7 @@ from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from gmlx.engine.kernels import one_token
+from tests.engine.decoding import decode_together
 
 LAYERS = 3
 
@@ -127,20 +128,8 @@ def test_other_families_are_left_alone() -> None:
 def test_the_same_tokens_through_mlx_lm_generator(family: str) -> None:
     """Three prompts of different lengths decoded together by mlx-lm's BatchGenerator (a
     padded batch on its own batch caches, gemma3's rotating ones among them), greedy."""
-    from gmlx.engine import mlxlm
-
-    def generate(model: nn.Module) -> dict[int, list[int]]:
-        gen = mlxlm.batch_generator(model, [10_000], 4, 16)  # a stop token never drawn: 24 each
-        uids = gen.insert([[1, 2, 3, 4, 5, 6, 7], [9, 8], [4] * 20], max_tokens=[24, 24, 24])
-        out: dict[int, list[int]] = {u: [] for u in uids}
-        while responses := gen.next_generated():
-            for r in responses:
-                out[r.uid].append(r.token)
-        gen.close()
-        return out
-
     model = _model(family, quantized=True)
-    want = generate(model)
+    want = decode_together(model, 10_000)  # a stop token never drawn: 24 tokens each
     one_token.attach(model)
-    assert generate(model) == want
+    assert decode_together(model, 10_000) == want
     assert sorted(len(tokens) for tokens in want.values()) == [24, 24, 24]
