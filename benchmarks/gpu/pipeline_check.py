@@ -31,6 +31,9 @@ faster. The loops here add mlx-lm's pieces one at a time:
 - ``one token``: ``gmlx cache`` with the attention's one-token steps in four operations
   fewer a layer (``gmlx.engine.kernels.one_token``, a server's default: the reshapes
   around an attention of one token need no transposes).
+- ``add norm``: ``one token`` with each residual add and the RMSNorm after it in one
+  kernel (``gmlx.engine.kernels.add_norm_cuda``, ``GMLX_ADD_NORM_KERNEL=1`` in a server:
+  two operations fewer a layer; CUDA only).
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -55,7 +58,8 @@ from benchmarks.gpu.served_step import attention, load
 from gmlx.engine.kernels import cuda_source
 
 PHASES = ("build", "hand over", "wait", "read")
-LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "one token", "threaded", "chunked8")
+LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "one token", "add norm", "threaded",
+         "chunked8")
 
 
 def _primed(model, width: int, context: int, kind: str = "plain"):
@@ -170,16 +174,18 @@ def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, 
 
 def operations(model, width: int, mode: str) -> collections.Counter:
     """The operations of one decode step's graph in ``mode``'s model and cache (``gmlx
-    cache`` or ``one token``), by kind: what the host builds and hands to MLX each step.
+    cache``, ``one token`` or ``add norm``), by kind: what the host builds and hands to MLX each step.
     (On the CPU MLX's fast operations, rope and attention among them, are built from
     several; on a GPU each is one.)"""
     import re
     import tempfile
 
-    from gmlx.engine.kernels import one_token
+    from gmlx.engine.kernels import add_norm_cuda, one_token
 
-    if mode == "one token":
+    if mode in ("one token", "add norm"):
         one_token.attach(model)
+    if mode == "add norm":
+        add_norm_cuda.attach(model)
     try:
         cache, tokens = _primed(model, width, 16, "gmlx cache")
         with tempfile.NamedTemporaryFile(suffix=".dot") as f:
@@ -187,6 +193,7 @@ def operations(model, width: int, mode: str) -> collections.Counter:
             return collections.Counter(re.findall(r'label ="([A-Za-z_]+)', Path(f.name).read_text()))
     finally:
         one_token.detach(model)
+        add_norm_cuda.detach(model)
 
 
 def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str, float], list]:
@@ -203,12 +210,17 @@ def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str,
                 return loop(model, width, "pipelined", steps)
         finally:
             handover.detach(model)
-    if mode == "one token":
+    if mode in ("one token", "add norm"):
+        from gmlx.engine.kernels import add_norm_cuda
+
         one_token.attach(model)
+        if mode == "add norm":
+            add_norm_cuda.attach(model)
         try:
             return loop(model, width, "gmlx cache", steps)
         finally:
             one_token.detach(model)
+            add_norm_cuda.detach(model)
     return loop(model, width, mode, steps)
 
 
@@ -220,7 +232,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="synthetic: float type")
     p.add_argument("--float", action="store_true", help="synthetic: float weights, not Q4_K_M's layouts")
     p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {','.join(LOOPS)} "
-                   "(kernel: CUDA only)")
+                   "(kernel, add norm: CUDA only)")
     p.add_argument("--no-generator", action="store_true", help="skip mlx-lm's BatchGenerator row")
     p.add_argument("--count", action="store_true", help="first print the operations of one decode step "
                    "(gmlx cache and one token), by kind")
@@ -228,7 +240,7 @@ def main() -> None:
     loaded = load(args.model, args.dtype, not args.float)
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
     for width in (int(w) for w in args.widths.split(",")) if args.count else ():
-        for mode in ("gmlx cache", "one token"):
+        for mode in ("gmlx cache", "one token", *(("add norm",) if cuda_source.available() else ())):
             kinds = operations(loaded.model, width, mode)
             print(f"width {width}, {mode}: {sum(kinds.values())} operations a step ("
                   + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")", flush=True)
@@ -238,7 +250,7 @@ def main() -> None:
     for width in (int(w) for w in args.widths.split(",")):
         want = None
         for mode in args.loops.split(","):
-            if mode == "kernel" and not kernel:
+            if mode in ("kernel", "add norm") and not kernel:
                 continue
             per_step, spent, last = run_loop(loaded.model, width, mode, args.steps)
             want = last if mode == "pipelined" and want is None else want

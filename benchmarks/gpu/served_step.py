@@ -4,7 +4,9 @@ gmlx's worker on the same weights, with the quantized layers as MLX leaves them
 (``plain``), only flattened (``flat``) and with the tuned paths (``tuned``); ``clear``
 empties MLX's buffer cache between modes; ``one-token`` gives the attention layers the
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
-operations fewer a layer) and ``model-attention`` takes them back, for the modes after.
+operations fewer a layer) and ``model-attention`` takes them back, ``add-norm`` fuses
+each residual add with the norm after it (``add_norm_cuda``, CUDA only) and
+``model-norms`` takes that back, for the modes after.
 A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
 
@@ -171,6 +173,13 @@ def main() -> None:
     for mode in args.modes.split(","):
         if mode == "clear":
             mx.clear_cache()
+            continue
+        if mode in ("add-norm", "model-norms"):
+            from gmlx.engine.kernels import add_norm_cuda
+
+            add_norm_cuda.attach(loaded.model) if mode == "add-norm" else add_norm_cuda.detach(loaded.model)
+            print(f"  {mode}: the modes after run " + ("residual adds and norms fused" if mode == "add-norm"
+                                                       else "mlx-lm's own adds and norms"), flush=True)
             continue
         if mode in ("one-token", "model-attention"):
             from gmlx.engine.kernels import one_token

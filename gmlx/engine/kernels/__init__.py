@@ -14,9 +14,11 @@ def prepare_layers(model: Any) -> list[str]:
     ``GMLX_FUSE_PROJECTIONS=1`` projections that read one input stacked into one product
     (logged, not a load note: neither changes a number a user sees), then, on CUDA (unless
     turned off), the padded batches' one-query attention (:mod:`attention_cuda`, logged
-    likewise) and the quantized layers' paths. Returns the load notes."""
+    likewise), with ``GMLX_ADD_NORM_KERNEL=1`` the residual adds and norms of one-token
+    steps fused (:mod:`add_norm_cuda`, logged likewise) and the quantized layers' paths.
+    Returns the load notes."""
     from gmlx.engine import mlxlm
-    from gmlx.engine.kernels import attention_cuda, one_token
+    from gmlx.engine.kernels import add_norm_cuda, attention_cuda, one_token
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 
@@ -27,5 +29,7 @@ def prepare_layers(model: Any) -> list[str]:
     if attention_cuda.enabled():
         mlxlm.route_attention(attention_cuda.routed)
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")
+    if add_norm_cuda.enabled() and (fused := add_norm_cuda.attach(model)):
+        log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
     note = use_fast_kernels(model)
     return [] if note is None else [note]

@@ -43,12 +43,13 @@ def kernel_name(prefix: str, source: str) -> str:
     return f"{prefix}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
 
 
-def build(prefix: str, head: str, body: str, inputs: list[str], **options: Any) -> Any:
+def build(prefix: str, head: str, body: str, inputs: list[str], outputs: tuple[str, ...] = ("out",),
+          **options: Any) -> Any:
     """The custom kernel of source ``head + body`` (its constants, then its code) with
-    ``inputs`` and one output ``out``, named by :func:`kernel_name`; ``options`` go to
+    ``inputs`` and ``outputs``, named by :func:`kernel_name`; ``options`` go to
     ``mx.fast.cuda_kernel`` (``ensure_row_contiguous``)."""
     import mlx.core as mx
 
     source = head + body
-    return mx.fast.cuda_kernel(name=kernel_name(prefix, source), input_names=inputs, output_names=["out"],
+    return mx.fast.cuda_kernel(name=kernel_name(prefix, source), input_names=inputs, output_names=list(outputs),
                                source=source, **options)

@@ -11,8 +11,6 @@ routing tests put that replay where the kernel would be, said in each.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +19,8 @@ import pytest
 
 from gmlx.engine import mlxlm
 from gmlx.engine.kernels import attention_cuda, cuda_source
+from tests.engine.kernels import emulation
+from tests.engine.kernels.emulation import PRELUDE, compile_and_run
 
 
 def _inputs(batch: int, heads: int, kv_heads: int, keys: int, d: int, padding: list[int], dtype=mx.float32):
@@ -146,57 +146,14 @@ def test_a_load_routes_only_on_cuda_unless_turned_off(demo_model, monkeypatch: p
 
 # -- the kernel's own source, run on the CPU --------------------------------------------------
 
-GXX = shutil.which("g++")
-CUDA_INCLUDE = next((p for p in ("/usr/local/cuda/include",) if Path(p, "cuda_bf16.h").exists()), None)
-
-# CUDA's block and warp primitives for a block run as 256 host threads: shared memory as
-# the body's static arrays (blocks run one after another), ``__syncthreads`` as a barrier
-# of the block, a shuffle as an exchange through memory between two barriers of the warp.
-_EMULATION = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <algorithm>
-#include <array>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <thread>
-#include <vector>
-using std::min;
-struct Dim { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim threadIdx, blockIdx;
-#undef __shared__
-#define __shared__ static
-#undef __grid_constant__
-#define __grid_constant__
-using Shape = std::array<int32_t, 10>;
-using Strides = std::array<int64_t, 10>;
-static std::barrier<>* block_barrier;
-static std::barrier<>* warp_barrier[32];
-static float exchange[32][32];
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    exchange[warp][lane] = v;
-    warp_barrier[warp]->arrive_and_wait();
-    const float r = exchange[warp][lane ^ o];
-    warp_barrier[warp]->arrive_and_wait();
-    return r;
-}
+# The kernel's signature as MLX writes it, its body, and a main that runs its blocks.
+_EMULATION = PRELUDE + r"""
 using E = ELEMENT;
 void kernel(const E* q, const Shape q_shape, const Strides q_strides,
             const E* k, const Shape k_shape, const Strides k_strides,
             const E* v, const Shape v_shape, const Strides v_strides,
             const bool* mask, const Shape mask_shape, const Strides mask_strides, E* out) {
 BODY
-}
-template <typename X> std::vector<X> load(const char* path, size_t n) {
-    std::vector<X> data(n);
-    FILE* f = std::fopen(path, "rb");
-    if (!f || std::fread(data.data(), sizeof(X), n, f) != n) { std::perror(path); std::exit(2); }
-    std::fclose(f);
-    return data;
 }
 int main(int argc, char** argv) {
     // B heads kv_heads keys capacity D threads
@@ -210,23 +167,10 @@ int main(int argc, char** argv) {
     std::vector<E> out((size_t)B * H * D);
     Shape qs{B, H, 1, D}, ks{B, HK, L, D}, ms{B, 1, 1, L};
     Strides qt{(int64_t)H * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, mt{L, L, L, 1};
-    for (int blk = 0; blk < B * H; ++blk) {
-        std::barrier<> block(THREADS_);
-        std::vector<std::barrier<>*> warps;
-        block_barrier = &block;
-        for (int w = 0; w < THREADS_ / 32; ++w) warp_barrier[w] = new std::barrier<>(32);
-        std::vector<std::thread> threads;
-        for (int t = 0; t < THREADS_; ++t)
-            threads.emplace_back([&, t] {
-                threadIdx.x = t; blockIdx.x = blk;
-                kernel(q.data(), qs, qt, k.data(), ks, kt, v.data(), ks, kt, mb, ms, mt, out.data());
-            });
-        for (auto& th : threads) th.join();
-        for (int w = 0; w < THREADS_ / 32; ++w) delete warp_barrier[w];
-    }
-    FILE* f = std::fopen("out.bin", "wb");
-    std::fwrite(out.data(), sizeof(E), out.size(), f);
-    std::fclose(f);
+    run_blocks(B * H, THREADS_, [&] {
+        kernel(q.data(), qs, qt, k.data(), ks, kt, v.data(), ks, kt, mb, ms, mt, out.data());
+    });
+    save("out.bin", out);
 }
 """
 
@@ -246,10 +190,6 @@ def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
             attention_cuda._kernel.cache_clear()
     element = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}[q.dtype]
     source = _EMULATION.replace("ELEMENT", element).replace("BODY", made[0]["source"])
-    (tmp / "attend.cpp").write_text(source)
-    done = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{CUDA_INCLUDE}",
-                           "attend.cpp", "-o", "attend"], check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
     beyond = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
     k_full, v_full = (mx.pad(a, beyond, constant_values=1e4) for a in (k, v))
     bits = mx.uint16
@@ -257,15 +197,12 @@ def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(bits)).tobytes())
     (tmp / "mask.bin").write_bytes(np.array(mask.reshape(-1)).astype(np.bool_).tobytes())
     b, heads, _, d = q.shape
-    args = [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS]
-    run = subprocess.run(["./attend", *map(str, args)], check=False, cwd=tmp, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    compile_and_run(tmp, source, [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS])
     raw = np.frombuffer((tmp / "out.bin").read_bytes(), dtype=np.uint16).reshape(q.shape)
     return mx.array(raw).view(q.dtype)
 
 
-@pytest.mark.skipif(GXX is None or CUDA_INCLUDE is None,
-                    reason="the kernel's source runs here only with g++ and the CUDA toolkit's headers")
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("dtype,d,keys,padding", [(mx.bfloat16, 128, 300, [0, 17, 290]),
                                                   (mx.float16, 64, 40, [0, 3, 39]),
                                                   (mx.bfloat16, 256, 270, [0, 9, 261])])

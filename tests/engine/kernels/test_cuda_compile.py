@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gmlx.engine.kernels import attention_cuda, qgemv_cuda, qmma_cuda
+from gmlx.engine.kernels import add_norm_cuda, attention_cuda, qgemv_cuda, qmma_cuda
 
 NVCC = shutil.which("nvcc") or next(
     (p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc") if os.access(p, os.X_OK)), None)
@@ -61,7 +61,7 @@ def _wrapped(made: dict, input_types: list) -> str:
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qmma_cuda, attention_cuda):
+    for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     return made
 
@@ -83,8 +83,11 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
             for d in attention_cuda.HEAD_DIMS:
                 attention_cuda._kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
+            for d in (2048, 4096):
+                add_norm_cuda._kernel(dtype, d, 1e-5)
+                kernels.append((made[-1], [dtype, dtype, dtype]))
     finally:
-        for module in (qgemv_cuda, qmma_cuda, attention_cuda):
+        for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda):
             module._kernel.cache_clear()
     names = [m["name"] for m, _ in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source

@@ -1,0 +1,92 @@
+"""CUDA's block and warp primitives on the CPU, for running a custom kernel's own source
+here: each block as host threads (one after another), shared memory as the body's
+static arrays, ``__syncthreads`` as a barrier of the block, a shuffle as an exchange
+through memory between two barriers of the warp. Needs g++ and the CUDA toolkit's
+headers (for ``__half`` and ``__nv_bfloat16`` on the host); the tests skip without."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+GXX = shutil.which("g++")
+CUDA_INCLUDE = next((p for p in ("/usr/local/cuda/include",) if Path(p, "cuda_bf16.h").exists()), None)
+AVAILABLE = GXX is not None and CUDA_INCLUDE is not None
+WHY_NOT = "a kernel's source runs here only with g++ and the CUDA toolkit's headers"
+
+PRELUDE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+using std::min;
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx, blockIdx;
+#undef __shared__
+#define __shared__ static
+#undef __grid_constant__
+#define __grid_constant__
+using Shape = std::array<int32_t, 10>;
+using Strides = std::array<int64_t, 10>;
+static std::barrier<>* block_barrier;
+static std::barrier<>* warp_barrier[32];
+static float exchange[32][32];
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    exchange[warp][lane] = v;
+    warp_barrier[warp]->arrive_and_wait();
+    const float r = exchange[warp][lane ^ o];
+    warp_barrier[warp]->arrive_and_wait();
+    return r;
+}
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+template <typename X> std::vector<X> load(const char* path, size_t n) {
+    std::vector<X> data(n);
+    FILE* f = std::fopen(path, "rb");
+    if (!f || std::fread(data.data(), sizeof(X), n, f) != n) { std::perror(path); std::exit(2); }
+    std::fclose(f);
+    return data;
+}
+template <typename X> void save(const char* path, const std::vector<X>& data) {
+    FILE* f = std::fopen(path, "wb");
+    std::fwrite(data.data(), sizeof(X), data.size(), f);
+    std::fclose(f);
+}
+// Runs ``body(t)`` as ``threads`` host threads for each of ``blocks`` blocks in turn.
+template <typename F> void run_blocks(int blocks, int threads, F body) {
+    for (int blk = 0; blk < blocks; ++blk) {
+        std::barrier<> block(threads);
+        block_barrier = &block;
+        for (int w = 0; w < threads / 32; ++w) warp_barrier[w] = new std::barrier<>(32);
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t)
+            pool.emplace_back([&, t, blk] { threadIdx.x = t; blockIdx.x = blk; body(); });
+        for (auto& th : pool) th.join();
+        for (int w = 0; w < threads / 32; ++w) delete warp_barrier[w];
+    }
+}
+"""
+
+
+def compile_and_run(tmp: Path, program: str, args: list[int]) -> None:
+    """Compile ``program`` (``PRELUDE``, the kernel and a ``main``) in ``tmp`` and run it
+    there with ``args``; it reads and writes its arrays as files in ``tmp``."""
+    import pytest
+
+    (tmp / "kernel.cpp").write_text(program)
+    done = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{CUDA_INCLUDE}",
+                           "kernel.cpp", "-o", "kernel"], check=False, cwd=tmp, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = subprocess.run(["./kernel", *map(str, args)], check=False, cwd=tmp, capture_output=True, text=True,
+                         timeout=300)
+    if run.returncode != 0:
+        pytest.fail(run.stderr)
