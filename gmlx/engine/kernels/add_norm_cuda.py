@@ -27,7 +27,6 @@ own add and norm standing in for the kernel (the same logits, bit for bit).
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source
+from gmlx.engine.kernels import cuda_source, swaps
 from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 ENV = "GMLX_ADD_NORM_KERNEL"
@@ -150,9 +149,7 @@ def attach(model: Any, fused: Callable[..., tuple[Any, Any]] = add_norm) -> int:
 
 def detach(model: Any) -> None:
     """Give the blocks and the final norm their own classes back."""
-    for _, module in model.named_modules():
-        if getattr(type(module), "add_norm", False):
-            module.__class__ = type(module).__bases__[0]
+    swaps.restore(model, "add_norm")
 
 
 def _plain_norms(block: Any) -> bool:
@@ -161,13 +158,7 @@ def _plain_norms(block: Any) -> bool:
 
 @cache
 def _block_classes() -> frozenset[type]:
-    found = set()
-    for name in FAMILIES:
-        try:
-            found.add(importlib.import_module(f"mlx_lm.models.{name}").TransformerBlock)
-        except (ImportError, AttributeError):  # an mlx-lm without it
-            continue
-    return frozenset(found)
+    return swaps.family_classes(FAMILIES, "TransformerBlock")
 
 
 @cache
@@ -190,7 +181,7 @@ def _fused_block(cls: type) -> type:
         _pending.note = (out, h, r)
         return out
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": __name__, "add_norm": True})
+    return swaps.subclass(cls, "add_norm", __call__)
 
 
 class _FusedFinalNorm(nn.RMSNorm):

@@ -19,10 +19,11 @@ parameters); ``GMLX_ONE_TOKEN_ATTENTION=0`` leaves every model as mlx-lm wrote i
 
 from __future__ import annotations
 
-import importlib
 import os
 from functools import cache
 from typing import Any
+
+from gmlx.engine.kernels import swaps
 
 ENV = "GMLX_ONE_TOKEN_ATTENTION"
 # mlx-lm modules whose ``Attention.__call__`` is the pattern above: qwen3 and gemma3 add a
@@ -55,20 +56,12 @@ def attach(model: Any) -> int:
 def detach(model: Any) -> None:
     """Give ``model``'s attention layers their own classes back (what :func:`attach`
     changed; a benchmark's loops compare the two on one model)."""
-    for _, module in model.named_modules():
-        if getattr(type(module), "one_token", False):
-            module.__class__ = type(module).__bases__[0]
+    swaps.restore(model, "one_token")
 
 
 @cache
 def _classes() -> frozenset[type]:
-    found = set()
-    for name in FAMILIES:
-        try:
-            found.add(importlib.import_module(f"mlx_lm.models.{name}").Attention)
-        except (ImportError, AttributeError):  # an mlx-lm without it
-            continue
-    return frozenset(found)
+    return swaps.family_classes(FAMILIES, "Attention")
 
 
 @cache
@@ -99,4 +92,4 @@ def _one_token(cls: type) -> type:
         out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.reshape(B, 1, -1))
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": __name__, "one_token": True})
+    return swaps.subclass(cls, "one_token", __call__)

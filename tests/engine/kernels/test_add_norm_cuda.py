@@ -6,7 +6,6 @@ bit: the wiring changes nothing else), and which steps take it."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +17,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from gmlx.engine.kernels import add_norm_cuda
 from tests.engine.kernels import emulation
 from tests.engine.kernels.emulation import PRELUDE, compile_and_run
+from tests.engine.kernels.models import steps, tiny
 
 LAYERS = 3
 
@@ -77,24 +77,7 @@ def test_the_kernel_source_itself_matches_mlx(tmp_path: Path, dtype, d: int) -> 
 
 
 def _model(family: str) -> nn.Module:
-    module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs.from_dict(dict(
-        model_type=family, hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=1e4, tie_word_embeddings=False,
-        max_position_embeddings=512, **({"head_dim": 32} if family == "qwen3" else {})))
-    mx.random.seed(7)
-    model = module.Model(args)
-    model.set_dtype(mx.bfloat16)  # the kernel's activations: bf16 or fp16
-    mx.eval(model.parameters())
-    return model
-
-
-def _steps(model: nn.Module, cache: list, prompts: mx.array, n: int = 4) -> list[mx.array]:
-    out = [model(prompts, cache=cache)]
-    for _ in range(n):
-        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
-    mx.eval(out)
-    return out
+    return tiny(family, LAYERS, dtype=mx.bfloat16, seed=7)  # the kernel's activations: bf16 or fp16
 
 
 @pytest.mark.parametrize("family", add_norm_cuda.FAMILIES)
@@ -109,7 +92,7 @@ def test_the_wiring_gives_the_same_logits(family: str, batch: bool) -> None:
     def caches() -> list:
         return [BatchKVCache([0, 2]) for _ in range(LAYERS)] if batch else make_prompt_cache(model)
 
-    want = _steps(model, caches(), prompts)
+    want = steps(model, caches(), prompts)
     calls: list[tuple[int, ...]] = []
 
     def fused(x, r, w, eps):
@@ -117,7 +100,7 @@ def test_the_wiring_gives_the_same_logits(family: str, batch: bool) -> None:
         return add_norm_cuda.mlx_add_norm(x, r, w, eps)
 
     assert add_norm_cuda.attach(model, fused) == LAYERS
-    got = _steps(model, caches(), prompts)
+    got = steps(model, caches(), prompts)
     for a, b in zip(want, got, strict=True):
         assert mx.array_equal(a, b).item()
     rows = prompts.shape[0]

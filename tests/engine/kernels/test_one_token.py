@@ -15,42 +15,13 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_pr
 
 from gmlx.engine.kernels import one_token
 from tests.engine.decoding import decode_together
+from tests.engine.kernels.models import steps, tiny
 
 LAYERS = 3
 
 
-FAMILY_ARGS = {
-    "llama": {},
-    "qwen2": {"max_position_embeddings": 512},
-    "qwen3": {"head_dim": 32, "max_position_embeddings": 512},
-    # a window of 4 keys on every other layer: the 8-token prompt wraps its rotating cache
-    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 4,
-                    "sliding_window_pattern": 2},
-    "phi3": {"max_position_embeddings": 512},
-}
-
-
 def _model(family: str, quantized: bool = False) -> nn.Module:
-    module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs.from_dict(dict(  # from_dict: each family takes the keys it knows
-        model_type=family, hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=1e4, tie_word_embeddings=False,
-        **FAMILY_ARGS[family]))
-    mx.random.seed(5)
-    model = module.Model(args)
-    if quantized:
-        nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
-
-
-def _steps(model: nn.Module, cache: list, prompts: mx.array, n: int = 4) -> list[mx.array]:
-    """The prompt's logits, then ``n`` greedy decode steps' (each stream a token)."""
-    out = [model(prompts, cache=cache)]
-    for _ in range(n):
-        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
-    mx.eval(out)
-    return out
+    return tiny(family, LAYERS, quantized=quantized)
 
 
 ONE = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
@@ -70,10 +41,10 @@ CACHES = {
 def test_the_same_logits_bit_for_bit(family: str, quantized: bool, kind: str) -> None:
     make, prompts = CACHES[kind]
     model = _model(family, quantized)
-    want = _steps(model, make(model), prompts)
+    want = steps(model, make(model), prompts)
     names = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
     assert one_token.attach(model) == LAYERS
-    got = _steps(model, make(model), prompts)
+    got = steps(model, make(model), prompts)
     assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == names  # nothing moved
     for step, (a, b) in enumerate(zip(want, got, strict=True)):
         assert a.shape == b.shape

@@ -1,0 +1,43 @@
+"""Tiny mlx-lm models of one family each, random weights, for the kernels' tests."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+
+# what a family needs beyond the common keys (qwen3 and gemma3 name their head size;
+# gemma3's window of 4 keys on every other layer wraps its rotating cache in a short test)
+EXTRA = {
+    "qwen3": {"head_dim": 32},
+    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 4, "sliding_window_pattern": 2},
+}
+
+
+def tiny(family: str, layers: int, *, quantized: bool = False, dtype: Any = None, seed: int = 5) -> nn.Module:
+    """A ``layers``-layer model of ``family`` (hidden 128, 4 heads, 2 key-value heads,
+    vocabulary 256), its weights 4-bit with ``quantized``, cast to ``dtype`` if given."""
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    args = module.ModelArgs.from_dict(dict(  # from_dict: each family takes the keys it knows
+        model_type=family, hidden_size=128, num_hidden_layers=layers, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=1e4, tie_word_embeddings=False,
+        max_position_embeddings=512, **EXTRA.get(family, {})))
+    mx.random.seed(seed)
+    model = module.Model(args)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def steps(model: nn.Module, cache: list, prompts: mx.array, n: int = 4) -> list[mx.array]:
+    """The prompt's logits, then ``n`` greedy decode steps' (each stream a token)."""
+    out = [model(prompts, cache=cache)]
+    for _ in range(n):
+        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
+    mx.eval(out)
+    return out
