@@ -244,7 +244,7 @@ def main() -> None:
             kinds = operations(loaded.model, width, mode)
             print(f"width {width}, {mode}: {sum(kinds.values())} operations a step ("
                   + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")", flush=True)
-    print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as pipelined |")
+    print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as the first loop's |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     kernel = ("kernel",) if cuda_source.available() else ()
     for width in (int(w) for w in args.widths.split(",")):
@@ -253,8 +253,8 @@ def main() -> None:
             if mode in ("kernel", "add norm") and not kernel:
                 continue
             per_step, spent, last = run_loop(loaded.model, width, mode, args.steps)
-            want = last if mode == "pipelined" and want is None else want
             same = "" if want is None else "yes" if last == want else "no"
+            want = last if want is None else want  # the first loop's tokens: what the others must give
             phases = " | ".join(f"{spent[k] * 1e3:.2f}" for k in PHASES)
             print(f"| {width} | {mode} | {per_step * 1e3:.2f} | {width / per_step:.1f} | {phases} | {same} |",
                   flush=True)
