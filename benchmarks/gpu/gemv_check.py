@@ -1,11 +1,12 @@
-"""The one-row kernel (``gmlx.engine.kernels.qgemv_cuda``) on the GPU machine: its output
+"""The CUDA-core kernel (``gmlx.engine.kernels.qgemv_cuda``; one row, or a few with
+``--rows``) on the GPU machine: its output
 against MLX's product on the CPU backend (the same inputs; agreement as the tuner holds
 it: within twice MLX's own error against a float32 product, plus 0.1% of the largest
 value), and microseconds per product against MLX's CUDA product at each launch shape,
 on a Llama-3-8B's layer shapes in a Q4_K_M GGUF's layouts (stacked q/k/v and gate/up
 included), with the bandwidth it reached.
 
-    python benchmarks/gpu/gemv_check.py [--dtype float16] [--reps 50]
+    python benchmarks/gpu/gemv_check.py [--dtype float16] [--reps 50] [--rows 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gmlx.engine.kernels import qgemv_cuda
 from gmlx.engine.kernels.fast_linear import agrees
 
-# (K, N, bits): an 8B's products in Q4_K_M's layouts, one row
+# (K, N, bits): an 8B's products in Q4_K_M's layouts
 SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4096, 1024, 6),
           (4096, 14336, 4), (4096, 28672, 4), (14336, 4096, 4), (14336, 4096, 6), (4096, 128256, 6),
           (4096, 4096, 8)]
@@ -39,25 +40,26 @@ def per_product(fn, reps: int) -> float:
     return best * 1e6
 
 
-def row(k: int, n: int, bits: int, dtype, g: int, reps: int) -> str:
+def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> str:
     """One shape's table row: agreement at every launch shape, MLX's time and the kernel's."""
     mx.random.seed(k + n + bits)
     wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=g, bits=bits)
-    x = (mx.random.normal((1, k)) * 2).astype(dtype)
+    x = (mx.random.normal((rows, k)) * 2).astype(dtype)
     mx.eval(wq, s, b, x)
     with mx.stream(mx.cpu):
         want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=g, bits=bits)
         w32 = mx.dequantize(wq, s, b, group_size=g, bits=bits).astype(mx.float32)
         exact = x.astype(mx.float32) @ w32.T
         mx.eval(want, exact)
-    ok = all(agrees(qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), want, exact) for c in qgemv_cuda.configs())
+    configs = qgemv_cuda.configs(rows)
+    ok = all(agrees(qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), want, exact) for c in configs)
     mlx_us = per_product(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=g, bits=bits), reps)
     times = {c: per_product(lambda c=c: qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), reps)
-             for c in qgemv_cuda.configs()}
+             for c in configs}
     best = min(times, key=times.get)
     nbytes = wq.nbytes + s.nbytes + b.nbytes
     shapes = ", ".join(f"{c[0]}x{c[1]}: {t:.1f}" for c, t in times.items())
-    return (f"| {k}x{n} | {bits} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
+    return (f"| {k}x{n} | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
             f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
 
@@ -66,15 +68,17 @@ def main() -> None:
     p.add_argument("--dtype", default="float16")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--rows", default="1", help="comma-separated rows of x (1-8)")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
     g = args.group
     print(f"device {mx.default_device()}; x and scales {args.dtype}, group {g}; us per product, "
           f"{args.reps} queued per wait, best of 3")
-    print("| K x N | bits | agrees | MLX us | kernel us (best shape) | x MLX | kernel GB/s | per shape |")
-    print("|---|---:|---|---:|---:|---:|---:|---|")
-    for k, n, bits in SHAPES:
-        print(row(k, n, bits, dtype, g, args.reps), flush=True)
+    print("| K x N | bits | rows | agrees | MLX us | kernel us (best shape) | x MLX | kernel GB/s | per shape |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for k, n, bits in SHAPES:
+            print(row(k, n, bits, dtype, g, args.reps, rows), flush=True)
 
 if __name__ == "__main__":
     main()

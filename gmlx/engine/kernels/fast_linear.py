@@ -7,8 +7,8 @@ First, every quantized layer hands MLX its input as ``(rows, K)`` (a decode step
 model's affine quantized layers is timed at each row bucket a decode step can have (1,
 2, 4, 8, 16, 32, 64 rows), at short prefills' sizes (128 and 256 rows) and at a long
 prefill chunk's (``LARGE`` rows, for every product over 256 rows) four ways: MLX's
-``quantized_matmul``, ``qgemv_cuda`` (one row: CUDA cores, the weights read in wide loads;
-1.3-1.75x MLX's product on an 8B's large layers on the H200), ``qmma_cuda.qmm`` (the
+``quantized_matmul``, ``qgemv_cuda`` (one to eight rows: CUDA cores, the weights read in
+wide loads; at one row 1.3-1.75x MLX's product on an 8B's large layers on the H200), ``qmma_cuda.qmm`` (the
 tensor-core kernel, bf16 and fp16 activations, up to 64 rows) and ``dequantized`` (dequantize, then a dense matmul: at
 prefill sizes it is MLX's float prefill plus one pass over the weights, a cost that does
 not shrink with the rows: on the H200 it made an 8B's 2k-token prefill 2.1x faster and a
@@ -258,7 +258,7 @@ def _measure(layer: Any, reps: int = 20) -> Paths:
                 candidates[(KERNEL, config)] = (
                     lambda x=x, c=config: qmma_cuda.qmm(x, *args, g, bits, config=c))
         if qgemv_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
-            for config in qgemv_cuda.configs():
+            for config in qgemv_cuda.configs(rows):
                 candidates[(GEMV, config)] = (
                     lambda x=x, c=config: qgemv_cuda.gemv(x, *args, g, bits, config=c))
         exact = exact_product(x, *args, g, bits)

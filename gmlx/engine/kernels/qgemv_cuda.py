@@ -1,6 +1,6 @@
-"""One-row quantized products on CUDA cores (a decode step of one stream): ``x [1, K] @
-dequantize(w).T`` for MLX's affine 4-, 6- and 8-bit layouts, bound by reading the
-weights once at full width.
+"""Quantized products of one to eight rows on CUDA cores (a decode step of a few
+streams): ``x [rows, K] @ dequantize(w).T`` for MLX's affine 4-, 6- and 8-bit layouts,
+bound by reading the weights once at full width.
 
 Why: at one row a decode step is the weights read once, and on the H200 MLX's own
 product reads a Llama-3-8B's 4-bit group-32 layers at ~0.8 TB/s (a step's products
@@ -18,8 +18,15 @@ made float, and serve all ``RPW`` rows. A chunk's share is ``s * sum(x q) + b * 
 in float32 (the codes made exact floats by ``2^23 + q``'s bit pattern minus ``2^23``), so
 no weight is rounded; the lanes' sums meet by shuffles. ``WARPS`` warps per block.
 
+With two to eight rows of ``x`` (a second source, ``MAXR`` rows at most, the row count
+read from ``x``'s shape) each chunk's codes are made floats once per weight row and serve
+every row of ``x``, the same sums per (weight row, row of ``x``) as one row's; lane 0
+writes them. New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
+buckets beside MLX's product and the tensor-core kernel, and keeps whichever is fastest.
+
 Only built where MLX runs on CUDA; Metal and the CPU never reach it. The tests replay
-its indexing and arithmetic in numpy against MLX's CPU product
+its indexing and arithmetic in numpy against MLX's CPU product, and run both sources
+themselves on the CPU with CUDA's shuffles and bit instructions emulated
 (``tests/engine/kernels/test_qgemv_cuda.py``); ``benchmarks/gpu/gemv_check.py`` checks
 the kernel itself against MLX's CPU product on the GPU machine, and the load-time tuner
 (``fast_linear``) refuses it for any layer where it disagrees.
@@ -35,8 +42,10 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
+MAX_ROWS = 8  # rows of x the few-rows source takes (a bucket of at most 8 streams)
 
-_SOURCE = r"""
+# Both sources' start: the layout's sizes, this lane's place, this warp's weight rows.
+_START = r"""
     constexpr unsigned MASK = (1u << BITS) - 1u;
     const int K = w_shape[1] * 32 / BITS;
     const int N = w_shape[0];
@@ -47,7 +56,9 @@ _SOURCE = r"""
     const int warp = threadIdx.x >> 5;
     const int n0 = (blockIdx.x * WARPS + warp) * RPW;
     if (n0 >= N) return;
+"""
 
+_SOURCE = _START + r"""
     float acc[RPW];
     #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
@@ -136,28 +147,109 @@ _SOURCE = r"""
 """
 
 
+# A few rows of x (a decode step of 2-8 streams): each chunk's codes are made floats once
+# per weight row and serve every row of x, each row's 32 values of x read (through L1)
+# and summed as the one-row kernel reads them, the same sums per (weight row, x row).
+_ROWS_SOURCE = _START + r"""
+    int rows = 1;
+    for (int i = 0; i + 1 < x_ndim; ++i) rows *= x_shape[i];
+
+    float acc[RPW][MAXR];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        #pragma unroll
+        for (int m = 0; m < MAXR; ++m) acc[r][m] = 0.0f;
+    }
+
+    for (int c = lane; c < chunks; c += 32) {
+        const int grp = c * 32 / G;
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int n = min(n0 + r, N - 1);
+            const uint32_t* p = w + (size_t)n * words + (size_t)c * BITS;
+            uint32_t q[BITS];
+            #pragma unroll
+            for (int v = 0; v < BITS; ++v) q[v] = p[v];
+            const float s = static_cast<float>(scales[(size_t)n * groups + grp]);
+            const float b = static_cast<float>(biases[(size_t)n * groups + grp]);
+            float wf[32];
+            #pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                unsigned bits;
+                if (BITS == 4) {
+                    const uint32_t src = ((j & 1) ? (q[j / 8] >> 4) : q[j / 8]) & 0x0F0F0F0Fu;
+                    bits = __byte_perm(src, 0x4B000000u, 0x7540 | ((j % 8) >> 1));
+                } else if (BITS == 8) {
+                    bits = __byte_perm(q[j / 4], 0x4B000000u, 0x7540 | (j & 3));
+                } else {
+                    const int bit = BITS * j;
+                    const int wi = bit / 32;
+                    const int off = bit % 32;
+                    const unsigned code = off + BITS <= 32 ? (q[wi] >> off) & MASK
+                                                           : __funnelshift_r(q[wi], q[wi + 1], off) & MASK;
+                    bits = 0x4B000000u | code;
+                }
+                wf[j] = __uint_as_float(bits) - 8388608.0f;
+            }
+            #pragma unroll
+            for (int m = 0; m < MAXR; ++m) {
+                if (m < rows) {
+                    const T* xr = x + (size_t)m * K + (size_t)c * 32;
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    float xs = 0.0f;
+                    #pragma unroll
+                    for (int j = 0; j < 32; ++j) {
+                        const float xv = static_cast<float>(xr[j]);
+                        xs += xv;
+                        d[j & 3] += xv * wf[j];
+                    }
+                    acc[r][m] += s * ((d[0] + d[1]) + (d[2] + d[3])) + b * xs;
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        #pragma unroll
+        for (int m = 0; m < MAXR; ++m) {
+            float v = acc[r][m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && m < rows && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(v);
+        }
+    }
+"""
+
+
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether a product of this shape may take the kernel (the tuner still measures)."""
-    return (mode == "affine" and rows == 1 and bits in BITS and group_size in GROUPS
+    return (mode == "affine" and 1 <= rows <= MAX_ROWS and bits in BITS and group_size in GROUPS
             and k % group_size == 0 and k % 32 == 0)
 
 
-def configs() -> list[tuple[int, int]]:
-    """The launch shapes the load-time tuner times: (warps per block, rows per warp)."""
-    return [(4, 2), (8, 2), (4, 4), (8, 1)]
+def configs(rows: int = 1) -> list[tuple[int, ...]]:
+    """The launch shapes the load-time tuner times for a bucket of ``rows`` rows: (warps
+    per block, weight rows per warp), and for more than one row of x the rows it takes
+    at most (the bucket)."""
+    if rows == 1:
+        return [(4, 2), (8, 2), (4, 4), (8, 1)]
+    return [(4, 1, rows), (8, 1, rows), (4, 2, rows)]
 
 
 _BODY = compact(_SOURCE)
+_ROWS_BODY = compact(_ROWS_SOURCE)
 
 
 @cache
-def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int) -> Any:
-    """One kernel per layout and launch shape (:mod:`cuda_source` says why)."""
+def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1) -> Any:
+    """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
+    one row of x (``max_rows``) takes the few-rows source."""
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
-            f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};\n")
-    return build(f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}", head, _BODY,
-                 ["x", "w", "scales", "biases"])
+            f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
+            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else "") + "\n")
+    return build(f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}", head,
+                 _BODY if max_rows == 1 else _ROWS_BODY, ["x", "w", "scales", "biases"])
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
@@ -165,7 +257,8 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
     out once (a layer calls it on every decode step of one stream)."""
     n = w.shape[0]
-    warps, rpw = config or configs()[0]
+    warps, rpw, *most = config or configs()[0]
+    max_rows = most[0] if most else 1
     grid = (-(-n // (warps * rpw)) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
     inputs_after_x = [w, scales, biases]
@@ -175,7 +268,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw)
+            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows)
         (out,) = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
                         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[dtype])
         return out

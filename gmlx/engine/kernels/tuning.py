@@ -20,9 +20,9 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 6  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
+FORMAT = 7  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
 # 4: the one-row kernel (qgemv_cuda); 5: both kernels bound per layer, 4/8-bit codes by byte permutes;
-# 6: the whole step confirmed pipelined, as the worker runs it
+# 6: the whole step confirmed pipelined, as the worker runs it; 7: the CUDA-core kernel at 2-8 rows
 Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 

@@ -24,6 +24,7 @@ PRELUDE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 #include <vector>
 using std::min;
@@ -48,6 +49,16 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     return r;
 }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
+    const uint64_t source = (uint64_t)a | ((uint64_t)b << 32);
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((source >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+}
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((uint64_t)hi << 32) | lo) >> (shift & 31));
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 template <typename X> std::vector<X> load(const char* path, size_t n) {
     std::vector<X> data(n);
     FILE* f = std::fopen(path, "rb");
@@ -74,6 +85,31 @@ template <typename F> void run_blocks(int blocks, int threads, F body) {
     }
 }
 """
+
+
+HOST_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "uint32_t",
+              "bool": "bool"}
+
+
+def function(made: dict, input_types: list[str], output_type: str, device: bool = False) -> str:
+    """A custom kernel (the keywords ``mx.fast.cuda_kernel`` was given) as MLX wraps it:
+    each input, then its shape, strides and rank where the source names them, then the
+    outputs. A host function ``kernel`` for the emulation, or with ``device`` the
+    ``__global__`` one MLX compiles (``mlx/backend/cuda/custom_kernel.cpp``)."""
+    source = made["source"]
+    constant = "const __grid_constant__" if device else "const"
+    params = []
+    for name, dtype in zip(made["input_names"], input_types, strict=True):
+        params.append(f"const {HOST_TYPES[dtype]}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"{constant} Shape {name}_shape")
+        if f"{name}_strides" in source:
+            params.append(f"{constant} Strides {name}_strides")
+        if f"{name}_ndim" in source:
+            params.append(f"{constant} int {name}_ndim")
+    params += [f"{HOST_TYPES[output_type]}* {name}" for name in made["output_names"]]
+    head = f"__global__ void {made['name']}(" if device else "void kernel("
+    return head + ", ".join(params) + ") {\n" + source + "\n}\n"
 
 
 def compile_and_run(tmp: Path, program: str, args: list[int]) -> None:

@@ -19,6 +19,7 @@ import mlx.core as mx
 import pytest
 
 from gmlx.engine.kernels import add_norm_cuda, attention_cuda, qgemv_cuda, qmma_cuda
+from tests.engine.kernels import emulation
 
 NVCC = shutil.which("nvcc") or next(
     (p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc") if os.access(p, os.X_OK)), None)
@@ -37,25 +38,10 @@ using Strides = cuda::std::array<int64_t, 10>;
 namespace cg = cooperative_groups;
 """
 
-_CUDA_TYPE = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
-              mx.uint32: "uint32_t", mx.bool_: "bool"}
-
-
 def _wrapped(made: dict, input_types: list) -> str:
-    """The kernel as MLX's ``build_kernel`` writes it (mlx/backend/cuda/custom_kernel.cpp)."""
-    source = made["source"]
-    params = []
-    for name, dtype in zip(made["input_names"], input_types, strict=True):
-        params.append(f"const {_CUDA_TYPE[dtype]}* {name}")
-        if f"{name}_shape" in source:
-            params.append(f"const __grid_constant__ Shape {name}_shape")
-        if f"{name}_strides" in source:
-            params.append(f"const __grid_constant__ Strides {name}_strides")
-        if f"{name}_ndim" in source:
-            params.append(f"const __grid_constant__ int {name}_ndim")
-    out_type = _CUDA_TYPE[input_types[0]]
-    params += [f"{out_type}* {name}" for name in made["output_names"]]
-    return f"__global__ void {made['name']}(\n    " + ",\n    ".join(params) + ") {\n" + source + "\n}\n"
+    """The kernel as MLX's ``build_kernel`` writes it (its outputs of the first input's type)."""
+    names = [str(t).removeprefix("mlx.core.") for t in input_types]
+    return emulation.function(made, names, names[0], device=True)
 
 
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
@@ -73,8 +59,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
     try:
         for dtype in (mx.float16, mx.bfloat16):
             for bits in qgemv_cuda.BITS:
-                for warps, rpw in qgemv_cuda.configs()[:2]:
-                    qgemv_cuda._kernel(dtype, bits, 64, warps, rpw)
+                for config in [*qgemv_cuda.configs()[:2], *qgemv_cuda.configs(8)[:2]]:
+                    qgemv_cuda._kernel(dtype, bits, 64, *config)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
             for rows in (1, 16, 64):
                 for ft, warps, unroll in qmma_cuda.configs(rows):

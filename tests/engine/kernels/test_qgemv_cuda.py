@@ -16,7 +16,7 @@ import pytest
 from gmlx.engine.kernels import qgemv_cuda
 from gmlx.engine.kernels.cuda_source import kernel_name
 from gmlx.engine.kernels.fast_linear import agrees, exact_product
-from tests.engine.kernels import byte_perm
+from tests.engine.kernels import byte_perm, emulation
 
 
 def test_a_code_bit_pattern_is_its_exact_float() -> None:
@@ -63,11 +63,13 @@ def test_the_kernel_arithmetic_is_mlx_product(bits: int, group: int, k: int, dty
 
 def test_which_products_it_takes() -> None:
     assert qgemv_cuda.supports(1, 4096, 32, 4) and qgemv_cuda.supports(1, 14336, 32, 6)
-    assert not qgemv_cuda.supports(2, 4096, 32, 4)  # one row only
+    assert qgemv_cuda.supports(8, 4096, 32, 4)  # the few-rows source, up to eight
+    assert not qgemv_cuda.supports(9, 4096, 32, 4)
     assert not qgemv_cuda.supports(1, 4096, 32, 3)  # 3-bit: not a layout it reads
     assert not qgemv_cuda.supports(1, 4096, 32, 4, mode="mxfp4")
     assert not qgemv_cuda.supports(1, 4100, 32, 4)  # not whole chunks
     assert all(rows <= 32 for _, rows in qgemv_cuda.configs())  # lane r writes row r
+    assert all(c[2] == 4 for c in qgemv_cuda.configs(4))  # a bucket's kernels take its rows
 
 
 def test_each_layout_is_a_kernel_of_its_own_with_its_constants(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,8 +85,8 @@ def test_each_layout_is_a_kernel_of_its_own_with_its_constants(monkeypatch: pyte
         qgemv_cuda._kernel(mx.bfloat16, 6, 64, 8, 1)
     finally:
         qgemv_cuda._kernel.cache_clear()
-    assert [k["name"].rsplit("_", 1)[0] for k in made] == ["gmlx_qgemv_half_4_32_4_2",
-                                                          "gmlx_qgemv_nv_bfloat16_6_64_8_1"]
+    assert [k["name"].rsplit("_", 1)[0] for k in made] == ["gmlx_qgemv_half_4_32_4_2_1",
+                                                          "gmlx_qgemv_nv_bfloat16_6_64_8_1_1"]
     assert all(k["name"] == kernel_name(k["name"].rsplit("_", 1)[0], k["source"]) for k in made)
     source = made[1]["source"]
     assert source.startswith("using T = __nv_bfloat16; constexpr int BITS = 6; constexpr int G = 64; "
@@ -101,3 +103,63 @@ def test_a_kernel_is_named_for_its_whole_source() -> None:
     assert name.startswith("gmlx_qgemv_half_4_")
     assert name != kernel_name("gmlx_qgemv_half_4", head + "body2();")
     assert name != kernel_name("gmlx_qgemv_half_4", head.replace("4;", "8;") + "body();")
+
+
+# -- the kernels' own source, run on the CPU ---------------------------------------------------
+
+_MAIN = r"""
+int main(int argc, char** argv) {
+    const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]);
+    const int BITS_ = std::atoi(argv[5]), warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
+    auto x = load<E>("x.bin", (size_t)rows * K);
+    auto w = load<uint32_t>("w.bin", (size_t)N * K / 32 * BITS_);
+    auto s = load<E>("s.bin", (size_t)N * K / G_);
+    auto b = load<E>("b.bin", (size_t)N * K / G_);
+    std::vector<E> out((size_t)rows * N);
+    Shape xs{rows, K}, ws{N, K / 32 * BITS_};
+    const int blocks = (N + warps * rpw - 1) / (warps * rpw);
+    run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
+    save("out.bin", out);
+}
+"""
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "group", "rows", "config"), [
+    (4, 32, 1, (4, 2)), (6, 64, 1, (8, 1)), (8, 32, 1, (4, 4)),
+    (4, 32, 3, (4, 1, 4)), (6, 32, 8, (4, 2, 8)), (8, 64, 2, (8, 1, 2)), (4, 128, 5, (4, 2, 8))])
+def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int, rows: int, config) -> None:
+    """The one-row and the few-rows sources, each warp run as 32 host threads with CUDA's
+    shuffles and bit instructions emulated: 1,088 columns (lanes take a second chunk), 12
+    weight rows (a block's last warp past the end), fewer rows of x than the kernel takes
+    (5 of 8), against MLX's own product on the CPU, as closely as MLX's is to float32."""
+    dtype = mx.bfloat16
+    k, n = 1088 if group != 128 else 1152, 12
+    mx.random.seed(bits * rows + group)
+    wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
+    x = (mx.random.normal((rows, k)) * 3).astype(dtype)
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        qgemv_cuda._kernel.cache_clear()
+        try:
+            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1)
+        finally:
+            qgemv_cuda._kernel.cache_clear()
+    body = emulation.function(made[0], ["bfloat16", "uint32", "bfloat16", "bfloat16"], "bfloat16")
+    args = ", ".join({"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
+                      "scales": "s.data()", "biases": "b.data()", "out": "out.data()"}[name]
+                     for name in _parameters(body))
+    program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _MAIN.replace("ARGS", args)
+    for name, a in (("x", x.view(mx.uint16)), ("w", wq), ("s", s.view(mx.uint16)), ("b", b.view(mx.uint16))):
+        (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1]])
+    got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
+    assert agrees(got, want, exact_product(x, wq, s, b, group, bits))
+
+
+def _parameters(function: str) -> list[str]:
+    """The parameter names of the host function ``kernel``, in order."""
+    head = function[function.index("(") + 1:function.index(")")]
+    return [p.split()[-1].lstrip("*") for p in head.split(",")]
