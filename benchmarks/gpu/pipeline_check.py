@@ -196,6 +196,34 @@ def operations(model, width: int, mode: str) -> collections.Counter:
         add_norm_cuda.detach(model)
 
 
+def add_norm_difference(model, width: int, steps: int = 8) -> tuple[float, float]:
+    """The largest difference between the logits of ``steps`` decode steps with the fused
+    adds and norms (``add norm``) and without (``one token``), from the same prompt and
+    the same tokens, and the largest logit: how close the kernel keeps a whole model
+    (its tokens alone say little: a random model's logits are near ties)."""
+    from gmlx.engine.kernels import add_norm_cuda, one_token
+
+    def run() -> list:
+        cache, tokens = _primed(model, width, 16, "gmlx cache")
+        out = []
+        for step in range(steps):
+            logits = model(((tokens + step) % 512)[:, None], cache=cache)[:, -1, :]
+            mx.eval(logits)
+            out.append(logits.astype(mx.float32))
+        return out
+
+    one_token.attach(model)
+    try:
+        want = run()
+        add_norm_cuda.attach(model)
+        got = run()
+    finally:
+        one_token.detach(model)
+        add_norm_cuda.detach(model)
+    largest = max(mx.abs(a).max().item() for a in want)
+    return max(mx.abs(a - b).max().item() for a, b in zip(want, got, strict=True)), largest
+
+
 def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str, float], list]:
     """One row's loop, by its name."""
     from gmlx.engine import handover
@@ -244,6 +272,11 @@ def main() -> None:
             kinds = operations(loaded.model, width, mode)
             print(f"width {width}, {mode}: {sum(kinds.values())} operations a step ("
                   + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")", flush=True)
+    if "add norm" in args.loops and cuda_source.available():
+        for width in (int(w) for w in args.widths.split(",")):
+            diff, largest = add_norm_difference(loaded.model, width)
+            print(f"width {width}, add norm against MLX's adds and norms, 8 steps: largest logit difference "
+                  f"{diff:.4f} (largest logit {largest:.2f})", flush=True)
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as the first loop's |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     kernel = ("kernel",) if cuda_source.available() else ()
