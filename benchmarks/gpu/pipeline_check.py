@@ -34,6 +34,9 @@ faster. The loops here add mlx-lm's pieces one at a time:
 - ``add norm``: ``one token`` with each residual add and the RMSNorm after it in one
   kernel (``gmlx.engine.kernels.add_norm_cuda``, ``GMLX_ADD_NORM_KERNEL=1`` in a server:
   two operations fewer a layer; CUDA only).
+- ``rope``: ``one token`` with the queries and keys reshaped and rotated in one kernel
+  (``gmlx.engine.kernels.rope_cuda``, ``GMLX_ROPE_KERNEL=1``: three operations fewer a
+  layer; CUDA only); ``all kernels``: ``add norm`` and ``rope`` together.
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -58,8 +62,8 @@ from benchmarks.gpu.served_step import attention, load
 from gmlx.engine.kernels import cuda_source
 
 PHASES = ("build", "hand over", "wait", "read")
-LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "one token", "add norm", "threaded",
-         "chunked8")
+LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "one token", "add norm", "rope",
+         "all kernels", "threaded", "chunked8")
 
 
 def _primed(model, width: int, context: int, kind: str = "plain"):
@@ -172,54 +176,59 @@ def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, 
     return elapsed / steps, {k: v / steps for k, v in spent.items()}, current.tolist()
 
 
+# the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
+LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope")}
+
+
+@contextlib.contextmanager
+def layered(model, mode: str):
+    """``model`` with ``mode``'s one-token layers (``LAYERED``) for the block's length."""
+    from gmlx.engine.kernels import add_norm_cuda, one_token, rope_cuda
+
+    kernels = LAYERED.get(mode)
+    if kernels is not None:
+        one_token.attach(model, rotation=rope_cuda.rotation if "rope" in kernels else (lambda attention: None))
+        if "add norm" in kernels:
+            add_norm_cuda.attach(model)
+    try:
+        yield
+    finally:
+        one_token.detach(model)
+        add_norm_cuda.detach(model)
+
+
 def operations(model, width: int, mode: str) -> collections.Counter:
     """The operations of one decode step's graph in ``mode``'s model and cache (``gmlx
-    cache``, ``one token`` or ``add norm``), by kind: what the host builds and hands to MLX each step.
+    cache`` or one of ``LAYERED``), by kind: what the host builds and hands to MLX each step.
     (On the CPU MLX's fast operations, rope and attention among them, are built from
     several; on a GPU each is one.)"""
     import re
     import tempfile
 
-    from gmlx.engine.kernels import add_norm_cuda, one_token
-
-    if mode in ("one token", "add norm"):
-        one_token.attach(model)
-    if mode == "add norm":
-        add_norm_cuda.attach(model)
-    try:
+    with layered(model, mode):
         cache, tokens = _primed(model, width, 16, "gmlx cache")
         with tempfile.NamedTemporaryFile(suffix=".dot") as f:
             mx.export_to_dot(f.name, mx.argmax(model(tokens[:, None], cache=cache)[:, -1, :], axis=-1))
             return collections.Counter(re.findall(r'label ="([A-Za-z_]+)', Path(f.name).read_text()))
-    finally:
-        one_token.detach(model)
-        add_norm_cuda.detach(model)
 
 
-def add_norm_difference(model, width: int, steps: int = 8) -> tuple[float, float]:
-    """The largest difference between the logits of ``steps`` decode steps with the fused
-    adds and norms (``add norm``) and without (``one token``), from the same prompt and
-    the same tokens, and the largest logit: how close the kernel keeps a whole model
-    (its tokens alone say little: a random model's logits are near ties)."""
-    from gmlx.engine.kernels import add_norm_cuda, one_token
+def kernel_difference(model, width: int, mode: str, steps: int = 8) -> tuple[float, float]:
+    """The largest difference between the logits of ``steps`` decode steps in ``mode``
+    (its kernels) and in ``one token`` (MLX's operations), from the same prompt and the
+    same tokens, and the largest logit: how close the kernels keep a whole model (its
+    tokens alone say little: a random model's logits are near ties)."""
 
-    def run() -> list:
-        cache, tokens = _primed(model, width, 16, "gmlx cache")
-        out = []
-        for step in range(steps):
-            logits = model(((tokens + step) % 512)[:, None], cache=cache)[:, -1, :]
-            mx.eval(logits)
-            out.append(logits.astype(mx.float32))
-        return out
+    def run(mode: str) -> list:
+        with layered(model, mode):
+            cache, tokens = _primed(model, width, 16, "gmlx cache")
+            out = []
+            for step in range(steps):
+                logits = model(((tokens + step) % 512)[:, None], cache=cache)[:, -1, :]
+                mx.eval(logits)
+                out.append(logits.astype(mx.float32))
+            return out
 
-    one_token.attach(model)
-    try:
-        want = run()
-        add_norm_cuda.attach(model)
-        got = run()
-    finally:
-        one_token.detach(model)
-        add_norm_cuda.detach(model)
+    want, got = run("one token"), run(mode)
     largest = max(mx.abs(a).max().item() for a in want)
     return max(mx.abs(a - b).max().item() for a, b in zip(want, got, strict=True)), largest
 
@@ -227,7 +236,6 @@ def add_norm_difference(model, width: int, steps: int = 8) -> tuple[float, float
 def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str, float], list]:
     """One row's loop, by its name."""
     from gmlx.engine import handover
-    from gmlx.engine.kernels import one_token
 
     if mode == "threaded":
         return threaded(model, width, steps)
@@ -238,17 +246,9 @@ def run_loop(model, width: int, mode: str, steps: int) -> tuple[float, dict[str,
                 return loop(model, width, "pipelined", steps)
         finally:
             handover.detach(model)
-    if mode in ("one token", "add norm"):
-        from gmlx.engine.kernels import add_norm_cuda
-
-        one_token.attach(model)
-        if mode == "add norm":
-            add_norm_cuda.attach(model)
-        try:
+    if mode in LAYERED:
+        with layered(model, mode):
             return loop(model, width, "gmlx cache", steps)
-        finally:
-            one_token.detach(model)
-            add_norm_cuda.detach(model)
     return loop(model, width, mode, steps)
 
 
@@ -260,7 +260,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="synthetic: float type")
     p.add_argument("--float", action="store_true", help="synthetic: float weights, not Q4_K_M's layouts")
     p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {','.join(LOOPS)} "
-                   "(kernel, add norm: CUDA only)")
+                   "(kernel, add norm, rope, all kernels: CUDA only)")
     p.add_argument("--no-generator", action="store_true", help="skip mlx-lm's BatchGenerator row")
     p.add_argument("--count", action="store_true", help="first print the operations of one decode step "
                    "(gmlx cache and one token), by kind")
@@ -268,14 +268,14 @@ def main() -> None:
     loaded = load(args.model, args.dtype, not args.float)
     print(f"device {mx.default_device()}; model {args.model}; {args.steps} steps after 3; host ms per step by phase")
     for width in (int(w) for w in args.widths.split(",")) if args.count else ():
-        for mode in ("gmlx cache", "one token", *(("add norm",) if cuda_source.available() else ())):
+        for mode in ("gmlx cache", "one token", *(("all kernels",) if cuda_source.available() else ())):
             kinds = operations(loaded.model, width, mode)
             print(f"width {width}, {mode}: {sum(kinds.values())} operations a step ("
                   + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")", flush=True)
-    if "add norm" in args.loops and cuda_source.available():
+    for mode in (m for m in args.loops.split(",") if LAYERED.get(m) and cuda_source.available()):
         for width in (int(w) for w in args.widths.split(",")):
-            diff, largest = add_norm_difference(loaded.model, width)
-            print(f"width {width}, add norm against MLX's adds and norms, 8 steps: largest logit difference "
+            diff, largest = kernel_difference(loaded.model, width, mode)
+            print(f"width {width}, {mode} against MLX's operations, 8 steps: largest logit difference "
                   f"{diff:.4f} (largest logit {largest:.2f})", flush=True)
     print("| width | loop | ms / step | tok/s | build | hand over | wait | read | last tokens as the first loop's |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
@@ -283,7 +283,7 @@ def main() -> None:
     for width in (int(w) for w in args.widths.split(",")):
         want = None
         for mode in args.loops.split(","):
-            if mode in ("kernel", "add norm") and not kernel:
+            if (mode == "kernel" or LAYERED.get(mode)) and not kernel:
                 continue
             per_step, spent, last = run_loop(loaded.model, width, mode, args.steps)
             same = "" if want is None else "yes" if last == want else "no"

@@ -10,7 +10,8 @@ log = logging.getLogger(__name__)
 
 def prepare_layers(model: Any) -> list[str]:
     """``model``'s layers as the engine runs them: llama-pattern attention's one-token
-    steps in fewer operations (:mod:`one_token`; everywhere, the same numbers), with
+    steps in fewer operations (:mod:`one_token`; everywhere, the same numbers; with
+    ``GMLX_ROPE_KERNEL=1`` on CUDA their queries and keys rotated by :mod:`rope_cuda`), with
     ``GMLX_FUSE_PROJECTIONS=1`` projections that read one input stacked into one product
     (logged, not a load note: neither changes a number a user sees), then, on CUDA (unless
     turned off), the padded batches' one-query attention (:mod:`attention_cuda`, logged

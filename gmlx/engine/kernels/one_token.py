@@ -20,10 +20,11 @@ parameters); ``GMLX_ONE_TOKEN_ATTENTION=0`` leaves every model as mlx-lm wrote i
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import swaps
+from gmlx.engine.kernels import rope_cuda, swaps
 
 ENV = "GMLX_ONE_TOKEN_ATTENTION"
 # mlx-lm modules whose ``Attention.__call__`` is the pattern above: qwen3 and gemma3 add a
@@ -38,17 +39,23 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def attach(model: Any) -> int:
+def attach(model: Any, rotation: Callable[[Any], Any] | None = None) -> int:
     """Give every attention of ``model`` whose class is one of :data:`FAMILIES`' the
-    one-token path; returns how many changed (0 when turned off)."""
+    one-token path; returns how many changed (0 when turned off). ``rotation`` makes a
+    layer's ``rotate(q, k, offset)`` (its queries and keys from the projections, rotated
+    and shaped for the attention) or None for it; by default, with ``GMLX_ROPE_KERNEL=1``
+    on CUDA, :func:`rope_cuda.rotation`."""
     if not enabled():
         return 0
+    if rotation is None and rope_cuda.enabled():
+        rotation = rope_cuda.rotation
     classes = _classes()
     changed = 0
     for _, module in model.named_modules():
         cls = type(module)
         if cls in classes:
             module.__class__ = _one_token(cls)
+            object.__setattr__(module, "_rotate", None if rotation is None else rotation(module))
             changed += 1
     return changed
 
@@ -80,13 +87,18 @@ def _one_token(cls: type) -> type:
                                              axis=-1)
         else:
             queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(B, self.n_heads, 1, -1)
-        keys = keys.reshape(B, self.n_kv_heads, 1, -1)
         values = values.reshape(B, self.n_kv_heads, 1, -1)
-        if "q_norm" in self:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
+        offset = cache.offset
+        rotate = self._rotate
+        if rotate is not None and isinstance(offset, mx.array) and offset.dtype == mx.int32:
+            queries, keys = rotate(queries, keys, offset)  # one kernel: reshaped and rotated
+        else:
+            queries = queries.reshape(B, self.n_heads, 1, -1)
+            keys = keys.reshape(B, self.n_kv_heads, 1, -1)
+            if "q_norm" in self:
+                queries, keys = self.q_norm(queries), self.k_norm(keys)
+            queries = self.rope(queries, offset=offset)
+            keys = self.rope(keys, offset=offset)
         keys, values = cache.update_and_fetch(keys, values)
         # through the module, so a routed attention (attention_cuda) is the one called
         out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)

@@ -87,7 +87,7 @@ template <typename F> void run_blocks(int blocks, int threads, F body) {
 """
 
 
-HOST_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "uint32_t",
+HOST_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "uint32_t", "int32": "int32_t",
               "bool": "bool"}
 
 

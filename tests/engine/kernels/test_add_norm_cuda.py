@@ -131,11 +131,3 @@ def test_the_block_sums_nobody_reads_are_never_evaluated(tmp_path: Path, monkeyp
     mx.export_to_dot(str(dot), model(mx.array([[7]]), cache=cache))
     assert len(built) == LAYERS
     assert 'label ="LogAddExp"' not in dot.read_text()
-
-
-def test_off_by_default_and_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not add_norm_cuda.enabled()
-    monkeypatch.setenv(add_norm_cuda.ENV, "1")
-    assert not add_norm_cuda.enabled()  # this machine: MLX on the CPU
-    monkeypatch.setattr(add_norm_cuda.cuda_source, "available", lambda: True)
-    assert add_norm_cuda.enabled()

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gmlx.engine.kernels import add_norm_cuda, attention_cuda, qgemv_cuda, qmma_cuda
+from gmlx.engine.kernels import add_norm_cuda, attention_cuda, qgemv_cuda, qmma_cuda, rope_cuda
 from tests.engine.kernels import emulation
 
 NVCC = shutil.which("nvcc") or next(
@@ -47,7 +47,7 @@ def _wrapped(made: dict, input_types: list) -> str:
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda):
+    for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     return made
 
@@ -72,8 +72,11 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
             for d in (2048, 4096):
                 add_norm_cuda._kernel(dtype, d, 1e-5)
                 kernels.append((made[-1], [dtype, dtype, dtype]))
+            for traditional in (False, True):
+                rope_cuda._kernel(dtype, 32, 8, 128, traditional)
+                kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32]))
     finally:
-        for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda):
+        for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
     names = [m["name"] for m, _ in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source

@@ -40,3 +40,16 @@ def test_a_value_the_user_set_is_kept(name: str, tmp_path: Path) -> None:
     assert seen[name] == "123"
     others = {k: v for k, v in seen.items() if k != name}
     assert others == {k: v for k, v in environment_after_import(GMLX_HOME=str(tmp_path)).items() if k != name}
+
+
+@pytest.mark.parametrize("module", ["add_norm_cuda", "rope_cuda"])
+def test_the_kernels_not_yet_measured_are_off_by_default_and_only_on_cuda(module: str, monkeypatch) -> None:
+    import importlib
+
+    kernel = importlib.import_module(f"gmlx.engine.kernels.{module}")
+    monkeypatch.delenv(kernel.ENV, raising=False)
+    assert not kernel.enabled()
+    monkeypatch.setenv(kernel.ENV, "1")
+    assert not kernel.enabled()  # this machine: MLX on the CPU
+    monkeypatch.setattr(kernel.cuda_source, "available", lambda: True)  # stands in for CUDA
+    assert kernel.enabled()
