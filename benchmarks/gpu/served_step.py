@@ -4,9 +4,9 @@ gmlx's worker on the same weights, with the quantized layers as MLX leaves them
 (``plain``), only flattened (``flat``) and with the tuned paths (``tuned``); ``clear``
 empties MLX's buffer cache between modes; ``one-token`` gives the attention layers the
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
-operations fewer a layer) and ``model-attention`` takes them back, ``add-norm`` fuses
-each residual add with the norm after it (``add_norm_cuda``, CUDA only) and
-``model-norms`` takes that back, for the modes after.
+operations fewer a layer), ``add-norm``, ``rope`` and ``all-kernels`` add those kernels
+to them (CUDA only: ``pipeline_check.LAYERED``), ``model-layers`` gives mlx-lm's own
+back, each for the modes after.
 A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
 
@@ -125,6 +125,11 @@ def load(ref: str, dtype: str, quantize: bool = True):
     return replace(load_model("demo"), id=shape, model=build(shape, dtype, quantize), config=config, context_length=8192)
 
 
+# served_step's layer modes -> pipeline_check's loops (``model-layers``: none)
+LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
+          "model-layers": "gmlx cache"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a model reference gmlx serve takes (a GGUF, a folder, demo)")
@@ -170,23 +175,23 @@ def main() -> None:
     widths = [int(w) for w in args.widths.split(",")]
     print(f"{'mode':>6} {'width':>5} {'bias':>5} {'step ms':>8} {'build ms':>9} {'launch ms':>9} {'bare tok/s':>11} "
           f"{'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'gmlx/mlx-lm':>12} {'cache GB':>9}", flush=True)
+    layers = None  # the one-token layers the modes run (pipeline_check.layered), while set
     for mode in args.modes.split(","):
         if mode == "clear":
             mx.clear_cache()
             continue
-        if mode in ("add-norm", "model-norms"):
-            from gmlx.engine.kernels import add_norm_cuda
+        if mode in LAYERS:
+            from benchmarks.gpu.pipeline_check import LAYERED, layered
 
-            add_norm_cuda.attach(loaded.model) if mode == "add-norm" else add_norm_cuda.detach(loaded.model)
-            print(f"  {mode}: the modes after run " + ("residual adds and norms fused" if mode == "add-norm"
-                                                       else "mlx-lm's own adds and norms"), flush=True)
-            continue
-        if mode in ("one-token", "model-attention"):
-            from gmlx.engine.kernels import one_token
-
-            one_token.attach(loaded.model) if mode == "one-token" else one_token.detach(loaded.model)
-            print(f"  {mode}: the modes after run " + ("one-token steps in fewer operations" if mode == "one-token"
-                                                       else "mlx-lm's own attention code"), flush=True)
+            if layers is not None:
+                layers.__exit__(None, None, None)
+            layers = None if mode == "model-layers" else layered(loaded.model, LAYERS[mode])
+            if layers is not None:
+                layers.__enter__()
+            kernels = LAYERED.get(LAYERS[mode])
+            what = "mlx-lm's own layers" if kernels is None else "one-token attention" + "".join(
+                f" + the {k} kernel" for k in kernels)
+            print(f"  {mode}: the modes after run {what}", flush=True)
             continue
         os.environ["GMLX_QMV_KERNEL"] = {"plain": "0", "flat": "flat", "tuned": "1"}[mode]
         if mode == "plain":
