@@ -41,7 +41,7 @@ from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmma_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
-MAX_KEPT_ROWS = 64  # inputs of at most this many rows (decode steps) keep their worked-out call
+MAX_KEPT_ROWS = 64  # decode steps of at most this many streams keep their worked-out call
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
 log = logging.getLogger(__name__)
 MLX = "mlx"
@@ -114,8 +114,8 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         call = self.by_shape.get(key)
         if call is None:
             call = self._call_for(x)
-            if x.size <= MAX_KEPT_ROWS * x.shape[-1]:  # prefill shapes vary with every prompt
-                self.by_shape[key] = call
+            if x.size <= MAX_KEPT_ROWS * x.shape[-1] and (x.ndim < 3 or x.shape[-2] == 1):
+                self.by_shape[key] = call  # a decode step's: prefill shapes vary with every prompt
         return call(x)
 
     def _call_for(self, x: Any) -> Callable[[Any], Any]:

@@ -324,9 +324,10 @@ def test_each_chosen_path_is_bound_once_per_layer(monkeypatch) -> None:
 
 
 def test_a_decode_shape_works_out_its_call_once_and_a_prefill_shape_every_time(monkeypatch) -> None:
-    """Every layer of every decode step comes through ``__call__``: a decode-sized input
-    (at most ``MAX_KEPT_ROWS`` rows) keeps its worked-out call per shape; a prefill's
-    rows vary with every prompt and are worked out each time, so nothing piles up."""
+    """Every layer of every decode step comes through ``__call__``: a decode step's input
+    (one token a stream, at most ``MAX_KEPT_ROWS`` streams) keeps its worked-out call per
+    shape; a prompt's rows vary with every prompt and are worked out each time, so
+    nothing piles up."""
     from gmlx.engine.kernels import fast_linear
 
     worked_out: list[tuple[int, ...]] = []
@@ -338,14 +339,14 @@ def test_a_decode_shape_works_out_its_call_once_and_a_prefill_shape_every_time(m
 
     monkeypatch.setattr(FastQuantizedLinear, "_call_for", spy)
     layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
-    decode, prefill = mx.random.normal((3, 1, 64)), mx.random.normal((1, fast_linear.MAX_KEPT_ROWS + 1, 64))
+    decode, prefill = mx.random.normal((3, 1, 64)), mx.random.normal((1, 5, 64))  # a short prompt's chunk
     want = layer(decode), layer(prefill)
     layer.__class__ = FastQuantizedLinear
     layer.set_paths({4: (fast_linear.DENSE, (0, 0))})
     for _ in range(3):
         assert mx.allclose(layer(decode), want[0], atol=1e-4, rtol=1e-4)  # the dense path, bias added
         assert mx.allclose(layer(prefill), want[1], atol=1e-4, rtol=1e-4)  # MLX's, rows flattened
-    assert worked_out == [(3, 1, 64), *[(1, fast_linear.MAX_KEPT_ROWS + 1, 64)] * 3]
+    assert worked_out == [(3, 1, 64), *[(1, 5, 64)] * 3]
     assert list(layer.by_shape) == [((3, 1, 64), decode.dtype)]
 
 
