@@ -16,14 +16,17 @@ EXTRA = {
 }
 
 
-def tiny(family: str, layers: int, *, quantized: bool = False, dtype: Any = None, seed: int = 5) -> nn.Module:
-    """A ``layers``-layer model of ``family`` (hidden 128, 4 heads, 2 key-value heads,
-    vocabulary 256), its weights 4-bit with ``quantized``, cast to ``dtype`` if given."""
+def tiny(family: str, layers: int, *, quantized: bool = False, dtype: Any = None, seed: int = 5,
+         heads: int = 4) -> nn.Module:
+    """A ``layers``-layer model of ``family`` (hidden 128, ``heads`` heads of ``128 /
+    heads``, half as many key-value heads, vocabulary 256), its weights 4-bit with
+    ``quantized``, cast to ``dtype`` if given."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
+    extra = EXTRA.get(family, {}) | ({"head_dim": 128 // heads} if "head_dim" in EXTRA.get(family, {}) else {})
     args = module.ModelArgs.from_dict(dict(  # from_dict: each family takes the keys it knows
-        model_type=family, hidden_size=128, num_hidden_layers=layers, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, rope_theta=1e4, tie_word_embeddings=False,
-        max_position_embeddings=512, **EXTRA.get(family, {})))
+        model_type=family, hidden_size=128, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), rms_norm_eps=1e-5, vocab_size=256,
+        rope_theta=1e4, tie_word_embeddings=False, max_position_embeddings=512, **extra))
     mx.random.seed(seed)
     model = module.Model(args)
     if dtype is not None:

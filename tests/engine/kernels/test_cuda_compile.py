@@ -72,9 +72,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
             for d in (2048, 4096):
                 add_norm_cuda._kernel(dtype, d, 1e-5)
                 kernels.append((made[-1], [dtype, dtype, dtype]))
-            for traditional in (False, True):
-                rope_cuda._kernel(dtype, 32, 8, 128, traditional)
-                kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32]))
+            for traditional, eps in ((False, None), (True, None), (False, 1e-6)):
+                rope_cuda._kernel(dtype, 32, 8, 128, traditional, eps)
+                kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32, *([dtype] * 2 if eps else [])]))
     finally:
         for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()

@@ -28,12 +28,12 @@ int main(int argc, char** argv) {
     auto k = load<E>("k.bin", (size_t)B * HK_ * D_);
     auto off = load<int32_t>("off.bin", (size_t)B);
     auto inv = load<float>("inv.bin", (size_t)D_ / 2);
+    auto qw = load<E>("qw.bin", (size_t)D_);
+    auto kw = load<E>("kw.bin", (size_t)D_);
     std::vector<E> qo((size_t)B * H * D_), ko((size_t)B * HK_ * D_);
     Shape off_shape{B};
-    const int threads = B * (H + HK_) * (D_ / 2);
-    run_blocks((threads + 127) / 128, 128, [&] {
-        kernel(q.data(), k.data(), off.data(), off_shape, inv.data(), qo.data(), ko.data());
-    });
+    const int threads = B * (H + HK_) * 32;
+    run_blocks((threads + 127) / 128, 128, [&] { kernel(ARGS); });
     save("qo.bin", qo);
     save("ko.bin", ko);
 }
@@ -48,15 +48,17 @@ ROPES = {
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize("name", list(ROPES))
-def test_the_kernel_source_itself_matches_mlx_rope(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name", [*ROPES, "llama 3, normed heads"])
+def test_the_kernel_source_itself_matches_mlx(tmp_path: Path, name: str) -> None:
     """Three streams at positions 0, 5 and 3,000 (a long context's angles), 4 query and
-    2 key-value heads of 64, bf16."""
-    rope = ROPES[name]()
-    heads, kv_heads, d, b = 4, 2, 64, 3
+    2 key-value heads of 64, bf16; with qwen3's per-head norms first in the last case."""
+    normed = name.endswith("normed heads")
+    rope = ROPES[name.removesuffix(", normed heads")]()
+    heads, kv_heads, d, b, eps = 4, 2, 64, 3, 1e-6
     mx.random.seed(len(name))
-    q = mx.random.normal((b, 1, heads * d)).astype(mx.bfloat16)
+    q = (mx.random.normal((b, 1, heads * d)) * 3).astype(mx.bfloat16)
     k = mx.random.normal((b, 1, kv_heads * d)).astype(mx.bfloat16)
+    qw, kw = ((1 + mx.random.normal((d,)) * 0.2).astype(mx.bfloat16) for _ in range(2))
     offset = mx.array([0, 5, 3000], dtype=mx.int32)
     inv, traditional = rope_cuda.inverse_frequencies(rope, d)
     made: list[dict] = []
@@ -64,28 +66,34 @@ def test_the_kernel_source_itself_matches_mlx_rope(tmp_path: Path, name: str) ->
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         rope_cuda._kernel.cache_clear()
         try:
-            rope_cuda._kernel(mx.bfloat16, heads, kv_heads, d, traditional)
+            rope_cuda._kernel(mx.bfloat16, heads, kv_heads, d, traditional, eps if normed else None)
         finally:
             rope_cuda._kernel.cache_clear()
-    function = emulation.function(made[0], ["bfloat16", "bfloat16", "int32", "float32"], "bfloat16")
-    program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + function + _MAIN
-    for fname, a in (("q", q.view(mx.uint16)), ("k", k.view(mx.uint16)), ("off", offset), ("inv", inv)):
+    types = ["bfloat16", "bfloat16", "int32", "float32", *(["bfloat16"] * 2 if normed else [])]
+    function = emulation.function(made[0], types, "bfloat16")
+    args = "q.data(), k.data(), off.data(), off_shape, inv.data(), " + ("qw.data(), kw.data(), " if normed else "")
+    program = (emulation.PRELUDE + "using E = __nv_bfloat16;\n" + function
+               + _MAIN.replace("ARGS", args + "qo.data(), ko.data()"))
+    for fname, a in (("q", q.view(mx.uint16)), ("k", k.view(mx.uint16)), ("off", offset), ("inv", inv),
+                     ("qw", qw.view(mx.uint16)), ("kw", kw.view(mx.uint16))):
         (tmp_path / f"{fname}.bin").write_bytes(np.array(a).tobytes())
     emulation.compile_and_run(tmp_path, program, [b, heads, kv_heads, d])
     got = [mx.array(np.frombuffer((tmp_path / f"{n}.bin").read_bytes(), dtype=np.uint16)).view(mx.bfloat16)
            .reshape(b, h, 1, d) for n, h in (("qo", heads), ("ko", kv_heads))]
-    for x, g, h in ((q, got[0], heads), (k, got[1], kv_heads)):
-        x = x.reshape(b, h, 1, d).astype(mx.float32)
-        want = rope(x, offset=offset)  # MLX's rope in float32: the reference
+    for x, g, h, w in ((q, got[0], heads, qw), (k, got[1], kv_heads, kw)):
+        x = x.reshape(b, h, 1, d)
+        if normed:
+            x = mx.fast.rms_norm(x, w, eps)  # MLX's norm, in bf16 as the model runs it
+        want = rope(x.astype(mx.float32), offset=offset)  # MLX's rope in float32: the reference
         err = mx.abs(g.astype(mx.float32) - want).max().item()
         assert err <= 2e-2 * mx.abs(want).max().item(), err  # bf16 outputs: a rounding or two
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_wiring_gives_the_same_logits(family: str) -> None:
     """With MLX's reshapes and rope in the kernel's place, a padded batch decodes what
     it decoded (the batch caches' offsets are arrays: the steps the kernel takes)."""
-    model = tiny(family, LAYERS, dtype=mx.bfloat16)
+    model = tiny(family, LAYERS, dtype=mx.bfloat16, heads=2)  # heads of 64
     prompts = mx.array([[3, 1, 4, 1, 5, 9], [0, 0, 2, 7, 1, 8]])
     want = steps(model, [BatchKVCache([0, 2]) for _ in range(LAYERS)], prompts)
     calls: list[int] = []
@@ -101,10 +109,10 @@ def test_the_wiring_gives_the_same_logits(family: str) -> None:
 
 
 def test_which_layers_take_it() -> None:
-    assert rope_cuda.rotation_applies(tiny("llama", 1).layers[0].self_attn)
-    assert rope_cuda.rotation_applies(tiny("qwen2", 1).layers[0].self_attn)
-    assert not rope_cuda.rotation_applies(tiny("qwen3", 1).layers[0].self_attn)  # a norm before the rope
-    assert not rope_cuda.rotation_applies(tiny("phi3", 1).layers[0].self_attn)  # one q/k/v product
-    partial_rotation = nn.RoPE(32)
-    assert rope_cuda.inverse_frequencies(partial_rotation, 64) is None
+    assert rope_cuda.rotation_applies(tiny("llama", 1, heads=2).layers[0].self_attn)
+    assert rope_cuda.rotation_applies(tiny("qwen2", 1, heads=2).layers[0].self_attn)
+    assert rope_cuda.rotation_applies(tiny("qwen3", 1, heads=2).layers[0].self_attn)  # its heads' norms too
+    assert not rope_cuda.rotation_applies(tiny("llama", 1, heads=4).layers[0].self_attn)  # heads of 32
+    assert not rope_cuda.rotation_applies(tiny("phi3", 1, heads=2).layers[0].self_attn)  # one q/k/v product
+    assert rope_cuda.inverse_frequencies(nn.RoPE(32), 64) is None  # a partial rotation
     assert rope_cuda.inverse_frequencies(Llama3RoPE(64, scaling_config={"factor": 8.0}), 64) is not None
