@@ -17,7 +17,8 @@ only flattened, or left as MLX makes them: ``GMLX_QMV_KERNEL=flat`` / ``0``;
 thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs of up to
 80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention; ``gmlx-stacked`` with q/k/v and gate/up stacked
 into one product each; ``gmlx-mlxattend`` with a padded batch's attention in MLX's general path (gmlx's kernel off);
-``gmlx-handover8`` handing each forward over every 8 layers on a second thread; ``mlx_lm-gmlxenv`` is
+``gmlx-handover8`` handing each forward over every 8 layers on a second thread; ``gmlx-kernels`` with
+the fused adds and norms and the rope kernel (both off by default); ``mlx_lm-gmlxenv`` is
 mlx_lm.server with the MLX settings gmlx makes, so only the server differs). One server
 runs at a time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
@@ -82,7 +83,7 @@ import throughput as tp
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
-           "gmlx-mlxattend", "gmlx-handover8", "gmlx-mlx",
+           "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -102,6 +103,9 @@ GMLX_VARIANTS = {
     "gmlx-mlxattend": {"GMLX_ATTENTION_KERNEL": "0"},
     # each forward handed over every 8 layers on a second thread (gmlx.engine.handover; off by default)
     "gmlx-handover8": {"GMLX_HANDOVER_LAYERS": "8"},
+    # a one-token step's residual adds and norms fused, its queries and keys rotated in one
+    # kernel (gmlx.engine.kernels.add_norm_cuda, rope_cuda; off by default until measured)
+    "gmlx-kernels": {"GMLX_ADD_NORM_KERNEL": "1", "GMLX_ROPE_KERNEL": "1"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
 }
