@@ -40,6 +40,8 @@ import threading
 from functools import cache
 from typing import Any
 
+from gmlx.engine.kernels import swaps
+
 ENV = "GMLX_HANDOVER_LAYERS"
 
 
@@ -118,9 +120,9 @@ def detach(model: Any) -> None:
     handover = model.__dict__.get("_gmlx_handover")
     if handover is None:
         return
+    swaps.restore(model, "handover")
     for m in [model, *_layers(model)]:
         if "_gmlx_handover" in m.__dict__:
-            m.__class__ = m.__class__.__bases__[0]
             object.__delattr__(m, "_gmlx_handover")
     handover.close()
 
@@ -147,7 +149,7 @@ def _handing(cls: type) -> type:
             handover.hand(out)
         return out
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return swaps.subclass(cls, "handover", __call__)
 
 
 @cache
@@ -161,4 +163,4 @@ def _joining(cls: type) -> type:
         finally:
             handover.join()
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return swaps.subclass(cls, "handover", __call__)

@@ -28,7 +28,8 @@ def subclass(cls: type, marker: str, call: Any) -> type:
 
 
 def restore(model: Any, marker: str) -> None:
-    """Give every module of ``model`` whose class is marked ``marker`` its own class back."""
+    """Give every module of ``model`` whose class was made with ``marker`` its class from
+    before back (a subclass made over it with another marker is left as it is)."""
     for _, module in model.named_modules():
-        if getattr(type(module), marker, False):
+        if vars(type(module)).get(marker):
             module.__class__ = type(module).__bases__[0]
