@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -58,7 +57,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_throughput import run_peer
-from benchmarks.gpu.served_step import attention, load
+from benchmarks.gpu.served_step import LAYERED, attention, layered, load
 from gmlx.engine.kernels import cuda_source
 
 PHASES = ("build", "hand over", "wait", "read")
@@ -174,27 +173,6 @@ def threaded(model, width: int, steps: int, context: int = 128) -> tuple[float, 
         todo.put(None)
         thread.join()
     return elapsed / steps, {k: v / steps for k, v in spent.items()}, current.tolist()
-
-
-# the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
-LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope")}
-
-
-@contextlib.contextmanager
-def layered(model, mode: str):
-    """``model`` with ``mode``'s one-token layers (``LAYERED``) for the block's length."""
-    from gmlx.engine.kernels import add_norm_cuda, one_token, rope_cuda
-
-    kernels = LAYERED.get(mode)
-    if kernels is not None:
-        one_token.attach(model, rotation=rope_cuda.rotation if "rope" in kernels else (lambda attention: None))
-        if "add norm" in kernels:
-            add_norm_cuda.attach(model)
-    try:
-        yield
-    finally:
-        one_token.detach(model)
-        add_norm_cuda.detach(model)
 
 
 def operations(model, width: int, mode: str) -> collections.Counter:

@@ -5,7 +5,7 @@ gmlx's worker on the same weights, with the quantized layers as MLX leaves them
 empties MLX's buffer cache between modes; ``one-token`` gives the attention layers the
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
 operations fewer a layer), ``add-norm``, ``rope`` and ``all-kernels`` add those kernels
-to them (CUDA only: ``pipeline_check.LAYERED``), ``model-layers`` gives mlx-lm's own
+to them (CUDA only: ``LAYERED``), ``model-layers`` gives mlx-lm's own
 back, each for the modes after.
 A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
@@ -26,6 +26,7 @@ on CUDA). Prints one row per mode and width.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -125,7 +126,28 @@ def load(ref: str, dtype: str, quantize: bool = True):
     return replace(load_model("demo"), id=shape, model=build(shape, dtype, quantize), config=config, context_length=8192)
 
 
-# served_step's layer modes -> pipeline_check's loops (``model-layers``: none)
+# the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
+LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope")}
+
+
+@contextlib.contextmanager
+def layered(model, mode: str):
+    """``model`` with ``mode``'s one-token layers (``LAYERED``) for the block's length."""
+    from gmlx.engine.kernels import add_norm_cuda, one_token, rope_cuda
+
+    kernels = LAYERED.get(mode)
+    if kernels is not None:
+        one_token.attach(model, rotation=rope_cuda.rotation if "rope" in kernels else (lambda attention: None))
+        if "add norm" in kernels:
+            add_norm_cuda.attach(model)
+    try:
+        yield
+    finally:
+        one_token.detach(model)
+        add_norm_cuda.detach(model)
+
+
+# served_step's layer modes -> LAYERED's loops (``model-layers``: none)
 LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
           "model-layers": "gmlx cache"}
 
@@ -175,14 +197,12 @@ def main() -> None:
     widths = [int(w) for w in args.widths.split(",")]
     print(f"{'mode':>6} {'width':>5} {'bias':>5} {'step ms':>8} {'build ms':>9} {'launch ms':>9} {'bare tok/s':>11} "
           f"{'mlx-lm tok/s':>13} {'gmlx tok/s':>11} {'gmlx/mlx-lm':>12} {'cache GB':>9}", flush=True)
-    layers = None  # the one-token layers the modes run (pipeline_check.layered), while set
+    layers = None  # the one-token layers the modes run (layered), while set
     for mode in args.modes.split(","):
         if mode == "clear":
             mx.clear_cache()
             continue
         if mode in LAYERS:
-            from benchmarks.gpu.pipeline_check import LAYERED, layered
-
             if layers is not None:
                 layers.__exit__(None, None, None)
             layers = None if mode == "model-layers" else layered(loaded.model, LAYERS[mode])
