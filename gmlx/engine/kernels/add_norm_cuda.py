@@ -14,10 +14,11 @@ is handed is that very array (a thread-local note of the last block's output), s
 never evaluates the add: nothing reads it. Anything else between the blocks (a model
 that scales or mixes the hidden state) hands over another array and meets the plain path.
 
-The kernel: one block of 256 threads per row; each thread adds its elements in float32,
-rounds the sum to the activations' type and keeps its square, the block sums the squares
-(shuffles, then one warp), and each thread writes its elements times ``rsqrt(mean +
-eps)`` times the weight, rounded. Only built on CUDA; only for one-token steps (``L =
+The kernel: one block of 256 threads per row; each thread loads its elements of both
+inputs and of the weight first (into registers), adds them in float32, rounds the sum to
+the activations' type and keeps its square, the block sums the squares (shuffles, then
+one warp), and each thread writes its elements times ``rsqrt(mean + eps)`` times the
+weight, rounded. Only built on CUDA; only for one-token steps (``L =
 1``); only for the layer classes in :data:`FAMILIES` and ``nn.RMSNorm`` norms. Off unless
 ``GMLX_ADD_NORM_KERNEL=1`` until it is measured on a GPU
 (``benchmarks/gpu/pipeline_check.py``'s ``add norm`` loop). The tests run the kernel's
@@ -40,20 +41,37 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 ENV = "GMLX_ADD_NORM_KERNEL"
 THREADS = 256
+MAX_WIDTH = 8192  # 32 values of each kind a thread, in registers; wider rows keep MLX's
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3")  # their TransformerBlock is the pattern above
 
+# Every load (x, r and the weight) is issued before any store: MLX hands a custom kernel
+# plain pointers, which the compiler must assume may alias the outputs, so a load after a
+# store waits for it (the first form, loading and storing element by element, took ~11 us
+# more a call on the H200 than MLX's add and norm: a memory round trip per element).
 _SOURCE = """
+constexpr int PER = (D + THREADS - 1) / THREADS;
 __shared__ float red[THREADS / 32];
 const int t = threadIdx.x;
 const int lane = t & 31;
 const int warp = t >> 5;
 const size_t base = (size_t)blockIdx.x * D;
+float hv[PER], wv[PER];
+#pragma unroll
+for (int j = 0; j < PER; ++j) {
+    const int i = t + j * THREADS;
+    hv[j] = 0.0f;
+    wv[j] = 0.0f;
+    if (i < D) {
+        hv[j] = static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i])));
+        wv[j] = static_cast<float>(w[i]);
+    }
+}
 float ss = 0.0f;
-for (int i = t; i < D; i += THREADS) {
-    const T s = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
-    h[base + i] = s;
-    const float f = static_cast<float>(s);
-    ss += f * f;
+#pragma unroll
+for (int j = 0; j < PER; ++j) {
+    const int i = t + j * THREADS;
+    if (i < D) h[base + i] = static_cast<T>(hv[j]);
+    ss += hv[j] * hv[j];
 }
 for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
 if (lane == 0) red[warp] = ss;
@@ -65,9 +83,10 @@ if (warp == 0) {
 }
 __syncthreads();
 const float inv = rsqrtf(red[0] / D + EPS);
-for (int i = t; i < D; i += THREADS) {
-    const float f = static_cast<float>(static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i])));
-    out[base + i] = static_cast<T>(static_cast<float>(static_cast<T>(f * inv)) * static_cast<float>(w[i]));
+#pragma unroll
+for (int j = 0; j < PER; ++j) {
+    const int i = t + j * THREADS;
+    if (i < D) out[base + i] = static_cast<T>(static_cast<float>(static_cast<T>(hv[j] * inv)) * wv[j]);
 }
 """
 _BODY = compact(_SOURCE)
@@ -110,7 +129,7 @@ def supports(x: Any, weight: Any) -> bool:
     import mlx.core as mx
 
     return (x.ndim == 3 and x.shape[1] == 1 and x.dtype in (mx.float16, mx.bfloat16)
-            and weight.dtype == x.dtype and weight.shape == (x.shape[-1],))
+            and x.shape[-1] <= MAX_WIDTH and weight.dtype == x.dtype and weight.shape == (x.shape[-1],))
 
 
 def _hand_on(h: Any, r: Any) -> Any:

@@ -76,12 +76,17 @@ for (int t = 0; t < PAIRS; ++t) {
     x1[t] = static_cast<float>(static_cast<T>(static_cast<float>(w[a1[t]]) * static_cast<float>(static_cast<T>(x1[t] * r))));
 }
 """
+# every load before the first store (the outputs may alias the inputs as far as the
+# compiler knows: a load after a store would wait for it)
 _ROTATE = """
 const float p = static_cast<float>(off[b]);
+float f[PAIRS];
+#pragma unroll
+for (int t = 0; t < PAIRS; ++t) f[t] = inv[lane + 32 * t];
 #pragma unroll
 for (int t = 0; t < PAIRS; ++t) {
     float sn, cs;
-    sincosf(p * inv[lane + 32 * t], &sn, &cs);
+    sincosf(p * f[t], &sn, &cs);
     dst[a0[t]] = static_cast<T>(x0[t] * cs - x1[t] * sn);
     dst[a1[t]] = static_cast<T>(x0[t] * sn + x1[t] * cs);
 }
@@ -142,8 +147,11 @@ def rotation(attention: Any) -> Any:
     rotation, one q/k/v product)."""
     if not rotation_applies(attention):
         return None
+    import mlx.core as mx
+
     rope = attention.rope
     inv, traditional = inverse_frequencies(rope, rope.dims)
+    mx.eval(inv)  # computed once here, not in the first step's graph
     heads, kv_heads = attention.n_heads, attention.n_kv_heads
     norms = None
     if "q_norm" in attention:

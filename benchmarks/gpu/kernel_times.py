@@ -1,0 +1,182 @@
+"""Whether a decode step is bound by the GPU's kernels or by what surrounds them: one
+step's kernels timed one by one by NVIDIA's Nsight Compute (``ncu``, in the CUDA toolkit
+of the GPU machine), summed by kernel, beside the same step's wall time pipelined as a
+server decodes (``pipeline_check``'s ``one token`` loop and its layer variants).
+
+Why: ``pipeline_check`` splits a step's host time into building the graph and handing it
+over (``mx.async_eval``), but MLX's hand-over also waits for the GPU once more than ten
+command buffers are in flight (its ``eval`` throttle), so a long hand-over may be the GPU's
+time as much as the host's. If the kernels' sum is close to the wall time, the step is
+the GPU's (faster kernels, fewer small ones); if far below, it is the host's or the gaps
+between kernels (fewer operations, fewer launches).
+
+    python benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8 \\
+        --loops "one token,all kernels"
+
+runs the child twice per (width, loop) set: once plain (wall ms per step) and once under
+``ncu --profile-from-start off --metrics gpu__time_duration.sum``, the profiled window
+opened (``cudaProfilerStart``) around ``--steps`` steps after a warm-up, each window
+begun by a marker kernel so the rows split by window. The quantized layers are MLX's
+products flattened (``GMLX_QMV_KERNEL=flat``: what the tuner starts from; no tuning run).
+``--ncu PATH`` names the profiler; ``--csv FILE`` only reads an earlier run's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import ctypes
+import glob
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+MARKER = "gmlx_window_marker"
+UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+
+
+def _profiler(start: bool) -> None:
+    """Open or close ncu's profiled window (CUDA's runtime, as MLX's own is not exposed)."""
+    for pattern in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
+        for folder in sys.path:
+            for path in sorted(glob.glob(os.path.join(folder, pattern))):
+                lib = ctypes.CDLL(path)
+                (lib.cudaProfilerStart if start else lib.cudaProfilerStop)()
+                return
+    raise SystemExit("kernel_times: no libcudart found beside the Python packages")
+
+
+def _marker(index: int) -> None:
+    """A kernel whose name says a window begins (``index``), run and waited for."""
+    import mlx.core as mx
+
+    kernel = mx.fast.cuda_kernel(name=f"{MARKER}_{index}", input_names=["a"], output_names=["b"],
+                                 source="if (threadIdx.x == 0) b[0] = a[0];")
+    out = kernel(inputs=[mx.zeros((1,), mx.float32)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                 output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+    mx.eval(out)
+
+
+def child(args: argparse.Namespace) -> None:
+    """Every (width, loop): a warm-up, then ``steps`` pipelined steps, timed (and, under
+    ncu, profiled); prints one line per window."""
+    import mlx.core as mx
+
+    from benchmarks.gpu.pipeline_check import _primed
+    from benchmarks.gpu.served_step import attention, layered, load
+    from gmlx.engine.kernels import cuda_source, fast_linear
+
+    loaded = load(args.model, args.dtype)
+    os.environ["GMLX_QMV_KERNEL"] = "flat"
+    fast_linear.use_fast_kernels(loaded.model)
+    attention(True)
+    profiled = args.profiled and cuda_source.available()
+    index = 0
+    for width in (int(w) for w in args.widths.split(",")):
+        for mode in args.loops.split(","):
+            with layered(loaded.model, mode):
+                cache, current = _primed(loaded.model, width, 128, "gmlx cache")
+
+                def step(tokens, cache=cache):
+                    return mx.argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+
+                for _ in range(4):  # compiles and allocations
+                    current = step(current)
+                    mx.eval(current)
+                if profiled:
+                    _profiler(True)
+                    _marker(index)
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    nxt = step(current)
+                    mx.async_eval(nxt)
+                    mx.eval(current)
+                    current.tolist()
+                    current = nxt
+                mx.eval(current)
+                elapsed = time.perf_counter() - start
+                if profiled:
+                    _profiler(False)
+            print(f"window {index} width {width} loop {mode}: {elapsed / args.steps * 1e3:.2f} ms a step", flush=True)
+            index += 1
+
+
+def kernel_table(path: Path, steps: int) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per window, each kernel's microseconds a step and launches a step, from ncu's CSV."""
+    lines = path.read_text(errors="replace").splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if header is None:
+        raise SystemExit(f"kernel_times: no ncu table in {path}: " + " | ".join(lines[-5:]))
+    times: collections.Counter = collections.Counter()
+    launches: collections.Counter = collections.Counter()
+    window = -1
+    for row in csv.DictReader(lines[header:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        full = row["Kernel Name"]
+        if MARKER in full:
+            window = int(full.split(MARKER + "_")[1].split("_")[0].split("(")[0].split("<")[0])
+            continue
+        name = full.split("(")[0].split("<")[0].strip()[:70]
+        times[window, name] += float(row["Metric Value"].replace(",", "")) * UNITS.get(row["Metric Unit"], 1.0)
+        launches[window, name] += 1
+    table: dict[int, dict[str, tuple[float, float]]] = {}
+    for (w, name), us in times.items():
+        table.setdefault(w, {})[name] = (us / steps, launches[w, name] / steps)
+    return table
+
+
+def report(walls: list[str], table: dict[int, dict[str, tuple[float, float]]], top: int) -> None:
+    """Each window's wall time beside its kernels' sum, and its dearest kernels."""
+    for index, line in enumerate(walls):
+        kinds = table.get(index, {})
+        total = sum(us for us, _ in kinds.values())
+        wall = float(line.split(": ")[1].split()[0])
+        print(f"\n{line.split(':')[0]}: wall {wall:.2f} ms a step, kernels {total / 1e3:.2f} ms "
+              f"({sum(n for _, n in kinds.values()):.0f} a step): kernels / wall {total / 1e3 / wall:.2f}")
+        print("| kernel | a step | us a step | us each |")
+        print("|---|---:|---:|---:|")
+        for name, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"| {name} | {n:.0f} | {us:.0f} | {us / n:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a model reference gmlx serve takes, or synthetic:SHAPE")
+    p.add_argument("--widths", default="1,8")
+    p.add_argument("--loops", default="one token,all kernels")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--top", type=int, default=14)
+    p.add_argument("--ncu", default="ncu")
+    p.add_argument("--csv", help="read this ncu output instead of running the profiler")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    common = [sys.executable, __file__, args.model, "--child", "--widths", args.widths, "--loops", args.loops,
+              "--steps", str(args.steps), "--dtype", args.dtype]
+    plain = subprocess.run(common, capture_output=True, text=True, check=False)
+    walls = [line for line in plain.stdout.splitlines() if line.startswith("window ")]
+    if plain.returncode or not walls:
+        raise SystemExit("kernel_times: the plain run failed: " + plain.stderr[-2000:])
+    print("\n".join(walls), flush=True)
+    out = Path(args.csv or "/tmp/kernel_times.csv")
+    if not args.csv:
+        profiled = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
+                                   "--csv", "--log-file", str(out), *common, "--profiled"],
+                                  capture_output=True, text=True, check=False)
+        if profiled.returncode:
+            raise SystemExit("kernel_times: ncu failed: " + (profiled.stdout + profiled.stderr)[-2000:])
+    report(walls, kernel_table(out, args.steps), args.top)
+
+
+if __name__ == "__main__":
+    main()
