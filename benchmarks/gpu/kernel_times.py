@@ -132,13 +132,16 @@ def kernel_table(path: Path, steps: int) -> dict[int, dict[str, tuple[float, flo
 
 
 def report(walls: list[str], table: dict[int, dict[str, tuple[float, float]]], top: int) -> None:
-    """Each window's wall time beside its kernels' sum, and its dearest kernels."""
-    for index, line in enumerate(walls):
+    """Each window's kernels' sum beside its wall time (where known), and its dearest kernels."""
+    names = {index: line for index, line in enumerate(walls)}
+    for index in sorted(set(names) | set(table) - {-1}):
         kinds = table.get(index, {})
-        total = sum(us for us, _ in kinds.values())
-        wall = float(line.split(": ")[1].split()[0])
-        print(f"\n{line.split(':')[0]}: wall {wall:.2f} ms a step, kernels {total / 1e3:.2f} ms "
-              f"({sum(n for _, n in kinds.values()):.0f} a step): kernels / wall {total / 1e3 / wall:.2f}")
+        total = sum(us for us, _ in kinds.values()) / 1e3
+        line = names.get(index, f"window {index}: ? ms a step")
+        wall = line.split(": ")[1].split()[0]
+        ratio = f"{total / float(wall):.2f}" if wall != "?" else "?"
+        print(f"\n{line.split(':')[0]}: wall {wall} ms a step, kernels {total:.2f} ms "
+              f"({sum(n for _, n in kinds.values()):.0f} a step): kernels / wall {ratio}")
         print("| kernel | a step | us a step | us each |")
         print("|---|---:|---:|---:|")
         for name, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -155,6 +158,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--ncu", default="ncu")
     p.add_argument("--csv", help="read this ncu output instead of running the profiler")
+    p.add_argument("--no-plain", action="store_true",
+                   help="skip the unprofiled run (the windows' wall times then come from under ncu)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -163,11 +168,13 @@ def main() -> None:
         return
     common = [sys.executable, __file__, args.model, "--child", "--widths", args.widths, "--loops", args.loops,
               "--steps", str(args.steps), "--dtype", args.dtype]
-    plain = subprocess.run(common, capture_output=True, text=True, check=False)
-    walls = [line for line in plain.stdout.splitlines() if line.startswith("window ")]
-    if plain.returncode or not walls:
-        raise SystemExit("kernel_times: the plain run failed: " + plain.stderr[-2000:])
-    print("\n".join(walls), flush=True)
+    walls: list[str] = []
+    if not args.no_plain:
+        plain = subprocess.run(common, capture_output=True, text=True, check=False)
+        walls = [line for line in plain.stdout.splitlines() if line.startswith("window ")]
+        if plain.returncode or not walls:
+            raise SystemExit("kernel_times: the plain run failed: " + plain.stderr[-2000:])
+        print("\n".join(walls), flush=True)
     out = Path(args.csv or "/tmp/kernel_times.csv")
     if not args.csv:
         profiled = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
@@ -175,6 +182,7 @@ def main() -> None:
                                   capture_output=True, text=True, check=False)
         if profiled.returncode:
             raise SystemExit("kernel_times: ncu failed: " + (profiled.stdout + profiled.stderr)[-2000:])
+        walls = walls or [line for line in profiled.stdout.splitlines() if line.startswith("window ")]
     report(walls, kernel_table(out, args.steps), args.top)
 
 

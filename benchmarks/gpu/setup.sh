@@ -13,12 +13,19 @@
 #                                              (skipped when built); --background starts
 #                                              the build in its own session and returns,
 #                                              --wait waits for such a build to end
+#   benchmarks/gpu/setup.sh kernels DEST       MLX's compiled-kernel cache of this lease
+#                                              (/tmp/mlx-ptx) packed into DEST/mlx-ptx.tar.gz,
+#                                              for the next lease to stage beside part3
 #   benchmarks/gpu/setup.sh status             what is staged, installed and built
 set -euo pipefail
 
 STAGE=${GPU_STAGE:-/tmp/gpu-stage}
 SITE=${GPU_SITE:-/tmp/site}
 LLAMA=${GPU_LLAMA:-/tmp/llama}
+# One compiled-kernel cache for every process of a lease (gmlx servers, mlx_lm.server, the
+# scripts), unpacked at install from a past lease's when staged: a fresh machine's first
+# 8B process otherwise spends 2-3 minutes compiling MLX's kernels (12-03: >150 s).
+PTX=${GPU_PTX:-/tmp/mlx-ptx}
 ENVFILE=/tmp/gpu-env.sh
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -57,12 +64,26 @@ install() {
   fi
   # MLX's CUDA backend finds the CUDA libraries at ../../nvidia/... beside itself.
   ln -sfn "$nvidia" "$SITE/nvidia"
+  mkdir -p "$PTX"
+  if [ -f "$STAGE/mlx-ptx.tar.gz" ]; then
+    # the past lease's cache serves only the MLX it was compiled by
+    local want had
+    want=$(ls -d "$SITE"/mlx-*.dist-info 2>/dev/null | head -1 || true); want=${want##*/}
+    had=$(tar xzf "$STAGE/mlx-ptx.tar.gz" -O ./MLX_VERSION 2>/dev/null || true)
+    if [ -n "$want" ] && [ "$had" = "$want" ]; then
+      tar xzf "$STAGE/mlx-ptx.tar.gz" -C "$PTX"
+      echo "MLX's kernel cache from a past lease: $(find "$PTX" -type f | wc -l) files ($had)"
+    else
+      echo "MLX's kernel cache staged but made by ${had:-an unknown MLX}, not $want: not used"
+    fi
+  fi
   cat >"$ENVFILE" <<EOF
 # written by benchmarks/gpu/setup.sh install
 export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}
 export PATH=$LLAMA/build/bin:$SITE/bin:\$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export GPU_VOCAB=$STAGE/ggml-vocab-llama-bpe.gguf
+export MLX_PTX_CACHE_DIR=$PTX
 EOF
   # shellcheck disable=SC1090
   . "$ENVFILE"
@@ -148,6 +169,17 @@ llama_build() {
   echo "llama.cpp built in $((SECONDS - t0)) s: $(ls "$build/bin" | tr '\n' ' ')"
 }
 
+kernels() {
+  local dest=${1:?usage: setup.sh kernels DEST}
+  [ -d "$PTX" ] || die "no kernel cache at $PTX (run install first)"
+  local version
+  version=$(ls -d "$SITE"/mlx-*.dist-info 2>/dev/null | head -1 || true); version=${version##*/}
+  echo "$version" > "$PTX/MLX_VERSION"
+  mkdir -p "$dest"
+  tar czf "$dest/mlx-ptx.tar.gz" -C "$PTX" .
+  echo "packed $(find "$PTX" -type f | wc -l) files ($version) into $dest/mlx-ptx.tar.gz, $(du -sh "$dest/mlx-ptx.tar.gz" | cut -f1)"
+}
+
 status() {
   echo "stage: $(ls "$STAGE" 2>/dev/null | wc -l) files, $(du -sh "$STAGE" 2>/dev/null | cut -f1)"
   echo "site: $( [ -d "$SITE/mlx" ] && echo installed || echo absent)"
@@ -160,6 +192,7 @@ case "${1:-}" in
   stage) stage "${2:-}" ;;
   install) install ;;
   llama) llama_build "${2:-}" ;;
+  kernels) kernels "${2:-}" ;;
   status) status ;;
-  *) sed -n '2,17p' "$SCRIPT"; exit 2 ;;
+  *) sed -n '2,20p' "$SCRIPT"; exit 2 ;;
 esac
