@@ -161,11 +161,14 @@ def test_chat_tokenization_lets_other_threads_run(demo_model):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(3600)  # no thread is made to yield the GIL: only a release lets us in
     try:
-        ours = ran_beside(encoder.encode)
-        holding = ran_beside(lambda t: tok._backend.encode(t, add_special_tokens=False))
+        # A release is a window this thread must be scheduled in: on a loaded machine the
+        # OS may not wake it before the tokenizer takes the GIL back, so ours gets three
+        # tries; a tokenizer that holds the GIL never lets it in, however many tries.
+        ours = any(ran_beside(encoder.encode) for _ in range(3))
+        holding = [ran_beside(lambda t: tok._backend.encode(t, add_special_tokens=False)) for _ in range(3)]
     finally:
         sys.setswitchinterval(interval)
-    assert ours and not holding
+    assert ours and not any(holding)
 
 
 def test_prefix_reuse_check_tokenizes_from_the_cut_before(demo_model, monkeypatch):
