@@ -54,7 +54,7 @@ _START = r"""
     const int groups = K / G;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int n0 = (blockIdx.x * WARPS + warp) * RPW;
+    const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
     if (n0 >= N) return;
 """
 
@@ -70,8 +70,8 @@ _SOURCE = _START + r"""
         const int grp = c * 32 / G;
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-            const int n = min(n0 + r, N - 1);  // past the end: read, never written
-            const uint32_t* p = w + (size_t)n * words + (size_t)c * BITS;
+            const int n = min(n0 + r % OUTS, N - 1);  // past the end: read, never written
+            const uint32_t* p = WEIGHTS(r) + (size_t)n * words + (size_t)c * BITS;
             if (BITS == 4) {
                 const uint4 u = *reinterpret_cast<const uint4*>(p);
                 q[r][0] = u.x; q[r][1] = u.y; q[r][2] = u.z; q[r][3] = u.w;
@@ -87,8 +87,8 @@ _SOURCE = _START + r"""
                     q[r][2 * v] = u.x; q[r][2 * v + 1] = u.y;
                 }
             }
-            s[r] = static_cast<float>(scales[(size_t)n * groups + grp]);
-            b[r] = static_cast<float>(biases[(size_t)n * groups + grp]);
+            s[r] = static_cast<float>(SCALES(r)[(size_t)n * groups + grp]);
+            b[r] = static_cast<float>(BIASES(r)[(size_t)n * groups + grp]);
         }
         // this lane's 32 values of x, as floats, and their sum
         float xf[32];
@@ -137,12 +137,17 @@ _SOURCE = _START + r"""
             acc[r] += s[r] * ((d[0] + d[1]) + (d[2] + d[3])) + b[r] * xs;
         }
     }
+    float red[RPW];
     #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         float v = acc[r];
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == r && n0 + r < N) out[n0 + r] = static_cast<T>(v);
+        red[r] = v;
+    }
+    #pragma unroll
+    for (int r = 0; r < OUTS; ++r) {
+        if (lane == r && n0 + r < N) out[n0 + r] = OUTPUT(red[r], red[(r + OUTS) % RPW]);
     }
 """
 
@@ -165,13 +170,13 @@ _ROWS_SOURCE = _START + r"""
         const int grp = c * 32 / G;
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-            const int n = min(n0 + r, N - 1);
-            const uint32_t* p = w + (size_t)n * words + (size_t)c * BITS;
+            const int n = min(n0 + r % OUTS, N - 1);
+            const uint32_t* p = WEIGHTS(r) + (size_t)n * words + (size_t)c * BITS;
             uint32_t q[BITS];
             #pragma unroll
             for (int v = 0; v < BITS; ++v) q[v] = p[v];
-            const float s = static_cast<float>(scales[(size_t)n * groups + grp]);
-            const float b = static_cast<float>(biases[(size_t)n * groups + grp]);
+            const float s = static_cast<float>(SCALES(r)[(size_t)n * groups + grp]);
+            const float b = static_cast<float>(BIASES(r)[(size_t)n * groups + grp]);
             float wf[32];
             #pragma unroll
             for (int j = 0; j < 32; ++j) {
@@ -208,6 +213,7 @@ _ROWS_SOURCE = _START + r"""
             }
         }
     }
+    float red[RPW][MAXR];
     #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         #pragma unroll
@@ -215,7 +221,15 @@ _ROWS_SOURCE = _START + r"""
             float v = acc[r][m];
             #pragma unroll
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && m < rows && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(v);
+            red[r][m] = v;
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < OUTS; ++r) {
+        #pragma unroll
+        for (int m = 0; m < MAXR; ++m) {
+            if (lane == 0 && m < rows && n0 + r < N)
+                out[(size_t)m * N + n0 + r] = OUTPUT(red[r][m], red[(r + OUTS) % RPW][m]);
         }
     }
 """
@@ -236,39 +250,78 @@ def configs(rows: int = 1) -> list[tuple[int, ...]]:
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
+def gated_configs(rows: int = 1) -> list[tuple[int, int, int]]:
+    """The launch shapes of the gated product (:func:`bound` with ``up``) for a bucket of
+    ``rows`` rows: (warps per block, weight rows per warp (half gate, half up), rows of x
+    at most). Not tuned yet: the first is what it runs."""
+    return [(4, 4, 1), (4, 2, 1)] if rows == 1 else [(4, 2, rows)]
+
+
 _BODY = compact(_SOURCE)
 _ROWS_BODY = compact(_ROWS_SOURCE)
 
 
+# What a product's rows are and what it writes: a plain product's warp takes RPW weight
+# rows and writes each; a gated one's (``glu``) takes RPW / 2 rows of the gate's weights
+# and the same rows of the up projection's (``w2``...), and writes silu(gate) * up for
+# each, rounded as MLX's products and its swiglu round them (each product to T, then
+# sigmoid, the product with it and the one with up, each to T).
+_PLAIN = """constexpr int OUTS = RPW;
+#define WEIGHTS(r) w
+#define SCALES(r) scales
+#define BIASES(r) biases
+#define OUTPUT(v, u) static_cast<T>(v)
+"""
+_GATED = """constexpr int OUTS = RPW / 2;
+#define WEIGHTS(r) ((r) < OUTS ? w : w2)
+#define SCALES(r) ((r) < OUTS ? scales : scales2)
+#define BIASES(r) ((r) < OUTS ? biases : biases2)
+auto gmlx_swiglu = [](float g, float u) -> T {
+    const float gf = static_cast<float>(static_cast<T>(g));
+    const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gf))));
+    const float a = static_cast<float>(static_cast<T>(gf * sig));
+    return static_cast<T>(a * static_cast<float>(static_cast<T>(u)));
+};
+#define OUTPUT(g, u) gmlx_swiglu(g, u)
+"""
+
+
 @cache
-def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1) -> Any:
+def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
+            gated: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
-    one row of x (``max_rows``) takes the few-rows source."""
+    one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
+    two layers of one layout (``rpw`` even: half its rows each)."""
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
-            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else "") + "\n")
-    return build(f"gmlx_qgemv_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}", head,
-                 _BODY if max_rows == 1 else _ROWS_BODY, ["x", "w", "scales", "biases"])
+            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else "") + "\n"
+            + (_GATED if gated else _PLAIN))
+    inputs = ["x", "w", "scales", "biases", *(("w2", "scales2", "biases2") if gated else ())]
+    return build(f"gmlx_{'qglu' if gated else 'qgemv'}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}",
+                 head, _BODY if max_rows == 1 else _ROWS_BODY, inputs)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
-          config: tuple[int, ...] | None = None) -> Callable[[Any], Any]:
+          config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None) -> Callable[[Any], Any]:
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
-    out once (a layer calls it on every decode step of one stream)."""
+    out once (a layer calls it on every decode step of one stream); with ``up`` (the up
+    projection's weights, scales and biases, of this layer's layout and shape) the gated
+    product ``silu(x @ W.T) * (x @ U.T)``, ``config``'s rows per warp then even."""
     n = w.shape[0]
     warps, rpw, *most = config or configs()[0]
     max_rows = most[0] if most else 1
-    grid = (-(-n // (warps * rpw)) * 32 * warps, 1, 1)
+    outs = rpw // 2 if up is not None else rpw
+    grid = (-(-n // (warps * outs)) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
-    inputs_after_x = [w, scales, biases]
+    inputs_after_x = [w, scales, biases, *(up or ())]
     kernels: dict[Any, Any] = {}  # per activation dtype
 
     def run(x: Any) -> Any:
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows)
+            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows, up is not None)
         (out,) = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
                         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[dtype])
         return out

@@ -62,6 +62,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 for config in [*qgemv_cuda.configs()[:2], *qgemv_cuda.configs(8)[:2]]:
                     qgemv_cuda._kernel(dtype, bits, 64, *config)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
+                for config in qgemv_cuda.gated_configs(1) + qgemv_cuda.gated_configs(8):
+                    qgemv_cuda._kernel(dtype, bits, 64, *config, True)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
             for rows in (1, 16, 64):
                 for ft, warps, unroll in qmma_cuda.configs(rows):
                     qmma_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), 4, 32, ft, warps, unroll)

@@ -42,8 +42,8 @@ def test_a_value_the_user_set_is_kept(name: str, tmp_path: Path) -> None:
     assert others == {k: v for k, v in environment_after_import(GMLX_HOME=str(tmp_path)).items() if k != name}
 
 
-@pytest.mark.parametrize("module", ["add_norm_cuda", "rope_cuda"])
-def test_the_kernels_not_yet_measured_are_off_by_default_and_only_on_cuda(module: str, monkeypatch) -> None:
+@pytest.mark.parametrize("module", ["add_norm_cuda", "rope_cuda", "glu_cuda"])
+def test_the_kernels_not_faster_yet_are_off_by_default_and_only_on_cuda(module: str, monkeypatch) -> None:
     import importlib
 
     kernel = importlib.import_module(f"gmlx.engine.kernels.{module}")

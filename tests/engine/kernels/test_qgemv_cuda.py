@@ -123,6 +123,25 @@ int main(int argc, char** argv) {
 }
 """
 
+_GATED_MAIN = r"""
+int main(int argc, char** argv) {
+    const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]);
+    const int BITS_ = std::atoi(argv[5]), warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
+    auto x = load<E>("x.bin", (size_t)rows * K);
+    auto w = load<uint32_t>("w.bin", (size_t)N * K / 32 * BITS_);
+    auto s = load<E>("s.bin", (size_t)N * K / G_);
+    auto b = load<E>("b.bin", (size_t)N * K / G_);
+    auto w2 = load<uint32_t>("w2.bin", (size_t)N * K / 32 * BITS_);
+    auto s2 = load<E>("s2.bin", (size_t)N * K / G_);
+    auto b2 = load<E>("b2.bin", (size_t)N * K / G_);
+    std::vector<E> out((size_t)rows * N);
+    Shape xs{rows, K}, ws{N, K / 32 * BITS_};
+    const int blocks = (N + warps * (rpw / 2) - 1) / (warps * (rpw / 2));
+    run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
+    save("out.bin", out);
+}
+"""
+
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
@@ -163,3 +182,52 @@ def _parameters(function: str) -> list[str]:
     """The parameter names of the host function ``kernel``, in order."""
     head = function[function.index("(") + 1:function.index(")")]
     return [p.split()[-1].lstrip("*") for p in head.split(",")]
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "group", "rows", "config"), [
+    (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 3, (4, 2, 4)), (6, 64, 8, (4, 4, 8))])
+def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config) -> None:
+    """The gated product (an MLP's gate and up projections and its swiglu in one
+    kernel), each source run on the CPU as above: 11 output rows (a warp's second row and
+    a block's last warp past the end), against MLX's two products and mlx-lm's swiglu,
+    as closely as those are to the float32 products through a float32 swiglu."""
+    from mlx_lm.models.activations import swiglu
+
+    dtype = mx.bfloat16
+    k, n = 1088, 11
+    mx.random.seed(bits * rows + group + 1)
+    gate = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
+    up = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
+    x = (mx.random.normal((rows, k)) * 0.5).astype(dtype)
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        qgemv_cuda._kernel.cache_clear()
+        try:
+            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, True)
+        finally:
+            qgemv_cuda._kernel.cache_clear()
+    assert made[0]["input_names"] == ["x", "w", "scales", "biases", "w2", "scales2", "biases2"]
+    body = emulation.function(made[0], ["bfloat16", "uint32", "bfloat16", "bfloat16", "uint32", "bfloat16",
+                                        "bfloat16"], "bfloat16")
+    names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
+             "scales": "s.data()", "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()",
+             "biases2": "b2.data()", "out": "out.data()"}
+    args = ", ".join(names[name] for name in _parameters(body))
+    program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _GATED_MAIN.replace("ARGS", args)
+    files = (("x", x.view(mx.uint16)), ("w", gate[0]), ("s", gate[1].view(mx.uint16)), ("b", gate[2].view(mx.uint16)),
+             ("w2", up[0]), ("s2", up[1].view(mx.uint16)), ("b2", up[2].view(mx.uint16)))
+    for name, a in files:
+        (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1]])
+    got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
+
+    def product(layer):
+        return mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=bits)
+
+    want = swiglu(product(gate), product(up))
+    g, u = (exact_product(x, *layer, group, bits) for layer in (gate, up))
+    exact = g * mx.sigmoid(g) * u
+    assert agrees(got, want, exact)
+    assert not mx.array_equal(got, mx.zeros_like(got)).item()

@@ -1,0 +1,85 @@
+"""An MLP's gate and up projections and swiglu in one kernel (``glu_cuda``): which MLPs
+take it, and the wiring through real llama-pattern models with MLX's own products and
+swiglu standing in for the kernel (the same logits, bit for bit: the wiring changes
+nothing else). The kernel's own source is run on the CPU against MLX's products and
+swiglu in ``test_qgemv_cuda.py``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from gmlx.engine.kernels import glu_cuda
+from tests.engine.kernels.models import steps, tiny
+
+LAYERS = 2
+
+
+def _model(family: str) -> nn.Module:
+    return tiny(family, LAYERS, quantized=True, dtype=mx.bfloat16, seed=11)
+
+
+@pytest.mark.parametrize("family", glu_cuda.FAMILIES)
+@pytest.mark.parametrize("streams", [1, 3, 9])
+def test_the_wiring_gives_the_same_logits(family: str, streams: int) -> None:
+    """With MLX's products and swiglu in the kernel's place the model computes what it
+    computed; the fused path takes one-token steps of up to eight streams, never a
+    prompt, nor a step of more streams."""
+    model = _model(family)
+    prompts = mx.array([[3, 1, 4, 1, 5, 9][i % 3:] + [2] * (i % 3) for i in range(streams)])
+
+    def caches() -> list:
+        return [BatchKVCache([0] * streams) for _ in range(LAYERS)] if streams > 1 else make_prompt_cache(model)
+
+    want = steps(model, caches(), prompts)
+    calls: list[tuple[tuple[int, ...], int]] = []
+
+    def make(mlp):
+        gated = glu_cuda.mlx_gated(mlp)
+
+        def recorded(x, rows):
+            calls.append((tuple(x.shape), rows))
+            return gated(x, rows)
+
+        return recorded
+
+    assert glu_cuda.attach(model, make) == LAYERS
+    got = steps(model, caches(), prompts)
+    for a, b in zip(want, got, strict=True):
+        assert mx.array_equal(a, b).item()
+    expected = [((streams, 1, 128), streams)] * LAYERS * 4 if streams <= glu_cuda.MAX_ROWS else []
+    assert calls == expected
+    glu_cuda.detach(model)
+    assert not any(vars(type(m)).get("glu") for _, m in model.named_modules())
+
+
+def test_only_projections_quantized_alike_take_it() -> None:
+    """Gate and up in different bit widths, float projections, or projections with a
+    bias keep the model's own MLP."""
+    mixed = tiny("llama", LAYERS, dtype=mx.bfloat16)
+    nn.quantize(mixed, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear)
+                and not p.endswith("up_proj"))
+    nn.quantize(mixed, group_size=32, bits=8, class_predicate=lambda p, m: p.endswith("up_proj"))
+    assert glu_cuda.attach(mixed) == 0
+    assert glu_cuda.attach(tiny("llama", LAYERS, dtype=mx.bfloat16)) == 0
+    assert glu_cuda.layout(_model("qwen2").layers[0].mlp) == (32, 4)
+
+
+def test_each_row_bucket_binds_the_gated_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's function binds the gated product per bucket of streams (1, 2, 4, 8),
+    with the up projection's weights beside the gate's, once each."""
+    mlp = _model("llama").layers[0].mlp
+    bound: list[tuple] = []
+
+    def fake_bound(w, scales, biases, group_size, bits, config, up):
+        bound.append((group_size, bits, config))
+        assert up[0] is mlp.up_proj.weight and w is mlp.gate_proj.weight
+        return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+
+    monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", fake_bound)
+    gated = glu_cuda.kernel(mlp)
+    for rows in (1, 1, 2, 3, 4, 5, 8):
+        assert gated(mx.zeros((rows, 1, 128), mx.bfloat16), rows).shape == (rows, 1, 128)
+    assert [b[2] for b in bound] == [glu_cuda.qgemv_cuda.gated_configs(n)[0] for n in (1, 2, 4, 8)]
