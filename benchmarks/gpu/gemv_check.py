@@ -7,6 +7,12 @@ on a Llama-3-8B's layer shapes in a Q4_K_M GGUF's layouts (stacked q/k/v and gat
 included), with the bandwidth it reached.
 
     python benchmarks/gpu/gemv_check.py [--dtype float16] [--reps 50] [--rows 1,2,4,8]
+    python benchmarks/gpu/gemv_check.py --gated --rows 1,2,8 --dtype bfloat16
+
+``--gated``: the gated product (``glu_cuda``: an MLP's gate and up projections and
+swiglu in one kernel) on the 8B's MLP (4096 to 14336, 4-bit), against MLX's two products
+and mlx-lm's swiglu on the CPU backend (agreement as above, against float32 products
+through a float32 swiglu) and timed against the three of them on the GPU.
 """
 
 from __future__ import annotations
@@ -63,12 +69,45 @@ def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> s
             f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
 
+def gated_row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int) -> str:
+    """The gated product's row: agreement at its launch shapes, MLX's three kernels' time
+    and the one kernel's."""
+    from mlx_lm.models.activations import swiglu
+
+    mx.random.seed(k + n + bits + rows)
+    gate, up = (mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=g, bits=bits) for _ in range(2))
+    x = mx.random.normal((rows, 1, k)).astype(dtype)
+    mx.eval(gate, up, x)
+
+    def product(layer, x=x):
+        return mx.quantized_matmul(x, *layer, transpose=True, group_size=g, bits=bits)
+
+    with mx.stream(mx.cpu):
+        want = swiglu(product(gate), product(up))
+        exact_g, exact_u = (x.astype(mx.float32) @ mx.dequantize(*layer, group_size=g, bits=bits)
+                            .astype(mx.float32).T for layer in (gate, up))
+        exact = exact_g * mx.sigmoid(exact_g) * exact_u
+        mx.eval(want, exact)
+    bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
+    runs = {c: qgemv_cuda.bound(*gate, g, bits, c, up=up) for c in qgemv_cuda.gated_configs(bucket)}
+    ok = all(agrees(run(x), want, exact) for run in runs.values())
+    flat = x.reshape(rows, k)
+    mlx_us = per_product(lambda: swiglu(product(gate, flat), product(up, flat)), reps)
+    times = {c: per_product(lambda run=run: run(x), reps) for c, run in runs.items()}
+    best = min(times, key=times.get)
+    nbytes = sum(a.nbytes for a in (*gate, *up))
+    shapes = ", ".join(f"{c[0]}x{c[1]}: {t:.1f}" for c, t in times.items())
+    return (f"| {k}x{n} gate+up, swiglu | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | "
+            f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float16")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--rows", default="1", help="comma-separated rows of x (1-8)")
+    p.add_argument("--gated", action="store_true", help="the gated MLP product instead (glu_cuda)")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
     g = args.group
@@ -77,8 +116,12 @@ def main() -> None:
     print("| K x N | bits | rows | agrees | MLX us | kernel us (best shape) | x MLX | kernel GB/s | per shape |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---|")
     for rows in (int(r) for r in args.rows.split(",")):
+        if args.gated:
+            print(gated_row(4096, 14336, 4, dtype, g, args.reps, rows), flush=True)
+            continue
         for k, n, bits in SHAPES:
             print(row(k, n, bits, dtype, g, args.reps, rows), flush=True)
+
 
 if __name__ == "__main__":
     main()
