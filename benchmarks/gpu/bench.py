@@ -83,7 +83,7 @@ import throughput as tp
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
-           "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-mlx",
+           "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -106,9 +106,11 @@ GMLX_VARIANTS = {
     # a one-token step's residual adds and norms fused, its queries and keys rotated in one
     # kernel (gmlx.engine.kernels.add_norm_cuda, rope_cuda; off by default until measured)
     "gmlx-kernels": {"GMLX_ADD_NORM_KERNEL": "1", "GMLX_ROPE_KERNEL": "1"},
-    # an MLP's gate and up projections and swiglu in one kernel for decode steps of up to
-    # eight streams (gmlx.engine.kernels.glu_cuda; off by default until measured)
+    # an MLP's gate and up projections and swiglu in one kernel at every decode step of up
+    # to eight streams, untimed (gmlx.engine.kernels.glu_cuda; "gmlx" takes it where its
+    # load measures a step faster), or never
     "gmlx-glu": {"GMLX_GLU_KERNEL": "1"},
+    "gmlx-noglu": {"GMLX_GLU_KERNEL": "0"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
 }

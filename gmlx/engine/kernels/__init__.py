@@ -16,9 +16,10 @@ def prepare_layers(model: Any) -> list[str]:
     (logged, not a load note: neither changes a number a user sees), then, on CUDA (unless
     turned off), the padded batches' one-query attention (:mod:`attention_cuda`, logged
     likewise), with ``GMLX_ADD_NORM_KERNEL=1`` the residual adds and norms of one-token
-    steps fused (:mod:`add_norm_cuda`, logged likewise), with ``GMLX_GLU_KERNEL=1`` an MLP's
-    gate and up projections and swiglu in one kernel for one-token steps (:mod:`glu_cuda`,
-    logged likewise) and the quantized layers' paths. Returns the load notes."""
+    steps fused (:mod:`add_norm_cuda`, logged likewise), the quantized layers' paths, then
+    (unless ``GMLX_GLU_KERNEL=0``) an MLP's gate and up projections and swiglu in one
+    kernel for the one-token steps where it measures faster (:mod:`glu_cuda`). Returns
+    the load notes."""
     from gmlx.engine import mlxlm
     from gmlx.engine.kernels import add_norm_cuda, attention_cuda, glu_cuda, one_token
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
@@ -33,8 +34,8 @@ def prepare_layers(model: Any) -> list[str]:
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")
     if add_norm_cuda.enabled() and (fused := add_norm_cuda.attach(model)):
         log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
-    if glu_cuda.enabled() and (gated := glu_cuda.attach(model)):
-        log.info("cuda: the gate and up projections and swiglu of %d MLP(s) in one kernel for one-token steps "
-                 "of up to %d streams", gated, glu_cuda.MAX_ROWS)
-    note = use_fast_kernels(model)
-    return [] if note is None else [note]
+    gated = glu_cuda.enabled() and glu_cuda.attach(model, buckets=())  # taken where tune() measures it faster
+    notes = [note] if (note := use_fast_kernels(model)) is not None else []
+    if gated and (decided := glu_cuda.tune(model)) is not None:
+        notes.append(decided)
+    return notes

@@ -279,12 +279,12 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
         saved = {id(m): m.paths.pop(rows) for m in swapped if rows in m.paths}
         try:
             _forget_calls(swapped)
-            without = _step_time(model, rows)
+            without = step_time(model, rows)
             for m in swapped:
                 if id(m) in saved:
                     m.paths[rows] = saved[id(m)]
             _forget_calls(swapped)
-            with_paths = _step_time(model, rows)
+            with_paths = step_time(model, rows)
         except (TypeError, ValueError, RuntimeError):  # a model this cannot step: keep MLX's
             with_paths, without = 1.0, 0.0
         if with_paths < 0.98 * without:
@@ -298,7 +298,7 @@ def _forget_calls(layers: list[Any]) -> None:
         m.by_shape.clear()
 
 
-def _step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -> float:
+def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -> float:
     """Seconds per decode step of ``rows`` streams after a ``context``-token prompt, run
     as the worker runs them: each step's tokens (the greedy pick) feed the next, which is
     built and handed to the GPU before the last one's tokens are read, so a step costs

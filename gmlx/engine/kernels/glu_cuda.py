@@ -11,17 +11,22 @@ stream, the few-rows source at two to eight), rounded as MLX's products and mlx-
 swiglu round it. llama.cpp's CUDA decode fuses the same three.
 
 Only built on CUDA; only for one-token steps of at most eight streams and projections
-without biases; off unless ``GMLX_GLU_KERNEL=1`` until measured on a GPU
-(``benchmarks/gpu/pipeline_check.py``'s ``glu`` loop, ``bench.py``'s ``gmlx-glu``
-server). The tests run the kernel's own source on the CPU against MLX's products and
-swiglu (``tests/engine/kernels/test_qgemv_cuda.py``), and the wiring through real models
-with MLX's products and swiglu standing in for it (the same logits, bit for bit).
+without biases. Whether a step of 1, 2, 4 or 8 streams takes it is measured at load
+(:func:`tune`, after the quantized layers' own paths): the kernel must agree with MLX's
+products and swiglu as closely as they agree with float32 ones, and a whole decode step
+of that many streams must get faster with it, or the bucket keeps the three kernels;
+the answer is kept with the tuner's (:mod:`tuning`). ``GMLX_GLU_KERNEL=0`` turns it
+off, ``=1`` takes it at every bucket untimed (to measure it). The tests run the kernel's
+own source on the CPU against MLX's products and swiglu
+(``tests/engine/kernels/test_qgemv_cuda.py``), and the wiring and the tuning through
+real models with MLX's products and swiglu standing in for it (the same logits, bit for
+bit).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
@@ -32,11 +37,17 @@ from gmlx.engine.kernels import cuda_source, qgemv_cuda, swaps
 ENV = "GMLX_GLU_KERNEL"
 FAMILIES = ("llama", "qwen2", "qwen3")  # their MLP is down(swiglu(gate(x), up(x)))
 MAX_ROWS = qgemv_cuda.MAX_ROWS
+BUCKETS = (1, 2, 4, 8)
 
 
 def enabled() -> bool:
-    """Whether ``GMLX_GLU_KERNEL=1`` and MLX runs on CUDA here."""
-    return os.environ.get(ENV, "0") == "1" and cuda_source.available()
+    """Whether MLX runs on CUDA here and ``GMLX_GLU_KERNEL`` is not ``0``."""
+    return os.environ.get(ENV, "auto") != "0" and cuda_source.available()
+
+
+def bucket(rows: int) -> int:
+    """The row bucket (1, 2, 4, 8) a step of ``rows`` streams takes its kernel from."""
+    return 1 if rows == 1 else 1 << (rows - 1).bit_length()
 
 
 def layout(mlp: Any) -> tuple[int, int] | None:
@@ -45,49 +56,51 @@ def layout(mlp: Any) -> tuple[int, int] | None:
     gate, up = mlp.get("gate_proj"), mlp.get("up_proj")
     if not (isinstance(gate, nn.QuantizedLinear) and isinstance(up, nn.QuantizedLinear)):
         return None
-    same = (gate.group_size, gate.bits, gate.mode, gate.weight.shape) == (up.group_size, up.bits, up.mode,
-                                                                          up.weight.shape)
+    mode = getattr(gate, "mode", "affine")
+    same = (gate.group_size, gate.bits, mode, gate.weight.shape) == (up.group_size, up.bits,
+                                                                     getattr(up, "mode", "affine"), up.weight.shape)
     k = gate.weight.shape[1] * 32 // gate.bits
-    if not same or "bias" in gate or "bias" in up or not qgemv_cuda.supports(1, k, gate.group_size, gate.bits,
-                                                                            gate.mode):
+    if not same or "bias" in gate or "bias" in up or not qgemv_cuda.supports(1, k, gate.group_size, gate.bits, mode):
         return None
     return gate.group_size, gate.bits
 
 
-def kernel(mlp: Any) -> Callable[[Any, int], Any]:
-    """``gated(x, rows)``: ``swiglu(gate(x), up(x))`` through the kernel, its launch
-    worked out once per row bucket (1, 2, 4, 8)."""
+def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
+    """``gated(mlp, x, rows)``: ``swiglu(gate(x), up(x))`` through the kernel, its launch
+    worked out once per row bucket (1, 2, 4, 8). (The module is passed in, not kept: the
+    function lives on it.)"""
     group_size, bits = layout(mlp)
     runs: dict[int, Callable[[Any], Any]] = {}
 
-    def gated(x: Any, rows: int) -> Any:
-        bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
-        run = runs.get(bucket)
+    def gated(mlp: Any, x: Any, rows: int) -> Any:
+        b = bucket(rows)
+        run = runs.get(b)
         if run is None:
             gate, up = mlp.gate_proj, mlp.up_proj
-            run = runs[bucket] = qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits,
-                                                  qgemv_cuda.gated_configs(bucket)[0],
-                                                  up=(up.weight, up.scales, up.biases))
+            run = runs[b] = qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits,
+                                             qgemv_cuda.gated_configs(b)[0], up=(up.weight, up.scales, up.biases))
         return run(x)
 
     return gated
 
 
-def mlx_gated(mlp: Any) -> Callable[[Any, int], Any]:
+def mlx_gated(mlp: Any) -> Callable[[Any, Any, int], Any]:
     """What :func:`kernel`'s function computes, in the layers' own products and mlx-lm's
     swiglu (the model's code)."""
+    return _mlx_gated
+
+
+def _mlx_gated(mlp: Any, x: Any, rows: int) -> Any:
     from mlx_lm.models.activations import swiglu
 
-    def gated(x: Any, rows: int) -> Any:
-        return swiglu(mlp.gate_proj(x), mlp.up_proj(x))
-
-    return gated
+    return swiglu(mlp.gate_proj(x), mlp.up_proj(x))
 
 
-def attach(model: Any, make: Callable[[Any], Callable[[Any, int], Any]] = kernel) -> int:
+def attach(model: Any, make: Callable[[Any], Callable[[Any, Any, int], Any]] = kernel,
+           buckets: Iterable[int] = BUCKETS) -> int:
     """Give ``model``'s llama-pattern MLPs whose gate and up projections the kernel reads
-    the fused path for one-token steps of up to eight streams, ``make(mlp)`` building
-    it; returns the MLPs changed."""
+    the fused path for one-token steps of the row ``buckets`` given (:func:`tune`
+    decides them at load), ``make(mlp)`` building it; returns the MLPs changed."""
     classes = _mlp_classes()
     changed = 0
     for _, module in model.named_modules():
@@ -95,7 +108,84 @@ def attach(model: Any, make: Callable[[Any], Callable[[Any, int], Any]] = kernel
             module.__class__ = _fused_mlp(type(module))
             object.__setattr__(module, "_gated", make(module))
             changed += 1
+    use(model, buckets)
     return changed
+
+
+def use(model: Any, buckets: Iterable[int]) -> None:
+    """Let the fused MLPs of ``model`` take the kernel at these row buckets only."""
+    chosen = frozenset(buckets)
+    for mlp in fused(model):
+        object.__setattr__(mlp, "_buckets", chosen)
+
+
+def fused(model: Any) -> list[Any]:
+    """``model``'s MLPs given the fused path."""
+    return [m for _, m in model.named_modules() if vars(type(m)).get("glu")]
+
+
+def tune(model: Any) -> str | None:
+    """Decide at which row buckets ``model``'s fused MLPs take the kernel (it agrees with
+    MLX's products and swiglu, and a whole decode step gets faster), or read it from an
+    earlier load on this machine; returns the load note, None without fused MLPs.
+    ``GMLX_GLU_KERNEL=1``: every bucket, untimed."""
+    from gmlx.engine.kernels import fast_linear
+    from gmlx.engine.kernels.tuning import Tuning, layer_key, model_key
+
+    mlps = fused(model)
+    if not mlps:
+        return None
+    if os.environ.get(ENV) == "1":
+        use(model, BUCKETS)
+        return f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s) at every step of 1-{MAX_ROWS} streams"
+    keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
+                      m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
+    key = model_key(keys) + ":glu"
+    tuning = Tuning()
+    kept = tuning.confirmed(key)
+    if kept is None:
+        kept = {}
+        if all(agrees(m) for m in {k: m for k, m in zip(keys, mlps, strict=True)}.values()):
+            for b in BUCKETS:
+                try:
+                    use(model, ())
+                    without = fast_linear.step_time(model, b)
+                    use(model, (b,))
+                    with_kernel = fast_linear.step_time(model, b)
+                except (TypeError, ValueError, RuntimeError):  # a model this cannot step
+                    continue
+                if with_kernel < 0.98 * without:
+                    kept[b] = without / with_kernel
+        tuning.set_confirmed(key, kept)
+        tuning.save()
+    use(model, kept)
+    steps = ", ".join(f"{b}: {x:.2f}x" for b, x in sorted(kept.items())) or "none faster"
+    return f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s); whole-step speed-up by rows: {steps}"
+
+
+def agrees(mlp: Any, rows: tuple[int, ...] = (1, 3)) -> bool:
+    """Whether ``mlp``'s fused path gives what MLX's products and swiglu give, as closely
+    as those are to float32 products through a float32 swiglu (:func:`fast_linear.agrees`),
+    on random rows of input."""
+    import mlx.core as mx
+
+    from gmlx.engine.kernels.fast_linear import agrees as close_enough
+    from gmlx.engine.kernels.fast_linear import exact_product
+
+    gate, up = mlp.gate_proj, mlp.up_proj
+    k = gate.weight.shape[1] * 32 // gate.bits
+    for n in rows:
+        x = (mx.random.normal((n, 1, k), key=mx.random.key(n)) * 0.5).astype(gate.scales.dtype)
+        try:
+            got = mlp._gated(mlp, x, n)
+            mx.eval(got)
+        except (TypeError, ValueError, RuntimeError):  # a kernel that would not build or run here
+            return False
+        want = _mlx_gated(mlp, x, n)
+        g, u = (exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
+        if not close_enough(got, want, g * mx.sigmoid(g) * u):
+            return False
+    return True
 
 
 def detach(model: Any) -> None:
@@ -115,8 +205,9 @@ def _fused_mlp(cls: type) -> type:
 
     def __call__(self: Any, x: Any) -> Any:
         rows = x.size // x.shape[-1]
-        if x.ndim == 3 and x.shape[1] == 1 and rows <= MAX_ROWS and x.dtype in (mx.float16, mx.bfloat16):
-            return self.down_proj(self._gated(x, rows))
+        if (x.ndim == 3 and x.shape[1] == 1 and rows <= MAX_ROWS and bucket(rows) in self._buckets
+                and x.dtype in (mx.float16, mx.bfloat16)):
+            return self.down_proj(self._gated(self, x, rows))
         return cls.__call__(self, x)
 
     return swaps.subclass(cls, "glu", __call__)

@@ -42,7 +42,7 @@ def test_a_value_the_user_set_is_kept(name: str, tmp_path: Path) -> None:
     assert others == {k: v for k, v in environment_after_import(GMLX_HOME=str(tmp_path)).items() if k != name}
 
 
-@pytest.mark.parametrize("module", ["add_norm_cuda", "rope_cuda", "glu_cuda"])
+@pytest.mark.parametrize("module", ["add_norm_cuda", "rope_cuda"])
 def test_the_kernels_not_faster_yet_are_off_by_default_and_only_on_cuda(module: str, monkeypatch) -> None:
     import importlib
 
@@ -53,3 +53,16 @@ def test_the_kernels_not_faster_yet_are_off_by_default_and_only_on_cuda(module: 
     assert not kernel.enabled()  # this machine: MLX on the CPU
     monkeypatch.setattr(kernel.cuda_source, "available", lambda: True)  # stands in for CUDA
     assert kernel.enabled()
+
+
+def test_the_gated_mlp_kernel_is_tuned_on_cuda_unless_turned_off(monkeypatch) -> None:
+    """``glu_cuda``: on CUDA the tuner decides where it runs (``tune``); ``0`` turns it
+    off; never on the CPU."""
+    from gmlx.engine.kernels import glu_cuda
+
+    monkeypatch.delenv(glu_cuda.ENV, raising=False)
+    assert not glu_cuda.enabled()  # this machine: MLX on the CPU
+    monkeypatch.setattr(glu_cuda.cuda_source, "available", lambda: True)  # stands in for CUDA
+    assert glu_cuda.enabled()
+    monkeypatch.setenv(glu_cuda.ENV, "0")
+    assert not glu_cuda.enabled()

@@ -3,7 +3,7 @@ every quantized product's rows flattened; the tuner's choices confirmed on the w
 step and kept per machine. The kernel's own check against MLX's quantized matmul on the
 CPU backend runs on a CUDA machine (``benchmarks/gpu/kernel_check.py``, and at every load
 there); its lane arithmetic is replayed here in ``test_qmma_cuda.py``. Where a test
-stands in for CUDA (``available``) or for a clock (``_measure``, ``_step_time``), it says
+stands in for CUDA (``available``) or for a clock (``_measure``, ``step_time``), it says
 so; the products themselves run for real on the CPU."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> Non
         fast = any(rows in getattr(m, "paths", {}) for _, m in model.named_modules())
         return {(1, True): 0.5, (1, False): 1.0, (2, True): 1.0, (2, False): 1.0}[(rows, fast)]
 
-    monkeypatch.setattr(fast_linear, "_step_time", step_time)
+    monkeypatch.setattr(fast_linear, "step_time", step_time)
     note = use_fast_kernels(model)
     layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     swapped = [m for m in layers if isinstance(m, FastQuantizedLinear)]
@@ -103,7 +103,7 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
     model = _tiny_quantized_llama()
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
-    monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
+    monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 1.0)
     note = use_fast_kernels(model)
     assert note is not None and "none faster" in note
     layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
@@ -205,7 +205,7 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", measure)
-    monkeypatch.setattr(fast_linear, "_step_time", step_time)
+    monkeypatch.setattr(fast_linear, "step_time", step_time)
     first = use_fast_kernels(_tiny_quantized_llama())
     assert calls["measure"] > 0 and calls["step"] == 2
     assert (paths.cache_dir() / "kernels" / "tuning.json").is_file()
@@ -224,7 +224,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
-    monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 1.0)
+    monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 1.0)
     file = paths.cache_dir() / "kernels" / "tuning.json"
     file.parent.mkdir(parents=True)
     file.write_text("{not json")
@@ -235,7 +235,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
 def test_the_step_timer_runs_real_decode_steps_each_fed_the_last_ones_tokens() -> None:
     """As the worker runs them: one prompt, then one-token steps (two untimed), each fed
     the greedy pick of the step before, never the same zeros again."""
-    from gmlx.engine.kernels.fast_linear import _step_time
+    from gmlx.engine.kernels.fast_linear import step_time
 
     model = _tiny_quantized_llama()
     seen: list[tuple[tuple[int, ...], mx.array, mx.array]] = []  # (input shape, input, greedy pick)
@@ -248,7 +248,7 @@ def test_the_step_timer_runs_real_decode_steps_each_fed_the_last_ones_tokens() -
             seen.append((tokens.shape, tokens, mx.argmax(out[:, -1, :], axis=-1)))
             return out
 
-    assert _step_time(Recording(), 2, context=4, steps=3) > 0
+    assert step_time(Recording(), 2, context=4, steps=3) > 0
     assert [shape for shape, _, _ in seen] == [(2, 4)] + [(2, 1)] * 6
     for (_, _, picked), (_, fed, _) in itertools.pairwise(seen[1:]):
         assert fed.reshape(-1).tolist() == picked.tolist()
@@ -272,7 +272,7 @@ def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
         fast_linear.LARGE: (fast_linear.DENSE, (0, 0))})
-    monkeypatch.setattr(fast_linear, "_step_time", lambda model, rows: 0.5 if any(
+    monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 0.5 if any(
         rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0)
     use_fast_kernels(loaded.model)
     dense = [m for _, m in loaded.model.named_modules()
@@ -375,7 +375,7 @@ def test_the_confirming_steps_run_the_paths_they_time(monkeypatch) -> None:
             mx.eval(model(mx.zeros((rows, 1), mx.int32)))
         return 0.5 if ran_dense else 1.0
 
-    monkeypatch.setattr(fast_linear, "_step_time", step_time)
+    monkeypatch.setattr(fast_linear, "step_time", step_time)
     note = use_fast_kernels(model)
     assert note is not None and "2: 2.00x" in note
     swapped = [m for _, m in model.named_modules() if isinstance(m, FastQuantizedLinear)]

@@ -39,9 +39,9 @@ def test_the_wiring_gives_the_same_logits(family: str, streams: int) -> None:
     def make(mlp):
         gated = glu_cuda.mlx_gated(mlp)
 
-        def recorded(x, rows):
+        def recorded(mlp, x, rows):
             calls.append((tuple(x.shape), rows))
-            return gated(x, rows)
+            return gated(mlp, x, rows)
 
         return recorded
 
@@ -81,5 +81,89 @@ def test_each_row_bucket_binds_the_gated_kernel_once(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", fake_bound)
     gated = glu_cuda.kernel(mlp)
     for rows in (1, 1, 2, 3, 4, 5, 8):
-        assert gated(mx.zeros((rows, 1, 128), mx.bfloat16), rows).shape == (rows, 1, 128)
+        assert gated(mlp, mx.zeros((rows, 1, 128), mx.bfloat16), rows).shape == (rows, 1, 128)
     assert [b[2] for b in bound] == [glu_cuda.qgemv_cuda.gated_configs(n)[0] for n in (1, 2, 4, 8)]
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, faster: dict[int, float]) -> list[tuple[int, bool]]:
+    """A clock for whole decode steps (this CPU cannot time the kernel): 1.0 s a step,
+    ``faster[rows]`` with the fused path taken; returns what was timed."""
+    from gmlx.engine.kernels import fast_linear
+
+    timed: list[tuple[int, bool]] = []
+
+    def step_time(model, rows):
+        on = any(glu_cuda.bucket(rows) in m._buckets for m in glu_cuda.fused(model))
+        timed.append((rows, on))
+        return faster.get(rows, 1.0) if on else 1.0
+
+    monkeypatch.setattr(fast_linear, "step_time", step_time)
+    return timed
+
+
+def test_tuning_keeps_the_buckets_whose_whole_step_got_faster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bucket's step is timed with and without the fused path; a bucket keeps it
+    only 2% faster or more; the answer is kept per machine, so a second load times
+    nothing."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv(glu_cuda.ENV, raising=False)
+    model = _model("llama")
+    assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=()) == LAYERS
+    timed = _timed(monkeypatch, {1: 0.8, 2: 0.99, 4: 0.9, 8: 1.2})
+    note = glu_cuda.tune(model)
+    assert sorted(timed) == sorted((b, on) for b in glu_cuda.BUCKETS for on in (False, True))
+    assert all(m._buckets == {1, 4} for m in glu_cuda.fused(model))
+    assert "1: 1.25x" in note and "4: 1.11x" in note
+
+    again = _model("llama")
+    glu_cuda.attach(again, glu_cuda.mlx_gated, buckets=())
+    timed = _timed(monkeypatch, {})
+    assert glu_cuda.tune(again) == note and timed == []
+    assert all(m._buckets == {1, 4} for m in glu_cuda.fused(again))
+
+
+def test_a_kernel_that_disagrees_is_never_taken(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused path is checked against MLX's products and swiglu first: one that
+    disagrees is not timed, and no bucket takes it."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv(glu_cuda.ENV, raising=False)
+    model = _model("qwen3")
+
+    def wrong(mlp):
+        gated = glu_cuda.mlx_gated(mlp)
+        return lambda mlp, x, rows: gated(mlp, x, rows) * 1.1
+
+    glu_cuda.attach(model, wrong, buckets=())
+    timed = _timed(monkeypatch, {1: 0.5})
+    assert "none faster" in glu_cuda.tune(model)
+    assert timed == [] and all(not m._buckets for m in glu_cuda.fused(model))
+
+
+def test_set_to_1_it_takes_every_bucket_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.setenv(glu_cuda.ENV, "1")
+    model = _model("qwen2")
+    glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=())
+    timed = _timed(monkeypatch, {})
+    assert "every step of 1-8 streams" in glu_cuda.tune(model)
+    assert timed == [] and all(m._buckets == set(glu_cuda.BUCKETS) for m in glu_cuda.fused(model))
+
+
+def test_a_load_where_the_kernel_cannot_run_keeps_the_model_as_it_was(tmp_path, monkeypatch) -> None:
+    """The load's own order (``prepare_layers``) with the gated path allowed on a machine
+    where its kernel cannot be built (this CPU): the check against MLX's products fails,
+    no bucket takes it, and the model computes what it computed."""
+    from gmlx.engine.kernels import prepare_layers
+
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv(glu_cuda.ENV, raising=False)
+    monkeypatch.setattr(glu_cuda, "enabled", lambda: True)
+    model = _model("llama")
+    prompts = mx.array([[3, 1, 4, 1, 5, 9]])
+    want = steps(model, make_prompt_cache(model), prompts)
+    notes = prepare_layers(model)
+    assert len(glu_cuda.fused(model)) == LAYERS
+    assert any("none faster" in n for n in notes)
+    got = steps(model, make_prompt_cache(model), prompts)
+    for a, b in zip(want, got, strict=True):
+        assert mx.array_equal(a, b).item()
