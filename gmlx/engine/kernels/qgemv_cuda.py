@@ -24,6 +24,10 @@ every row of ``x``, the same sums per (weight row, row of ``x``) as one row's; l
 writes them. New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
 buckets beside MLX's product and the tensor-core kernel, and keeps whichever is fastest.
 
+Gated (``bound(..., up=...)``, :mod:`glu_cuda`): both sources also compute an MLP's
+``silu(x @ gate.T) * (x @ up.T)`` in one kernel, a warp taking half its rows from each
+layer's weights (the same rows of both) and writing the swiglu of each pair.
+
 Only built where MLX runs on CUDA; Metal and the CPU never reach it. The tests replay
 its indexing and arithmetic in numpy against MLX's CPU product, and run both sources
 themselves on the CPU with CUDA's shuffles and bit instructions emulated
