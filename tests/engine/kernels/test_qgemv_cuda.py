@@ -123,24 +123,11 @@ int main(int argc, char** argv) {
 }
 """
 
-_GATED_MAIN = r"""
-int main(int argc, char** argv) {
-    const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]);
-    const int BITS_ = std::atoi(argv[5]), warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
-    auto x = load<E>("x.bin", (size_t)rows * K);
-    auto w = load<uint32_t>("w.bin", (size_t)N * K / 32 * BITS_);
-    auto s = load<E>("s.bin", (size_t)N * K / G_);
-    auto b = load<E>("b.bin", (size_t)N * K / G_);
-    auto w2 = load<uint32_t>("w2.bin", (size_t)N * K / 32 * BITS_);
+# the gated kernel's main: the up projection's weights too, half a warp's rows written
+_GATED_MAIN = _MAIN.replace("    std::vector<E> out(", """    auto w2 = load<uint32_t>("w2.bin", (size_t)N * K / 32 * BITS_);
     auto s2 = load<E>("s2.bin", (size_t)N * K / G_);
     auto b2 = load<E>("b2.bin", (size_t)N * K / G_);
-    std::vector<E> out((size_t)rows * N);
-    Shape xs{rows, K}, ws{N, K / 32 * BITS_};
-    const int blocks = (N + warps * (rpw / 2) - 1) / (warps * (rpw / 2));
-    run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
-    save("out.bin", out);
-}
-"""
+    std::vector<E> out(""").replace("warps * rpw", "warps * (rpw / 2)")
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
@@ -157,15 +144,7 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
     mx.random.seed(bits * rows + group)
     wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 3).astype(dtype)
-    made: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-        qgemv_cuda._kernel.cache_clear()
-        try:
-            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1)
-        finally:
-            qgemv_cuda._kernel.cache_clear()
-    body = emulation.function(made[0], ["bfloat16", "uint32", "bfloat16", "bfloat16"], "bfloat16")
+    body = emulation.function(_made(dtype, bits, group, config), ["bfloat16", "uint32", "bfloat16", "bfloat16"], "bfloat16")
     args = ", ".join({"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
                       "scales": "s.data()", "biases": "b.data()", "out": "out.data()"}[name]
                      for name in _parameters(body))
@@ -176,6 +155,19 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
     got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
     assert agrees(got, want, exact_product(x, wq, s, b, group, bits))
+
+
+def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False) -> dict:
+    """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape."""
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        qgemv_cuda._kernel.cache_clear()
+        try:
+            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, gated)
+        finally:
+            qgemv_cuda._kernel.cache_clear()
+    return made[0]
 
 
 def _parameters(function: str) -> list[str]:
@@ -200,16 +192,9 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     gate = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     up = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 0.5).astype(dtype)
-    made: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-        qgemv_cuda._kernel.cache_clear()
-        try:
-            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, True)
-        finally:
-            qgemv_cuda._kernel.cache_clear()
-    assert made[0]["input_names"] == ["x", "w", "scales", "biases", "w2", "scales2", "biases2"]
-    body = emulation.function(made[0], ["bfloat16", "uint32", "bfloat16", "bfloat16", "uint32", "bfloat16",
+    made = _made(dtype, bits, group, config, gated=True)
+    assert made["input_names"] == ["x", "w", "scales", "biases", "w2", "scales2", "biases2"]
+    body = emulation.function(made, ["bfloat16", "uint32", "bfloat16", "bfloat16", "uint32", "bfloat16",
                                         "bfloat16"], "bfloat16")
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
              "scales": "s.data()", "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()",
