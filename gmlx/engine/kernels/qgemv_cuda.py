@@ -19,9 +19,11 @@ in float32 (the codes made exact floats by ``2^23 + q``'s bit pattern minus ``2^
 no weight is rounded; the lanes' sums meet by shuffles. ``WARPS`` warps per block.
 
 With two to eight rows of ``x`` (a second source, ``MAXR`` rows at most, the row count
-read from ``x``'s shape) each chunk's codes are made floats once per weight row and serve
-every row of ``x``, the same sums per (weight row, row of ``x``) as one row's; lane 0
-writes them. New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
+read from ``x``'s shape) each chunk's codes of every weight row of the warp are made
+floats once, and each row of ``x``'s 32 values loaded, made float and summed once, then
+taken against every weight row: the same sums per (weight row, row of ``x``) as one
+row's; lane 0 writes them. (Its first form loaded and converted ``x`` again for each
+weight row: about 32 instructions a code at 8 rows, where this is about half.) New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
 buckets beside MLX's product and the tensor-core kernel, and keeps whichever is fastest.
 
 Gated (``bound(..., up=...)``, :mod:`glu_cuda`): both sources also compute an MLP's
@@ -62,13 +64,9 @@ _START = r"""
     if (n0 >= N) return;
 """
 
-_SOURCE = _START + r"""
-    float acc[RPW];
-    #pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
-
-    for (int c = lane; c < chunks; c += 32) {
-        // this chunk's codes, scale and bias of each row: every load issued before any use
+# A chunk's codes, scale and bias of each of a warp's weight rows (``q``, ``s``, ``b``):
+# every load issued before any use.
+_LOAD_ROWS = r"""
         uint32_t q[RPW][BITS];
         float s[RPW], b[RPW];
         const int grp = c * 32 / G;
@@ -94,9 +92,12 @@ _SOURCE = _START + r"""
             s[r] = static_cast<float>(SCALES(r)[(size_t)n * groups + grp]);
             b[r] = static_cast<float>(BIASES(r)[(size_t)n * groups + grp]);
         }
-        // this lane's 32 values of x, as floats, and their sum
+"""
+# This lane's 32 values of x (of the row at XROW) in four wide loads, as floats, and
+# their sum (``xf``, ``xs``).
+_LOAD_X = r"""
         float xf[32];
-        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
+        const uint4* xp = reinterpret_cast<const uint4*>(XROW + (size_t)c * 32);
         #pragma unroll
         for (int v = 0; v < 4; ++v) {
             const uint4 u = xp[v];
@@ -107,7 +108,17 @@ _SOURCE = _START + r"""
         float xs = 0.0f;
         #pragma unroll
         for (int j = 0; j < 32; ++j) xs += xf[j];
-        #pragma unroll
+"""
+
+_SOURCE = _START + r"""
+    float acc[RPW];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+
+    for (int c = lane; c < chunks; c += 32) {
+        // this chunk's codes, scale and bias of each row: every load issued before any use
+""" + _LOAD_ROWS + r"""        // this lane's 32 values of x, as floats, and their sum
+""" + _LOAD_X.replace("XROW", "x") + r"""        #pragma unroll
         for (int r = 0; r < RPW; ++r) {
             // 4-bit: a word's even and odd codes as bytes, each code then one byte permute
             // into the float 2^23 + q; 8-bit: the permute alone
@@ -156,9 +167,9 @@ _SOURCE = _START + r"""
 """
 
 
-# A few rows of x (a decode step of 2-8 streams): each chunk's codes are made floats once
-# per weight row and serve every row of x, each row's 32 values of x read (through L1)
-# and summed as the one-row kernel reads them, the same sums per (weight row, x row).
+# A few rows of x (a decode step of 2-8 streams): each chunk's codes of every weight row
+# made floats once, then each row of x's 32 values loaded, made float and summed once and
+# taken against every weight row: the same sums per (weight row, x row) as one row's.
 _ROWS_SOURCE = _START + r"""
     int rows = 1;
     for (int i = 0; i + 1 < x_ndim; ++i) rows *= x_shape[i];
@@ -171,48 +182,42 @@ _ROWS_SOURCE = _START + r"""
     }
 
     for (int c = lane; c < chunks; c += 32) {
-        const int grp = c * 32 / G;
+""" + _LOAD_ROWS + r"""
+        // every weight row's codes as floats, once a chunk: they serve every row of x
+        float wf[RPW][32];
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-            const int n = min(n0 + r % OUTS, N - 1);
-            const uint32_t* p = WEIGHTS(r) + (size_t)n * words + (size_t)c * BITS;
-            uint32_t q[BITS];
-            #pragma unroll
-            for (int v = 0; v < BITS; ++v) q[v] = p[v];
-            const float s = static_cast<float>(SCALES(r)[(size_t)n * groups + grp]);
-            const float b = static_cast<float>(BIASES(r)[(size_t)n * groups + grp]);
-            float wf[32];
             #pragma unroll
             for (int j = 0; j < 32; ++j) {
                 unsigned bits;
                 if (BITS == 4) {
-                    const uint32_t src = ((j & 1) ? (q[j / 8] >> 4) : q[j / 8]) & 0x0F0F0F0Fu;
+                    const uint32_t src = ((j & 1) ? (q[r][j / 8] >> 4) : q[r][j / 8]) & 0x0F0F0F0Fu;
                     bits = __byte_perm(src, 0x4B000000u, 0x7540 | ((j % 8) >> 1));
                 } else if (BITS == 8) {
-                    bits = __byte_perm(q[j / 4], 0x4B000000u, 0x7540 | (j & 3));
+                    bits = __byte_perm(q[r][j / 4], 0x4B000000u, 0x7540 | (j & 3));
                 } else {
                     const int bit = BITS * j;
                     const int wi = bit / 32;
                     const int off = bit % 32;
-                    const unsigned code = off + BITS <= 32 ? (q[wi] >> off) & MASK
-                                                           : __funnelshift_r(q[wi], q[wi + 1], off) & MASK;
+                    const unsigned code = off + BITS <= 32 ? (q[r][wi] >> off) & MASK
+                                                           : __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
                     bits = 0x4B000000u | code;
                 }
-                wf[j] = __uint_as_float(bits) - 8388608.0f;
+                wf[r][j] = __uint_as_float(bits) - 8388608.0f;
             }
-            #pragma unroll
-            for (int m = 0; m < MAXR; ++m) {
-                if (m < rows) {
-                    const T* xr = x + (size_t)m * K + (size_t)c * 32;
+        }
+        // each row of x: its 32 values of this chunk made float and summed once, then
+        // against every weight row
+        #pragma unroll
+        for (int m = 0; m < MAXR; ++m) {
+            if (m < rows) {
+""" + _LOAD_X.replace("XROW", "x + (size_t)m * K") + r"""
+                #pragma unroll
+                for (int r = 0; r < RPW; ++r) {
                     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    float xs = 0.0f;
                     #pragma unroll
-                    for (int j = 0; j < 32; ++j) {
-                        const float xv = static_cast<float>(xr[j]);
-                        xs += xv;
-                        d[j & 3] += xv * wf[j];
-                    }
-                    acc[r][m] += s * ((d[0] + d[1]) + (d[2] + d[3])) + b * xs;
+                    for (int j = 0; j < 32; ++j) d[j & 3] += xf[j] * wf[r][j];
+                    acc[r][m] += s[r] * ((d[0] + d[1]) + (d[2] + d[3])) + b[r] * xs;
                 }
             }
         }
