@@ -15,8 +15,13 @@ in one to three wide loads, so a warp reads 512 to 1,024 contiguous bytes of a r
 time. Lane ``l`` takes chunks ``l, l + 32, ...`` of each of its warp's ``RPW`` rows; its 32
 values of ``x`` are read once per chunk (through L1: every warp reads the same ``x``),
 made float, and serve all ``RPW`` rows. A chunk's share is ``s * sum(x q) + b * sum(x)``
-in float32 (the codes made exact floats by ``2^23 + q``'s bit pattern minus ``2^23``), so
-no weight is rounded; the lanes' sums meet by shuffles. ``WARPS`` warps per block.
+in float32. A code becomes a float in one instruction and is used by one FMA: a 4- or
+6-bit code as the float ``0.5 + q / 256`` (its byte permuted, or or-ed, under the
+exponent of 0.5), so ``sum(x q) = 256 * (sum(x f) - sum(x) / 2)`` (the share then ``256
+s * sum(x f) + (b - 128 s) * sum(x)``); an 8-bit code as ``2^23 + q``'s bit pattern minus
+``2^23``. The first form took every code through ``2^23 + q`` and a subtract: one
+instruction a code more, where 4-bit products were bound by their instructions. The
+lanes' sums meet by shuffles. ``WARPS`` warps per block.
 
 With two to eight rows of ``x`` (a second source, ``MAXR`` rows at most, the row count
 read from ``x``'s shape) each chunk's codes of every weight row of the warp are made
@@ -53,6 +58,10 @@ MAX_ROWS = 8  # rows of x the few-rows source takes (a bucket of at most 8 strea
 # Both sources' start: the layout's sizes, this lane's place, this warp's weight rows.
 _START = r"""
     constexpr unsigned MASK = (1u << BITS) - 1u;
+    // a chunk's share from its codes' sum against x (dot) and x's sum (xs): codes of 4 and
+    // 6 bits are the floats 0.5 + q / 256 (one byte permute or one or, no subtract), so
+    // sum(x q) = 256 (dot - xs / 2); 8-bit codes are the floats q (2^23 + q minus 2^23)
+    #define CHUNK(s, b, dot, xs) (BITS == 8 ? (s) * (dot) + (b) * (xs) : (256.0f * (s)) * (dot) + ((b) - 128.0f * (s)) * (xs))
     const int K = w_shape[1] * 32 / BITS;
     const int N = w_shape[0];
     const int words = K / 32 * BITS;      // 32-bit words per weight row
@@ -136,7 +145,7 @@ _SOURCE = _START + r"""
                 unsigned bits;
                 if (BITS == 4) {
                     const uint32_t src = (j & 1) ? hi[j / 8] : lo[j / 8];
-                    bits = __byte_perm(src, 0x4B000000u, 0x7540 | ((j % 8) >> 1));
+                    bits = __byte_perm(src, 0x3F000000u, 0x7054 | (((j % 8) >> 1) << 8));
                 } else if (BITS == 8) {
                     bits = __byte_perm(q[r][j / 4], 0x4B000000u, 0x7540 | (j & 3));
                 } else {
@@ -145,11 +154,11 @@ _SOURCE = _START + r"""
                     const int off = bit % 32;
                     const unsigned code = off + BITS <= 32 ? (q[r][wi] >> off) & MASK
                                                            : __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
-                    bits = 0x4B000000u | code;
+                    bits = 0x3F000000u | (code << 16);
                 }
-                d[j & 3] += xf[j] * (__uint_as_float(bits) - 8388608.0f);
+                d[j & 3] += xf[j] * (BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits));
             }
-            acc[r] += s[r] * ((d[0] + d[1]) + (d[2] + d[3])) + b[r] * xs;
+            acc[r] += CHUNK(s[r], b[r], (d[0] + d[1]) + (d[2] + d[3]), xs);
         }
     }
     float red[RPW];
@@ -192,7 +201,7 @@ _ROWS_SOURCE = _START + r"""
                 unsigned bits;
                 if (BITS == 4) {
                     const uint32_t src = ((j & 1) ? (q[r][j / 8] >> 4) : q[r][j / 8]) & 0x0F0F0F0Fu;
-                    bits = __byte_perm(src, 0x4B000000u, 0x7540 | ((j % 8) >> 1));
+                    bits = __byte_perm(src, 0x3F000000u, 0x7054 | (((j % 8) >> 1) << 8));
                 } else if (BITS == 8) {
                     bits = __byte_perm(q[r][j / 4], 0x4B000000u, 0x7540 | (j & 3));
                 } else {
@@ -201,9 +210,9 @@ _ROWS_SOURCE = _START + r"""
                     const int off = bit % 32;
                     const unsigned code = off + BITS <= 32 ? (q[r][wi] >> off) & MASK
                                                            : __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
-                    bits = 0x4B000000u | code;
+                    bits = 0x3F000000u | (code << 16);
                 }
-                wf[r][j] = __uint_as_float(bits) - 8388608.0f;
+                wf[r][j] = BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits);
             }
         }
         // each row of x: its 32 values of this chunk made float and summed once, then
@@ -217,7 +226,7 @@ _ROWS_SOURCE = _START + r"""
                     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     #pragma unroll
                     for (int j = 0; j < 32; ++j) d[j & 3] += xf[j] * wf[r][j];
-                    acc[r][m] += s[r] * ((d[0] + d[1]) + (d[2] + d[3])) + b[r] * xs;
+                    acc[r][m] += CHUNK(s[r], b[r], (d[0] + d[1]) + (d[2] + d[3]), xs);
                 }
             }
         }
@@ -347,8 +356,9 @@ def gemv(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
 
 def replay(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
     """The kernel's arithmetic in numpy, for one row: the same chunks, bit windows (a
-    code across two words through a 64-bit funnel), exact float codes and per-chunk
-    ``s * sum(x q) + b * sum(x)`` in float32, lanes' partial sums in the same order. For
+    code across two words through a 64-bit funnel), the codes as the kernel's floats
+    (``0.5 + q / 256`` at 4 and 6 bits, ``q`` at 8) and per-chunk ``s * sum(x q) + b *
+    sum(x)`` worked out from them in float32, lanes' partial sums in the same order. For
     the tests, against MLX's own product on the CPU."""
     import numpy as np
 
@@ -370,7 +380,8 @@ def replay(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int)
                 bit = bits * j
                 wi, off = bit // 32, bit % 32
                 window = q[wi] | ((q[wi + 1] << np.uint64(32)) if off + bits > 32 else np.uint64(0))
-                codes[j] = float((int(window) >> off) & mask)
+                code = (int(window) >> off) & mask
+                codes[j] = code if bits == 8 else np.float32(0.5 + code / 256)
             d = np.zeros(4, dtype=np.float32)
             for j in range(32):
                 d[j & 3] = np.float32(d[j & 3] + np.float32(xf[j] * codes[j]))
@@ -379,7 +390,11 @@ def replay(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int)
             for j in range(32):
                 xs = np.float32(xs + xf[j])
             g = c * 32 // group_size
-            lanes[c % 32] = np.float32(lanes[c % 32] + np.float32(s[n, g] * dot + b[n, g] * xs))
+            if bits == 8:
+                share = np.float32(s[n, g] * dot + b[n, g] * xs)
+            else:
+                share = np.float32(np.float32(256 * s[n, g]) * dot + np.float32(b[n, g] - 128 * s[n, g]) * xs)
+            lanes[c % 32] = np.float32(lanes[c % 32] + share)
         # the butterfly of shuffles: lane 0's sum after xor 16, 8, 4, 2, 1
         v = lanes.copy()
         for o in (16, 8, 4, 2, 1):

@@ -20,27 +20,36 @@ from tests.engine.kernels import byte_perm, emulation
 
 
 def test_a_code_bit_pattern_is_its_exact_float() -> None:
-    """``2^23 + q``'s float bits minus ``2^23`` is ``q`` for every code of every width."""
+    """8-bit: ``2^23 + q``'s float bits minus ``2^23`` is ``q``; 4- and 6-bit: ``q``
+    under 0.5's exponent (``0x3F000000 | q << 16``) is the float ``0.5 + q / 256``
+    exactly, and ``256 * (f - 0.5)`` gives ``q`` back."""
     codes = np.arange(256, dtype=np.uint32)
     got = (np.uint32(0x4B000000) | codes).view(np.float32) - np.float32(8388608.0)
     assert (got == codes.astype(np.float32)).all()
+    small = np.arange(64, dtype=np.uint32)
+    f = (np.uint32(0x3F000000) | (small << np.uint32(16))).view(np.float32)
+    assert (f == np.float32(0.5) + small.astype(np.float32) / np.float32(256)).all()
+    assert (np.float32(256) * (f - np.float32(0.5)) == small.astype(np.float32)).all()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_byte_permutes_make_every_code_its_float_bits(bits: int) -> None:
     """The kernel's 4- and 8-bit codes: a word's codes (4-bit: its even and odd codes
-    masked into bytes first) each one ``__byte_perm`` into ``2^23 + q``'s bits, code ``j``
-    of a chunk where the bit stream has it."""
+    masked into bytes first) each one ``__byte_perm`` into its float's bits (4-bit: ``q``
+    under 0.5's exponent; 8-bit: ``2^23 + q``), code ``j`` of a chunk where the bit
+    stream has it."""
     rng = np.random.default_rng(bits)
     for words in rng.integers(0, 2**32, size=(50, bits), dtype=np.uint64).tolist():
         stream = sum(w << (32 * i) for i, w in enumerate(words))
         for j in range(32):
+            code = (stream >> (bits * j)) & ((1 << bits) - 1)
             if bits == 4:
                 word = words[j // 8] >> 4 if j & 1 else words[j // 8]
-                got = byte_perm(word & 0x0F0F0F0F, 0x4B000000, 0x7540 | ((j % 8) >> 1))
+                got = byte_perm(word & 0x0F0F0F0F, 0x3F000000, 0x7054 | (((j % 8) >> 1) << 8))
+                assert got == 0x3F000000 | (code << 16)
             else:
                 got = byte_perm(words[j // 4], 0x4B000000, 0x7540 | (j & 3))
-            assert got == 0x4B000000 | ((stream >> (bits * j)) & ((1 << bits) - 1))
+                assert got == 0x4B000000 | code
 
 
 @pytest.mark.parametrize(("bits", "group", "k"), [(4, 32, 256), (4, 64, 1088), (6, 32, 320), (6, 128, 512),
