@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs THERE (the H200 machine), from the repo root, as one device call after the parts
+# are staged (README.md, "The next lease"): installs if needed, then runs the decode
+# step's diagnostics one after another, each cut off at what is left of one time budget
+# so the call ends with its files written and the kernel cache packed for the next lease.
+#
+#   bash benchmarks/gpu/diagnose.sh OUTDIR [BUDGET_S]
+#
+# OUTDIR gets one .txt per step (and mlx-ptx.tar.gz); BUDGET_S (default 540, under the
+# 600 s a call may run) is shared by the steps in order; each gets at most its own cap.
+set -uo pipefail
+
+OUT=${1:?usage: diagnose.sh OUTDIR [BUDGET_S]}
+BUDGET=${2:-540}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+mkdir -p "$OUT"
+START=$SECONDS
+RESERVE=20  # for packing the kernel cache at the end
+
+[ -f /tmp/gpu-env.sh ] || bash benchmarks/gpu/setup.sh install > "$OUT/install.txt" 2>&1 \
+  || { tail -5 "$OUT/install.txt"; exit 1; }
+# shellcheck disable=SC1091
+. /tmp/gpu-env.sh
+export PYTHONPATH=$ROOT:$PYTHONPATH
+
+# run NAME CAP_S COMMAND...: COMMAND's output into OUTDIR/NAME.txt, cut off at CAP_S or at
+# what is left of the budget, whichever comes first; a step with under 30 s left is skipped
+run() {
+  local name=$1 cap=$2; shift 2
+  local left=$((BUDGET - RESERVE - (SECONDS - START)))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 30 ]; then echo "== $name: skipped (${left}s left)"; return; fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc in $((SECONDS - t0))s (limit ${limit}s)"
+  tail -n 40 "$OUT/$name.txt"
+}
+
+run kernel_times 240 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
+  --loops "one token,all kernels,glu" --steps 4
+run gemv 120 python3 benchmarks/gpu/gemv_check.py --rows 1,2,8 --dtype bfloat16
+run gemv_gated 60 python3 benchmarks/gpu/gemv_check.py --gated --rows 1,2,8 --dtype bfloat16
+run pipeline 150 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1 --no-generator \
+  --loops "one token,glu,one token,glu"
+bash benchmarks/gpu/setup.sh kernels "$OUT"
+echo "diagnose.sh: done in $((SECONDS - START))s"
