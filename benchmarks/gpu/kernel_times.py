@@ -41,14 +41,16 @@ UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
 
 def _profiler(start: bool) -> None:
-    """Open or close ncu's profiled window (CUDA's runtime, as MLX's own is not exposed)."""
+    """Open or close ncu's profiled window: CUDA's runtime beside the Python packages (MLX's
+    own is not exposed), else the driver's (``cuProfilerStart``, on this thread's context)."""
     for pattern in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
         for folder in sys.path:
             for path in sorted(glob.glob(os.path.join(folder, pattern))):
                 lib = ctypes.CDLL(path)
                 (lib.cudaProfilerStart if start else lib.cudaProfilerStop)()
                 return
-    raise SystemExit("kernel_times: no libcudart found beside the Python packages")
+    lib = ctypes.CDLL("libcuda.so.1")
+    (lib.cuProfilerStart if start else lib.cuProfilerStop)()
 
 
 def _marker(index: int) -> None:
@@ -128,6 +130,9 @@ def kernel_table(path: Path, steps: int) -> dict[int, dict[str, tuple[float, flo
     table: dict[int, dict[str, tuple[float, float]]] = {}
     for (w, name), us in times.items():
         table.setdefault(w, {})[name] = (us / steps, launches[w, name] / steps)
+    if not set(table) - {-1}:
+        raise SystemExit(f"kernel_times: ncu timed no kernel inside a window ({len(times)} outside): the "
+                         "profiler start did not reach MLX's context; run ncu without --profile-from-start off")
     return table
 
 
