@@ -36,6 +36,13 @@ def prepare_layers(model: Any) -> list[str]:
         log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
     gated = glu_cuda.enabled() and glu_cuda.attach(model, buckets=())  # taken where tune() measures it faster
     notes = [note] if (note := use_fast_kernels(model)) is not None else []
-    if gated and (decided := glu_cuda.tune(model)) is not None:
-        notes.append(decided)
+    if gated:
+        try:
+            decided = glu_cuda.tune(model)
+        except Exception as error:  # noqa: BLE001 - a kernel that fails here must not fail the load
+            glu_cuda.use(model, ())
+            log.warning("cuda: the gated MLP kernel is not used: %s", error)
+            decided = None
+        if decided is not None:
+            notes.append(decided)
     return notes

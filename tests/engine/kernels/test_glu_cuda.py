@@ -167,3 +167,23 @@ def test_a_load_where_the_kernel_cannot_run_keeps_the_model_as_it_was(tmp_path, 
     got = steps(model, make_prompt_cache(model), prompts)
     for a, b in zip(want, got, strict=True):
         assert mx.array_equal(a, b).item()
+
+
+def test_a_tuning_that_fails_leaves_the_load_standing(tmp_path, monkeypatch, caplog) -> None:
+    """Whatever goes wrong deciding where the gated kernel runs, the model loads without
+    it (and the log says why)."""
+    from gmlx.engine.kernels import prepare_layers
+
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.setattr(glu_cuda, "enabled", lambda: True)
+
+    def broken(model):
+        glu_cuda.use(model, glu_cuda.BUCKETS)
+        raise OSError("no room for the tuning file")
+
+    monkeypatch.setattr(glu_cuda, "tune", broken)
+    model = _model("llama")
+    with caplog.at_level("WARNING"):
+        notes = prepare_layers(model)
+    assert notes == [] and "gated MLP kernel is not used: no room" in caplog.text
+    assert all(not m._buckets for m in glu_cuda.fused(model))
