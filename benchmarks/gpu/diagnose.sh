@@ -38,11 +38,13 @@ run() {
   tail -n 40 "$OUT/$name.txt"
 }
 
-run kernel_times 240 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
-  --loops "one token,all kernels,glu" --steps 4
-run gemv 120 python3 benchmarks/gpu/gemv_check.py --rows 1,2,8 --dtype bfloat16
-run gemv_gated 60 python3 benchmarks/gpu/gemv_check.py --gated --rows 1,2,8 --dtype bfloat16
-run pipeline 150 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1 --no-generator \
+# first what compiles every kernel a step uses (a fresh machine's first 8B process spends
+# 2-3 minutes in MLX's compiles without a kernel cache from a past lease), then the profile
+run pipeline 200 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1 --no-generator \
   --loops "one token,glu,one token,glu"
+run kernel_times 180 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
+  --loops "one token" --steps 2
+run gemv 80 python3 benchmarks/gpu/gemv_check.py --rows 1,2,8 --dtype bfloat16
+run gemv_gated 50 python3 benchmarks/gpu/gemv_check.py --gated --rows 1,2,8 --dtype bfloat16
 bash benchmarks/gpu/setup.sh kernels "$OUT"
 echo "diagnose.sh: done in $((SECONDS - START))s"

@@ -24,7 +24,6 @@ products flattened (``GMLX_QMV_KERNEL=flat``: what the tuner starts from; no tun
 from __future__ import annotations
 
 import argparse
-import collections
 import csv
 import ctypes
 import glob
@@ -108,49 +107,71 @@ def child(args: argparse.Namespace) -> None:
             index += 1
 
 
-def kernel_table(path: Path, steps: int) -> dict[int, dict[str, tuple[float, float]]]:
-    """Per window, each kernel's microseconds a step and launches a step, from ncu's CSV."""
+TIME = "gpu__time_duration.sum"
+# how near each kernel runs to the memory's and the SMs' peak (each costs ncu a replay)
+BOUND = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed")
+
+Row = tuple[float, float, float | None, float | None]  # us a step, launches a step, DRAM %, SM %
+
+
+def kernel_table(path: Path, steps: int) -> dict[int, dict[str, Row]]:
+    """Per window, each kernel's microseconds a step, launches a step and (where ncu
+    measured them) its DRAM and SM throughput in % of peak, weighted by time, from ncu's
+    CSV (one row per kernel and metric)."""
     lines = path.read_text(errors="replace").splitlines()
     header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if header is None:
         raise SystemExit(f"kernel_times: no ncu table in {path}: " + " | ".join(lines[-5:]))
-    times: collections.Counter = collections.Counter()
-    launches: collections.Counter = collections.Counter()
-    window = -1
+    launches: dict[str, dict] = {}  # ncu's launch ID -> its name and metrics, in order
     for row in csv.DictReader(lines[header:]):
-        if row.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        full = row["Kernel Name"]
+        launch = launches.setdefault(row["ID"], {"name": row["Kernel Name"]})
+        value = float(row["Metric Value"].replace(",", "") or 0)
+        launch[row["Metric Name"]] = value * (UNITS.get(row["Metric Unit"], 1.0) if row["Metric Name"] == TIME else 1)
+    sums: dict[tuple[int, str], list[float]] = {}  # us, launches, DRAM % x us, SM % x us, us with %
+    window = -1
+    for launch in launches.values():
+        full = launch["name"]
         if MARKER in full:
             window = int(full.split(MARKER + "_")[1].split("_")[0].split("(")[0].split("<")[0])
             continue
+        if TIME not in launch:
+            continue
         name = full.split("(")[0].split("<")[0].strip()[:70]
-        times[window, name] += float(row["Metric Value"].replace(",", "")) * UNITS.get(row["Metric Unit"], 1.0)
-        launches[window, name] += 1
-    table: dict[int, dict[str, tuple[float, float]]] = {}
-    for (w, name), us in times.items():
-        table.setdefault(w, {})[name] = (us / steps, launches[w, name] / steps)
+        us = launch[TIME]
+        acc = sums.setdefault((window, name), [0.0, 0, 0.0, 0.0, 0.0])
+        acc[0] += us
+        acc[1] += 1
+        if all(m in launch for m in BOUND):
+            acc[2] += launch[BOUND[0]] * us
+            acc[3] += launch[BOUND[1]] * us
+            acc[4] += us
+    table: dict[int, dict[str, Row]] = {}
+    for (w, name), (us, n, dram, sm, weighed) in sums.items():
+        table.setdefault(w, {})[name] = (us / steps, n / steps, dram / weighed if weighed else None,
+                                         sm / weighed if weighed else None)
     if not set(table) - {-1}:
-        raise SystemExit(f"kernel_times: ncu timed no kernel inside a window ({len(times)} outside): the "
+        raise SystemExit(f"kernel_times: ncu timed no kernel inside a window ({len(sums)} kinds outside): the "
                          "profiler start did not reach MLX's context; run ncu without --profile-from-start off")
     return table
 
 
-def report(walls: list[str], table: dict[int, dict[str, tuple[float, float]]], top: int) -> None:
-    """Each window's kernels' sum beside its wall time (where known), and its dearest kernels."""
-    names = {index: line for index, line in enumerate(walls)}
+def report(walls: list[str], table: dict[int, dict[str, Row]], top: int) -> None:
+    """Each window's kernels' sum beside its wall time (where known), and its dearest
+    kernels with how near they run to the memory's and the SMs' peak."""
+    names = dict(enumerate(walls))
     for index in sorted(set(names) | set(table) - {-1}):
         kinds = table.get(index, {})
-        total = sum(us for us, _ in kinds.values()) / 1e3
+        total = sum(row[0] for row in kinds.values()) / 1e3
         line = names.get(index, f"window {index}: ? ms a step")
         wall = line.split(": ")[1].split()[0]
         ratio = f"{total / float(wall):.2f}" if wall != "?" else "?"
         print(f"\n{line.split(':')[0]}: wall {wall} ms a step, kernels {total:.2f} ms "
-              f"({sum(n for _, n in kinds.values()):.0f} a step): kernels / wall {ratio}")
-        print("| kernel | a step | us a step | us each |")
-        print("|---|---:|---:|---:|")
-        for name, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]:
-            print(f"| {name} | {n:.0f} | {us:.0f} | {us / n:.1f} |")
+              f"({sum(row[1] for row in kinds.values()):.0f} a step): kernels / wall {ratio}")
+        print("| kernel | a step | us a step | us each | DRAM % of peak | SM % of peak |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, (us, n, dram, sm) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]:
+            pct = " | ".join("" if v is None else f"{v:.0f}" for v in (dram, sm))
+            print(f"| {name} | {n:.0f} | {us:.0f} | {us / n:.1f} | {pct} |")
 
 
 def main() -> None:
@@ -163,6 +184,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--ncu", default="ncu")
     p.add_argument("--csv", help="read this ncu output instead of running the profiler")
+    p.add_argument("--time-only", action="store_true",
+                   help="only each kernel's time (no DRAM and SM throughput: one replay a kernel, faster)")
     p.add_argument("--no-plain", action="store_true",
                    help="skip the unprofiled run (the windows' wall times then come from under ncu)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -182,7 +205,8 @@ def main() -> None:
         print("\n".join(walls), flush=True)
     out = Path(args.csv or "/tmp/kernel_times.csv")
     if not args.csv:
-        profiled = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
+        metrics = ",".join((TIME,) if args.time_only else (TIME, *BOUND))
+        profiled = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", metrics,
                                    "--csv", "--log-file", str(out), *common, "--profiled"],
                                   capture_output=True, text=True, check=False)
         if profiled.returncode:
