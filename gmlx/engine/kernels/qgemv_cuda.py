@@ -63,7 +63,7 @@ _START = r"""
     // sum(x q) = 256 (dot - xs / 2); 8-bit codes are the floats q (2^23 + q minus 2^23)
     #define CHUNK(s, b, dot, xs) (BITS == 8 ? (s) * (dot) + (b) * (xs) : (256.0f * (s)) * (dot) + ((b) - 128.0f * (s)) * (xs))
     const int K = w_shape[1] * 32 / BITS;
-    const int N = w_shape[0];
+    const int N = ROWS_TOTAL;
     const int words = K / 32 * BITS;      // 32-bit words per weight row
     const int chunks = K / 32;
     const int groups = K / G;
@@ -82,7 +82,7 @@ _LOAD_ROWS = r"""
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
             const int n = min(n0 + r % OUTS, N - 1);  // past the end: read, never written
-            const uint32_t* p = WEIGHTS(r) + (size_t)n * words + (size_t)c * BITS;
+            const uint32_t* p = ROW_W(r, n) + (size_t)c * BITS;
             if (BITS == 4) {
                 const uint4 u = *reinterpret_cast<const uint4*>(p);
                 q[r][0] = u.x; q[r][1] = u.y; q[r][2] = u.z; q[r][3] = u.w;
@@ -98,8 +98,8 @@ _LOAD_ROWS = r"""
                     q[r][2 * v] = u.x; q[r][2 * v + 1] = u.y;
                 }
             }
-            s[r] = static_cast<float>(SCALES(r)[(size_t)n * groups + grp]);
-            b[r] = static_cast<float>(BIASES(r)[(size_t)n * groups + grp]);
+            s[r] = static_cast<float>(ROW_S(r, n)[grp]);
+            b[r] = static_cast<float>(ROW_B(r, n)[grp]);
         }
 """
 # This lane's 32 values of x (of the row at XROW) in four wide loads, as floats, and
@@ -171,7 +171,7 @@ _SOURCE = _START + r"""
     }
     #pragma unroll
     for (int r = 0; r < OUTS; ++r) {
-        if (lane == r && n0 + r < N) out[n0 + r] = OUTPUT(red[r], red[(r + OUTS) % RPW]);
+        if (lane == r && n0 + r < N) STORE(0, n0 + r, OUTPUT(red[r], red[(r + OUTS) % RPW]));
     }
 """
 
@@ -247,7 +247,7 @@ _ROWS_SOURCE = _START + r"""
         #pragma unroll
         for (int m = 0; m < MAXR; ++m) {
             if (lane == 0 && m < rows && n0 + r < N)
-                out[(size_t)m * N + n0 + r] = OUTPUT(red[r][m], red[(r + OUTS) % RPW][m]);
+                STORE(m, n0 + r, OUTPUT(red[r][m], red[(r + OUTS) % RPW][m]));
         }
     }
 """
@@ -285,15 +285,18 @@ _ROWS_BODY = compact(_ROWS_SOURCE)
 # each, rounded as MLX's products and its swiglu round them (each product to T, then
 # sigmoid, the product with it and the one with up, each to T).
 _PLAIN = """constexpr int OUTS = RPW;
-#define WEIGHTS(r) w
-#define SCALES(r) scales
-#define BIASES(r) biases
+#define ROWS_TOTAL w_shape[0]
+#define ROW_W(r, n) (w + (size_t)(n) * words)
+#define ROW_S(r, n) (scales + (size_t)(n) * groups)
+#define ROW_B(r, n) (biases + (size_t)(n) * groups)
 #define OUTPUT(v, u) static_cast<T>(v)
+#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
 """
 _GATED = """constexpr int OUTS = RPW / 2;
-#define WEIGHTS(r) ((r) < OUTS ? w : w2)
-#define SCALES(r) ((r) < OUTS ? scales : scales2)
-#define BIASES(r) ((r) < OUTS ? biases : biases2)
+#define ROWS_TOTAL w_shape[0]
+#define ROW_W(r, n) (((r) < OUTS ? w : w2) + (size_t)(n) * words)
+#define ROW_S(r, n) (((r) < OUTS ? scales : scales2) + (size_t)(n) * groups)
+#define ROW_B(r, n) (((r) < OUTS ? biases : biases2) + (size_t)(n) * groups)
 auto gmlx_swiglu = [](float g, float u) -> T {
     const float gf = static_cast<float>(static_cast<T>(g));
     const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gf))));
@@ -301,48 +304,84 @@ auto gmlx_swiglu = [](float g, float u) -> T {
     return static_cast<T>(a * static_cast<float>(static_cast<T>(u)));
 };
 #define OUTPUT(g, u) gmlx_swiglu(g, u)
+#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
 """
+
+
+def _parts_head(sizes: tuple[int, ...]) -> str:
+    """A product over two or three layers of one layout and input (an attention's
+    queries, keys and values), their weight rows one after another (``sizes`` rows each)
+    and each written to its own output: ``w, scales, biases`` then ``w2...`` and ``w3...``;
+    ``out``, ``out2``, ``out3``."""
+    suffix = ["", "2", "3"][:len(sizes)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def pick(prefix: str, per: str) -> str:  # the part row n lies in, and n's row in it
+        expr = f"({prefix}{suffix[-1]} + (size_t)((n) - {starts[-1]}) * {per})"
+        for i in range(len(sizes) - 2, -1, -1):
+            expr = f"((n) < {starts[i + 1]} ? {prefix}{suffix[i]} + (size_t)((n) - {starts[i]}) * {per} : {expr})"
+        return expr
+
+    store = "out" + suffix[-1] + f"[(size_t)(m) * {sizes[-1]} + (n) - {starts[-1]}] = (v);"
+    for i in range(len(sizes) - 2, -1, -1):
+        store = (f"if ((n) < {starts[i + 1]}) out{suffix[i]}[(size_t)(m) * {sizes[i]} + (n) - {starts[i]}] = (v); "
+                 f"else {{ {store} }}")
+    return (f"constexpr int OUTS = RPW;\n#define ROWS_TOTAL {sum(sizes)}\n"
+            f"#define ROW_W(r, n) {pick('w', 'words')}\n"
+            f"#define ROW_S(r, n) {pick('scales', 'groups')}\n"
+            f"#define ROW_B(r, n) {pick('biases', 'groups')}\n"
+            "#define OUTPUT(v, u) static_cast<T>(v)\n"
+            f"#define STORE(m, n, v) {{ {store} }}\n")
 
 
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
-            gated: bool = False) -> Any:
+            gated: bool = False, parts: tuple[int, ...] = ()) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
-    two layers of one layout (``rpw`` even: half its rows each)."""
+    two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
+    of two or three layers of one layout read as one, each written to its own output."""
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else "") + "\n"
-            + (_GATED if gated else _PLAIN))
-    inputs = ["x", "w", "scales", "biases", *(("w2", "scales2", "biases2") if gated else ())]
-    return build(f"gmlx_{'qglu' if gated else 'qgemv'}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}",
-                 head, _BODY if max_rows == 1 else _ROWS_BODY, inputs)
+            + (_GATED if gated else _parts_head(parts) if parts else _PLAIN))
+    layers = 2 if gated else max(1, len(parts))
+    inputs = ["x", *[f"{name}{i if i > 1 else ''}" for i in range(1, layers + 1) for name in ("w", "scales", "biases")]]
+    outputs = tuple(f"out{i if i > 1 else ''}" for i in range(1, (len(parts) or 1) + 1))
+    kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemv"
+    return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}",
+                 head, _BODY if max_rows == 1 else _ROWS_BODY, inputs, outputs=outputs)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
-          config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None) -> Callable[[Any], Any]:
+          config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
+          more: tuple[tuple[Any, Any, Any], ...] = ()) -> Callable[[Any], Any]:
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
     out once (a layer calls it on every decode step of one stream); with ``up`` (the up
     projection's weights, scales and biases, of this layer's layout and shape) the gated
-    product ``silu(x @ W.T) * (x @ U.T)``, ``config``'s rows per warp then even."""
-    n = w.shape[0]
+    product ``silu(x @ W.T) * (x @ U.T)``, ``config``'s rows per warp then even; with
+    ``more`` (one or two more layers' weights, scales and biases, of this layer's layout
+    and input width) the products of all of them in one launch, returned as a tuple."""
+    sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
+    n = sum(sizes) if more else w.shape[0]
     warps, rpw, *most = config or configs()[0]
     max_rows = most[0] if most else 1
     outs = rpw // 2 if up is not None else rpw
     grid = (-(-n // (warps * outs)) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
-    inputs_after_x = [w, scales, biases, *(up or ())]
+    inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
     kernels: dict[Any, Any] = {}  # per activation dtype
 
     def run(x: Any) -> Any:
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows, up is not None)
-        (out,) = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
-                        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[dtype])
-        return out
+            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows, up is not None, sizes)
+        lead = x.shape[:-1]
+        outs = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
+                      output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))
+        return tuple(outs) if more else outs[0]
 
     return run
 

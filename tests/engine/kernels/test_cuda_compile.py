@@ -65,6 +65,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 for config in qgemv_cuda.gated_configs(1) + qgemv_cuda.gated_configs(8):
                     qgemv_cuda._kernel(dtype, bits, 64, *config, True)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
+                for sizes, config in (((4096, 1024, 1024), (4, 2)), ((4096, 1024), (4, 2, 8))):
+                    qgemv_cuda._kernel(dtype, bits, 64, *config, *(() if len(config) > 2 else (1,)), False, sizes)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes)]))
             for rows in (1, 16, 64):
                 for ft, warps, unroll in qmma_cuda.configs(rows):
                     qmma_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), 4, 32, ft, warps, unroll)

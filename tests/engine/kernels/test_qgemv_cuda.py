@@ -166,14 +166,16 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
     assert agrees(got, want, exact_product(x, wq, s, b, group, bits))
 
 
-def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False) -> dict:
+def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
+          parts: tuple[int, ...] = ()) -> dict:
     """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape."""
     made: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         qgemv_cuda._kernel.cache_clear()
         try:
-            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, gated)
+            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, gated,
+                               parts)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
@@ -225,3 +227,59 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     exact = g * mx.sigmoid(g) * u
     assert agrees(got, want, exact)
     assert not mx.array_equal(got, mx.zeros_like(got)).item()
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "sizes", "rows", "config"), [
+    (4, (10, 3, 3), 1, (4, 2)), (4, (12, 4), 1, (4, 4)), (6, (10, 3, 3), 1, (8, 1)),
+    (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8))])
+def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tuple[int, ...], rows: int,
+                                                 config) -> None:
+    """Two or three layers of one layout read as one product (an attention's queries, keys
+    and values), each written to its own output: a warp's rows across a layer's end (10
+    then 3 rows), a block's last warp past the end, one row and a few, against MLX's own
+    product of each layer."""
+    dtype, k, group = mx.bfloat16, 1088, 32
+    mx.random.seed(bits * rows + len(sizes))
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
+    x = (mx.random.normal((rows, k)) * 2).astype(dtype)
+    made = _made(dtype, bits, group, config, parts=sizes)
+    suffix = ["", "2", "3"][:len(sizes)]
+    assert made["output_names"] == [f"out{i}" for i in suffix]
+    body = emulation.function(made, ["bfloat16", *["uint32", "bfloat16", "bfloat16"] * len(sizes)], "bfloat16")
+    total = sum(sizes)
+    loads, saves, names = [], [], {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws"}
+    for i, (sfx, n) in enumerate(zip(suffix, sizes, strict=True)):
+        loads.append(f'auto w{i} = load<uint32_t>("w{i}.bin", (size_t){n} * K / 32 * BITS_); '
+                     f'auto s{i} = load<E>("s{i}.bin", (size_t){n} * K / G_); '
+                     f'auto b{i} = load<E>("b{i}.bin", (size_t){n} * K / G_); '
+                     f'std::vector<E> o{i}((size_t)rows * {n});')
+        saves.append(f'save("o{i}.bin", o{i});')
+        names |= {f"w{sfx}": f"w{i}.data()", f"scales{sfx}": f"s{i}.data()", f"biases{sfx}": f"b{i}.data()",
+                  f"out{sfx}": f"o{i}.data()"}
+    args = ", ".join(names[name] for name in _parameters(body))
+    main = (r"""
+int main(int argc, char** argv) {
+    const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), G_ = std::atoi(argv[4]);
+    const int BITS_ = std::atoi(argv[5]), warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
+    auto x = load<E>("x.bin", (size_t)rows * K);
+    LOADS
+    Shape xs{rows, K}, ws{SIZE0, K / 32 * BITS_};
+    const int N = std::atoi(argv[3]);
+    const int blocks = (N + warps * rpw - 1) / (warps * rpw);
+    run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
+    SAVES
+}
+""".replace("LOADS", "\n    ".join(loads)).replace("SAVES", "\n    ".join(saves))
+            .replace("SIZE0", str(sizes[0])).replace("ARGS", args))
+    program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + main
+    (tmp_path / "x.bin").write_bytes(np.array(x.view(mx.uint16)).tobytes())
+    for i, (wq, sc, bi) in enumerate(layers):
+        for name, a in ((f"w{i}", wq), (f"s{i}", sc.view(mx.uint16)), (f"b{i}", bi.view(mx.uint16))):
+            (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [rows, k, total, group, bits, config[0], config[1]])
+    for i, (n, (wq, sc, bi)) in enumerate(zip(sizes, layers, strict=True)):
+        got = mx.array(np.frombuffer((tmp_path / f"o{i}.bin").read_bytes(), dtype=np.uint16).reshape(rows, n))
+        got = got.view(dtype)
+        want = mx.quantized_matmul(x, wq, sc, bi, transpose=True, group_size=group, bits=bits)
+        assert agrees(got, want, exact_product(x, wq, sc, bi, group, bits)), i
