@@ -18,10 +18,11 @@ def prepare_layers(model: Any) -> list[str]:
     likewise), with ``GMLX_ADD_NORM_KERNEL=1`` the residual adds and norms of one-token
     steps fused (:mod:`add_norm_cuda`, logged likewise), the quantized layers' paths, then
     (unless ``GMLX_GLU_KERNEL=0``) an MLP's gate and up projections and swiglu in one
-    kernel for the one-token steps where it measures faster (:mod:`glu_cuda`). Returns
-    the load notes."""
+    kernel (:mod:`glu_cuda`) and (unless ``GMLX_QKV_KERNEL=0``) an attention's queries,
+    keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
+    measures faster. Returns the load notes."""
     from gmlx.engine import mlxlm
-    from gmlx.engine.kernels import add_norm_cuda, attention_cuda, glu_cuda, one_token
+    from gmlx.engine.kernels import add_norm_cuda, attention_cuda, glu_cuda, one_token, qkv_cuda
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 
@@ -34,14 +35,15 @@ def prepare_layers(model: Any) -> list[str]:
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")
     if add_norm_cuda.enabled() and (fused := add_norm_cuda.attach(model)):
         log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
-    gated = glu_cuda.enabled() and glu_cuda.attach(model, buckets=())  # taken where tune() measures it faster
+    # the step kernels below are taken where their tune() measures a whole step faster
+    step_kernels = [k for k in (glu_cuda, qkv_cuda) if k.enabled() and k.attach(model, buckets=())]
     notes = [note] if (note := use_fast_kernels(model)) is not None else []
-    if gated:
+    for kernel in step_kernels:
         try:
-            decided = glu_cuda.tune(model)
+            decided = kernel.tune(model)
         except Exception as error:  # noqa: BLE001 - a kernel that fails here must not fail the load
-            glu_cuda.use(model, ())
-            log.warning("cuda: the gated MLP kernel is not used: %s", error)
+            kernel.use(model, ())
+            log.warning("cuda: %s is not used: %s", kernel.__name__.rsplit(".", 1)[-1], error)
             decided = None
         if decided is not None:
             notes.append(decided)

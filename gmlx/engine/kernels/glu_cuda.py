@@ -32,22 +32,18 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, swaps
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning, swaps
 
 ENV = "GMLX_GLU_KERNEL"
 FAMILIES = ("llama", "qwen2", "qwen3")  # their MLP is down(swiglu(gate(x), up(x)))
-MAX_ROWS = qgemv_cuda.MAX_ROWS
-BUCKETS = (1, 2, 4, 8)
+MAX_ROWS = step_tuning.MAX_ROWS
+BUCKETS = step_tuning.BUCKETS
+bucket = step_tuning.bucket
 
 
 def enabled() -> bool:
     """Whether MLX runs on CUDA here and ``GMLX_GLU_KERNEL`` is not ``0``."""
     return os.environ.get(ENV, "auto") != "0" and cuda_source.available()
-
-
-def bucket(rows: int) -> int:
-    """The row bucket (1, 2, 4, 8) a step of ``rows`` streams takes its kernel from."""
-    return 1 if rows == 1 else 1 << (rows - 1).bit_length()
 
 
 def layout(mlp: Any) -> tuple[int, int] | None:
@@ -125,12 +121,11 @@ def fused(model: Any) -> list[Any]:
 
 
 def tune(model: Any) -> str | None:
-    """Decide at which row buckets ``model``'s fused MLPs take the kernel (it agrees with
-    MLX's products and swiglu, and a whole decode step gets faster), or read it from an
-    earlier load on this machine; returns the load note, None without fused MLPs.
-    ``GMLX_GLU_KERNEL=1``: every bucket, untimed."""
-    from gmlx.engine.kernels import fast_linear
-    from gmlx.engine.kernels.tuning import Tuning, layer_key, model_key
+    """Decide at which row buckets ``model``'s fused MLPs take the kernel
+    (:func:`step_tuning.decide`: it agrees with MLX's products and swiglu, and a whole
+    decode step gets faster), or read it from an earlier load on this machine; returns the
+    load note, None without fused MLPs. ``GMLX_GLU_KERNEL=1``: every bucket, untimed."""
+    from gmlx.engine.kernels.tuning import layer_key, model_key
 
     mlps = fused(model)
     if not mlps:
@@ -140,27 +135,11 @@ def tune(model: Any) -> str | None:
         return f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s) at every step of 1-{MAX_ROWS} streams"
     keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
                       m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
-    key = model_key(keys) + ":glu"
-    tuning = Tuning()
-    kept = tuning.confirmed(key)
-    if kept is None:
-        kept = {}
-        if all(agrees(m) for m in {k: m for k, m in zip(keys, mlps, strict=True)}.values()):
-            for b in BUCKETS:
-                try:
-                    use(model, ())
-                    without = fast_linear.step_time(model, b)
-                    use(model, (b,))
-                    with_kernel = fast_linear.step_time(model, b)
-                except (TypeError, ValueError, RuntimeError):  # a model this cannot step
-                    continue
-                if with_kernel < 0.98 * without:
-                    kept[b] = without / with_kernel
-        tuning.set_confirmed(key, kept)
-        tuning.save()
-    use(model, kept)
-    steps = ", ".join(f"{b}: {x:.2f}x" for b, x in sorted(kept.items())) or "none faster"
-    return f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s); whole-step speed-up by rows: {steps}"
+    one_each = {k: m for k, m in zip(keys, mlps, strict=True)}.values()
+    kept = step_tuning.decide(model, model_key(keys) + ":glu", lambda: all(agrees(m) for m in one_each),
+                              lambda buckets: use(model, buckets))
+    return (f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s); whole-step speed-up by rows: "
+            f"{step_tuning.speedups(kept)}")
 
 
 def agrees(mlp: Any, rows: tuple[int, ...] = (1, 3)) -> bool:

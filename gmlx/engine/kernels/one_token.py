@@ -25,6 +25,8 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import rope_cuda, swaps
+from gmlx.engine.kernels.step_tuning import MAX_ROWS as MAX_PROJECTED
+from gmlx.engine.kernels.step_tuning import bucket
 
 ENV = "GMLX_ONE_TOKEN_ATTENTION"
 # mlx-lm modules whose ``Attention.__call__`` is the pattern above: qwen3 and gemma3 add a
@@ -56,6 +58,7 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None) -> int:
         if cls in classes:
             module.__class__ = _one_token(cls)
             object.__setattr__(module, "_rotate", None if rotation is None else rotation(module))
+            object.__setattr__(module, "_project", None)  # qkv_cuda's, where it gives one
             changed += 1
     return changed
 
@@ -81,7 +84,10 @@ def _one_token(cls: type) -> type:
         B, L, _ = x.shape
         if L != 1 or cache is None:
             return cls.__call__(self, x, mask, cache)
-        if "qkv_proj" in self:  # phi3
+        project = self._project
+        if project is not None and B <= MAX_PROJECTED and bucket(B) in self._project_buckets:
+            queries, keys, values = project(self, x, B)  # one product (qkv_cuda)
+        elif "qkv_proj" in self:  # phi3
             q_end = self.n_heads * self.head_dim
             queries, keys, values = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim],
                                              axis=-1)

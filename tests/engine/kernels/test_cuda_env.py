@@ -55,14 +55,16 @@ def test_the_kernels_not_faster_yet_are_off_by_default_and_only_on_cuda(module: 
     assert kernel.enabled()
 
 
-def test_the_gated_mlp_kernel_is_tuned_on_cuda_unless_turned_off(monkeypatch) -> None:
-    """``glu_cuda``: on CUDA the tuner decides where it runs (``tune``); ``0`` turns it
-    off; never on the CPU."""
-    from gmlx.engine.kernels import glu_cuda
+@pytest.mark.parametrize("module", ["glu_cuda", "qkv_cuda"])
+def test_the_step_kernels_are_tuned_on_cuda_unless_turned_off(module: str, monkeypatch) -> None:
+    """On CUDA the load decides where they run (``tune``); ``0`` turns them off; never on
+    the CPU."""
+    import importlib
 
-    monkeypatch.delenv(glu_cuda.ENV, raising=False)
-    assert not glu_cuda.enabled()  # this machine: MLX on the CPU
-    monkeypatch.setattr(glu_cuda.cuda_source, "available", lambda: True)  # stands in for CUDA
-    assert glu_cuda.enabled()
-    monkeypatch.setenv(glu_cuda.ENV, "0")
-    assert not glu_cuda.enabled()
+    kernel = importlib.import_module(f"gmlx.engine.kernels.{module}")
+    monkeypatch.delenv(kernel.ENV, raising=False)
+    assert not kernel.enabled()  # this machine: MLX on the CPU
+    monkeypatch.setattr(kernel.cuda_source, "available", lambda: True)  # stands in for CUDA
+    assert kernel.enabled()
+    monkeypatch.setenv(kernel.ENV, "0")
+    assert not kernel.enabled()

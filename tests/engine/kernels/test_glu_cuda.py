@@ -185,5 +185,5 @@ def test_a_tuning_that_fails_leaves_the_load_standing(tmp_path, monkeypatch, cap
     model = _model("llama")
     with caplog.at_level("WARNING"):
         notes = prepare_layers(model)
-    assert notes == [] and "gated MLP kernel is not used: no room" in caplog.text
+    assert notes == [] and "glu_cuda is not used: no room" in caplog.text
     assert all(not m._buckets for m in glu_cuda.fused(model))

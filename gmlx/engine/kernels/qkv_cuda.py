@@ -1,0 +1,181 @@
+"""An attention's query, key and value projections in one CUDA kernel, for decode steps
+of one to eight streams.
+
+A one-token step (:mod:`one_token`) starts with three products of one input: the queries
+(``heads * D`` rows), the keys and the values (``kv_heads * D`` each). The keys' and
+values' are small (an 8B's 4096x1024) and run far from the memory's speed on their own
+(12-02, the H200: 6-9 us each for 2 MB, where one product over the three stacked, 4096x6144,
+took 15.9 us against 27.8 for the three apart). Stacking their weights into one layer
+costs a split and, past one stream, copies of the parts; here one kernel reads the three
+layers' rows one after another and writes each layer's to its own output
+(:func:`qgemv_cuda.bound` with ``more``), where all three are quantized alike; where the
+values' layout differs (a Q4_K_M's 6-bit values in some layers) the queries and keys alone,
+the values through their own layer.
+
+Only built on CUDA; only for projections without biases (qwen2's have them: it keeps
+its products) and one-token steps of at most eight streams; where it runs is decided at
+load like :mod:`glu_cuda`'s (:mod:`step_tuning`: it must agree with MLX's products, then
+make whole steps faster). ``GMLX_QKV_KERNEL=0`` turns it off, ``=1`` takes it at every
+bucket untimed. The tests run the kernel's own source on the CPU against MLX's products
+(``tests/engine/kernels/test_qgemv_cuda.py``) and the wiring and tuning through real models
+with MLX's products standing in for it (the same logits, bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mlx import nn
+
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning
+
+ENV = "GMLX_QKV_KERNEL"
+NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+def enabled() -> bool:
+    """Whether MLX runs on CUDA here and ``GMLX_QKV_KERNEL`` is not ``0``."""
+    return os.environ.get(ENV, "auto") != "0" and cuda_source.available()
+
+
+def _layout(layer: Any) -> tuple | None:
+    if not isinstance(layer, nn.QuantizedLinear) or "bias" in layer:
+        return None
+    mode = getattr(layer, "mode", "affine")
+    k = layer.weight.shape[1] * 32 // layer.bits
+    if not qgemv_cuda.supports(1, k, layer.group_size, layer.bits, mode):
+        return None
+    return layer.group_size, layer.bits, mode, k, layer.scales.dtype
+
+
+def joined(attention: Any) -> tuple[str, ...]:
+    """The projections of ``attention`` one product reads: all three, or the queries and
+    keys when the values' layout differs; () when not even those two share one."""
+    if "q_proj" not in attention or "qkv_proj" in attention:
+        return ()
+    q, k, v = (_layout(attention.get(name)) for name in NAMES)
+    if q is None or q != k:
+        return ()
+    return NAMES if v == q else NAMES[:2]
+
+
+def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
+    """``project(attention, x, rows)``: the queries, keys and values through one product
+    of the :func:`joined` layers (the values through their own layer when not joined),
+    its launch worked out once per row bucket."""
+    names = joined(attention)
+    runs: dict[int, Callable[[Any], Any]] = {}
+
+    def project(attention: Any, x: Any, rows: int) -> tuple[Any, Any, Any]:
+        b = step_tuning.bucket(rows)
+        run = runs.get(b)
+        if run is None:
+            first, *others = (attention[name] for name in names)
+            run = runs[b] = qgemv_cuda.bound(
+                first.weight, first.scales, first.biases, first.group_size, first.bits, qgemv_cuda.configs(b)[0],
+                more=tuple((m.weight, m.scales, m.biases) for m in others))
+        outs = run(x)
+        return outs if len(outs) == 3 else (*outs, attention.v_proj(x))
+
+    return project
+
+
+def mlx_project(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
+    """What :func:`kernel`'s function computes, in the layers' own products."""
+    return _mlx_project
+
+
+def _mlx_project(attention: Any, x: Any, rows: int) -> tuple[Any, Any, Any]:
+    return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+
+
+def attach(model: Any, make: Callable[[Any], Callable[[Any, Any, int], Any]] = kernel,
+           buckets: Iterable[int] = step_tuning.BUCKETS) -> int:
+    """Give ``model``'s one-token attention layers (:mod:`one_token`) whose projections
+    :func:`joined` reads as one the one-product path at the row ``buckets`` given
+    (:func:`tune` decides them at load), ``make(attention)`` building it; returns the
+    layers changed."""
+    changed = 0
+    for attention in _one_token_layers(model):
+        if joined(attention):
+            object.__setattr__(attention, "_project", make(attention))
+            changed += 1
+    use(model, buckets)
+    return changed
+
+
+def detach(model: Any) -> None:
+    """Back to three products everywhere."""
+    for attention in _one_token_layers(model):
+        object.__setattr__(attention, "_project", None)
+
+
+def use(model: Any, buckets: Iterable[int]) -> None:
+    """Let the attached layers of ``model`` take the one product at these buckets only."""
+    chosen = frozenset(buckets)
+    for attention in projected(model):
+        object.__setattr__(attention, "_project_buckets", chosen)
+
+
+def projected(model: Any) -> list[Any]:
+    """``model``'s attention layers given the one-product path."""
+    return [a for a in _one_token_layers(model) if a._project is not None]
+
+
+def _one_token_layers(model: Any) -> list[Any]:
+    return [m for _, m in model.named_modules() if vars(type(m)).get("one_token")]
+
+
+def tune(model: Any) -> str | None:
+    """Decide at which row buckets the attached layers take the one product
+    (:func:`step_tuning.decide`), or read it from an earlier load on this machine;
+    returns the load note, None with nothing attached. ``GMLX_QKV_KERNEL=1``: every
+    bucket, untimed."""
+    from gmlx.engine.kernels.tuning import model_key
+
+    layers = projected(model)
+    if not layers:
+        return None
+    if os.environ.get(ENV) == "1":
+        use(model, step_tuning.BUCKETS)
+        return (f"cuda: queries, keys and values in one product in {len(layers)} attention layer(s) at every "
+                f"step of 1-{step_tuning.MAX_ROWS} streams")
+    keys = [_key(a) for a in layers]
+    one_each = {k: a for k, a in zip(keys, layers, strict=True)}.values()
+    kept = step_tuning.decide(model, model_key(keys) + ":qkv", lambda: all(agrees(a) for a in one_each),
+                              lambda buckets: use(model, buckets))
+    return (f"cuda: queries, keys and values in one product in {len(layers)} attention layer(s); whole-step "
+            f"speed-up by rows: {step_tuning.speedups(kept)}")
+
+
+def _key(attention: Any) -> str:
+    names = joined(attention)
+    group, bits, _, k, dtype = _layout(attention.q_proj)
+    return f"{dtype}:{k}x" + "+".join(str(attention[n].weight.shape[0]) for n in names) + f":{bits}/{group}"
+
+
+def agrees(attention: Any, rows: tuple[int, ...] = (1, 3)) -> bool:
+    """Whether the one product gives each projection what its own layer gives, as closely
+    as that is to a float32 product (:func:`fast_linear.agrees`), on random input rows."""
+    import mlx.core as mx
+
+    from gmlx.engine.kernels.fast_linear import agrees as close_enough
+    from gmlx.engine.kernels.fast_linear import exact_product
+
+    q = attention.q_proj
+    k = q.weight.shape[1] * 32 // q.bits
+    for n in rows:
+        x = (mx.random.normal((n, 1, k), key=mx.random.key(n + 7)) * 0.5).astype(q.scales.dtype)
+        try:
+            got = attention._project(attention, x, n)
+            mx.eval(got)
+        except (TypeError, ValueError, RuntimeError):  # a kernel that would not build or run here
+            return False
+        want = _mlx_project(attention, x, n)
+        for g, w, name in zip(got, want, NAMES, strict=True):
+            m = attention[name]
+            if not close_enough(g, w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits)):
+                return False
+    return True
