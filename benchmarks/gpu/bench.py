@@ -83,7 +83,8 @@ import throughput as tp
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
-           "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-mlx",
+           "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-noqkv",
+           "gmlx-nostep", "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -111,6 +112,10 @@ GMLX_VARIANTS = {
     # load measures a step faster), or never
     "gmlx-glu": {"GMLX_GLU_KERNEL": "1"},
     "gmlx-noglu": {"GMLX_GLU_KERNEL": "0"},
+    # an attention's queries, keys and values in one product (qkv_cuda) never; neither
+    # step kernel (glu_cuda, qkv_cuda): the server as before them
+    "gmlx-noqkv": {"GMLX_QKV_KERNEL": "0"},
+    "gmlx-nostep": {"GMLX_GLU_KERNEL": "0", "GMLX_QKV_KERNEL": "0"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
 }

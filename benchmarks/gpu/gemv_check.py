@@ -12,7 +12,10 @@ included), with the bandwidth it reached.
 ``--gated``: the gated product (``glu_cuda``: an MLP's gate and up projections and
 swiglu in one kernel) on the 8B's MLP (4096 to 14336, 4-bit), against MLX's two products
 and mlx-lm's swiglu on the CPU backend (agreement as above, against float32 products
-through a float32 swiglu) and timed against the three of them on the GPU.
+through a float32 swiglu) and timed against the three of them on the GPU. ``--qkv``: the
+parts product (``qkv_cuda``: an attention's queries, keys and values in one launch, each
+to its own output) on the 8B's attention (4096 to 4096 + 1024 + 1024, 4-bit), against
+MLX's three products.
 """
 
 from __future__ import annotations
@@ -101,6 +104,36 @@ def gated_row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int) ->
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
 
+def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int, rows: int) -> str:
+    """The parts product's row: each output's agreement at every launch shape, MLX's
+    separate products' time and the one launch's."""
+    mx.random.seed(k + sum(sizes) + rows)
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=g, bits=bits) for n in sizes]
+    x = mx.random.normal((rows, 1, k)).astype(dtype)
+    mx.eval(layers, x)
+
+    def product(layer, x=x):
+        return mx.quantized_matmul(x, *layer, transpose=True, group_size=g, bits=bits)
+
+    with mx.stream(mx.cpu):
+        wants = [product(layer) for layer in layers]
+        exacts = [x.astype(mx.float32) @ mx.dequantize(*layer, group_size=g, bits=bits).astype(mx.float32).T
+                  for layer in layers]
+        mx.eval(wants, exacts)
+    bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
+    runs = {c: qgemv_cuda.bound(*layers[0], g, bits, c, more=tuple(layers[1:])) for c in qgemv_cuda.configs(bucket)}
+    ok = all(agrees(got, want, exact) for run in runs.values()
+             for got, want, exact in zip(run(x), wants, exacts, strict=True))
+    flat = x.reshape(rows, k)
+    mlx_us = per_product(lambda: [product(layer, flat) for layer in layers], reps)
+    times = {c: per_product(lambda run=run: run(x), reps) for c, run in runs.items()}
+    best = min(times, key=times.get)
+    nbytes = sum(a.nbytes for layer in layers for a in layer)
+    shapes = ", ".join(f"{c[0]}x{c[1]}: {t:.1f}" for c, t in times.items())
+    return (f"| {k}x{'+'.join(map(str, sizes))} parts | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | "
+            f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float16")
@@ -108,6 +141,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--rows", default="1", help="comma-separated rows of x (1-8)")
     p.add_argument("--gated", action="store_true", help="the gated MLP product instead (glu_cuda)")
+    p.add_argument("--qkv", action="store_true", help="the attention's parts product instead (qkv_cuda)")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
     g = args.group
@@ -118,6 +152,10 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         if args.gated:
             print(gated_row(4096, 14336, 4, dtype, g, args.reps, rows), flush=True)
+            continue
+        if args.qkv:
+            print(parts_row(4096, (4096, 1024, 1024), 4, dtype, g, args.reps, rows), flush=True)
+            print(parts_row(4096, (4096, 1024), 4, dtype, g, args.reps, rows), flush=True)
             continue
         for k, n, bits in SHAPES:
             print(row(k, n, bits, dtype, g, args.reps, rows), flush=True)

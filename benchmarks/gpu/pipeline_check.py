@@ -39,7 +39,10 @@ faster. The loops here add mlx-lm's pieces one at a time:
   layer; CUDA only); ``all kernels``: ``add norm`` and ``rope`` together.
 - ``glu``: ``one token`` with each MLP's gate and up projections and swiglu in one kernel
   (``gmlx.engine.kernels.glu_cuda``, ``GMLX_GLU_KERNEL=1``: two kernels fewer a layer,
-  the two products' reads in one; CUDA only, up to eight streams).
+  the two products' reads in one; CUDA only, up to eight streams); ``qkv``: with each
+  attention's queries, keys and values in one product (``qkv_cuda``, ``GMLX_QKV_KERNEL=1``:
+  up to two kernels fewer a layer); ``step kernels``: both (a server's load takes each
+  where it measures faster).
 - ``generator``: mlx-lm's BatchGenerator itself (greedy, no processors).
 
     python benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --float --widths 1,32
@@ -65,7 +68,7 @@ from gmlx.engine.kernels import cuda_source
 
 PHASES = ("build", "hand over", "wait", "read")
 LOOPS = ("waited", "pipelined", "logprobs", "batch cache", "kernel", "gmlx cache", "one token", "add norm", "rope",
-         "all kernels", "glu", "threaded", "chunked8")
+         "all kernels", "glu", "qkv", "step kernels", "threaded", "chunked8")
 
 
 def _primed(model, width: int, context: int, kind: str = "plain"):
@@ -241,7 +244,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="synthetic: float type")
     p.add_argument("--float", action="store_true", help="synthetic: float weights, not Q4_K_M's layouts")
     p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {','.join(LOOPS)} "
-                   "(kernel, add norm, rope, all kernels, glu: CUDA only)")
+                   "(kernel, add norm, rope, all kernels, glu, qkv, step kernels: CUDA only)")
     p.add_argument("--no-generator", action="store_true", help="skip mlx-lm's BatchGenerator row")
     p.add_argument("--count", action="store_true", help="first print the operations of one decode step "
                    "(gmlx cache and one token), by kind")

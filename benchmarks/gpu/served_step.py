@@ -4,8 +4,8 @@ gmlx's worker on the same weights, with the quantized layers as MLX leaves them
 (``plain``), only flattened (``flat``) and with the tuned paths (``tuned``); ``clear``
 empties MLX's buffer cache between modes; ``one-token`` gives the attention layers the
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
-operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels`` and ``glu`` add those
-kernels to them (CUDA only: ``LAYERED``), ``model-layers`` gives mlx-lm's own
+operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``qkv`` and
+``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``model-layers`` gives mlx-lm's own
 back, each for the modes after.
 A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
@@ -128,13 +128,13 @@ def load(ref: str, dtype: str, quantize: bool = True):
 
 # the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
-           "glu": ("glu",)}
+           "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv")}
 
 
 @contextlib.contextmanager
 def layered(model, mode: str):
     """``model`` with ``mode``'s one-token layers (``LAYERED``) for the block's length."""
-    from gmlx.engine.kernels import add_norm_cuda, glu_cuda, one_token, rope_cuda
+    from gmlx.engine.kernels import add_norm_cuda, glu_cuda, one_token, qkv_cuda, rope_cuda
 
     kernels = LAYERED.get(mode)
     if kernels is not None:
@@ -143,6 +143,8 @@ def layered(model, mode: str):
             add_norm_cuda.attach(model)
         if "glu" in kernels:
             glu_cuda.attach(model)
+        if "qkv" in kernels:
+            qkv_cuda.attach(model)
     try:
         yield
     finally:
@@ -153,7 +155,7 @@ def layered(model, mode: str):
 
 # served_step's layer modes -> LAYERED's loops (``model-layers``: none)
 LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
-          "glu": "glu", "model-layers": "gmlx cache"}
+          "glu": "glu", "qkv": "qkv", "step-kernels": "step kernels", "model-layers": "gmlx cache"}
 
 
 def main() -> None:
