@@ -125,24 +125,18 @@ def tune(model: Any) -> str | None:
     (:func:`step_tuning.decide`: it agrees with MLX's products and swiglu, and a whole
     decode step gets faster), or read it from an earlier load on this machine; returns the
     load note, None without fused MLPs. ``GMLX_GLU_KERNEL=1``: every bucket, untimed."""
-    from gmlx.engine.kernels.tuning import layer_key, model_key
+    from gmlx.engine.kernels.tuning import layer_key
 
     mlps = fused(model)
     if not mlps:
         return None
-    if os.environ.get(ENV) == "1":
-        use(model, BUCKETS)
-        return f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s) at every step of 1-{MAX_ROWS} streams"
     keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
                       m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
-    one_each = {k: m for k, m in zip(keys, mlps, strict=True)}.values()
-    kept = step_tuning.decide(model, model_key(keys) + ":glu", lambda: all(agrees(m) for m in one_each),
-                              lambda buckets: use(model, buckets))
-    return (f"cuda: gate, up and swiglu in one kernel in {len(mlps)} MLP(s); whole-step speed-up by rows: "
-            f"{step_tuning.speedups(kept)}")
+    return step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
+                            agrees, lambda buckets: use(model, buckets))
 
 
-def agrees(mlp: Any, rows: tuple[int, ...] = (1, 3)) -> bool:
+def agrees(mlp: Any) -> bool:
     """Whether ``mlp``'s fused path gives what MLX's products and swiglu give, as closely
     as those are to float32 products through a float32 swiglu (:func:`fast_linear.agrees`),
     on random rows of input."""
@@ -152,17 +146,13 @@ def agrees(mlp: Any, rows: tuple[int, ...] = (1, 3)) -> bool:
     from gmlx.engine.kernels.fast_linear import exact_product
 
     gate, up = mlp.gate_proj, mlp.up_proj
-    k = gate.weight.shape[1] * 32 // gate.bits
-    for n in rows:
-        x = (mx.random.normal((n, 1, k), key=mx.random.key(n)) * 0.5).astype(gate.scales.dtype)
-        try:
-            got = mlp._gated(mlp, x, n)
-            mx.eval(got)
-        except (TypeError, ValueError, RuntimeError):  # a kernel that would not build or run here
-            return False
-        want = _mlx_gated(mlp, x, n)
+    results = step_tuning.tried(lambda x, n: mlp._gated(mlp, x, n), gate.weight.shape[1] * 32 // gate.bits,
+                                gate.scales.dtype)
+    if results is None:
+        return False
+    for x, n, got in results:
         g, u = (exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
-        if not close_enough(got, want, g * mx.sigmoid(g) * u):
+        if not close_enough(got, _mlx_gated(mlp, x, n), g * mx.sigmoid(g) * u):
             return False
     return True
 

@@ -133,21 +133,11 @@ def tune(model: Any) -> str | None:
     (:func:`step_tuning.decide`), or read it from an earlier load on this machine;
     returns the load note, None with nothing attached. ``GMLX_QKV_KERNEL=1``: every
     bucket, untimed."""
-    from gmlx.engine.kernels.tuning import model_key
-
     layers = projected(model)
     if not layers:
         return None
-    if os.environ.get(ENV) == "1":
-        use(model, step_tuning.BUCKETS)
-        return (f"cuda: queries, keys and values in one product in {len(layers)} attention layer(s) at every "
-                f"step of 1-{step_tuning.MAX_ROWS} streams")
-    keys = [_key(a) for a in layers]
-    one_each = {k: a for k, a in zip(keys, layers, strict=True)}.values()
-    kept = step_tuning.decide(model, model_key(keys) + ":qkv", lambda: all(agrees(a) for a in one_each),
-                              lambda buckets: use(model, buckets))
-    return (f"cuda: queries, keys and values in one product in {len(layers)} attention layer(s); whole-step "
-            f"speed-up by rows: {step_tuning.speedups(kept)}")
+    return step_tuning.tune(model, ENV, f"queries, keys and values in one product in {len(layers)} attention layer(s)",
+                            layers, [_key(a) for a in layers], agrees, lambda buckets: use(model, buckets))
 
 
 def _key(attention: Any) -> str:
@@ -156,25 +146,19 @@ def _key(attention: Any) -> str:
     return f"{dtype}:{k}x" + "+".join(str(attention[n].weight.shape[0]) for n in names) + f":{bits}/{group}"
 
 
-def agrees(attention: Any, rows: tuple[int, ...] = (1, 3)) -> bool:
+def agrees(attention: Any) -> bool:
     """Whether the one product gives each projection what its own layer gives, as closely
     as that is to a float32 product (:func:`fast_linear.agrees`), on random input rows."""
-    import mlx.core as mx
-
     from gmlx.engine.kernels.fast_linear import agrees as close_enough
     from gmlx.engine.kernels.fast_linear import exact_product
 
     q = attention.q_proj
-    k = q.weight.shape[1] * 32 // q.bits
-    for n in rows:
-        x = (mx.random.normal((n, 1, k), key=mx.random.key(n + 7)) * 0.5).astype(q.scales.dtype)
-        try:
-            got = attention._project(attention, x, n)
-            mx.eval(got)
-        except (TypeError, ValueError, RuntimeError):  # a kernel that would not build or run here
-            return False
-        want = _mlx_project(attention, x, n)
-        for g, w, name in zip(got, want, NAMES, strict=True):
+    results = step_tuning.tried(lambda x, n: attention._project(attention, x, n), q.weight.shape[1] * 32 // q.bits,
+                                q.scales.dtype)
+    if results is None:
+        return False
+    for x, n, got in results:
+        for g, w, name in zip(got, _mlx_project(attention, x, n), NAMES, strict=True):
             m = attention[name]
             if not close_enough(g, w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits)):
                 return False

@@ -9,7 +9,8 @@ only 2% faster or more. :mod:`glu_cuda` and :mod:`qkv_cuda` decide this way."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 BUCKETS = (1, 2, 4, 8)
@@ -19,6 +20,21 @@ MAX_ROWS = BUCKETS[-1]
 def bucket(rows: int) -> int:
     """The bucket (1, 2, 4, 8) a step of ``rows`` streams takes its kernel from."""
     return 1 if rows == 1 else 1 << (rows - 1).bit_length()
+
+
+def tune(model: Any, env: str, what: str, members: Sequence[Any], keys: Sequence[str],
+         agrees: Callable[[Any], bool], use: Callable[[Iterable[int]], None]) -> str:
+    """A step kernel's load decision and its load note: with ``env=1`` every bucket
+    untimed, else :func:`decide`, its agreement checked on one member (of ``members``)
+    per distinct layer key (``keys``, one each) and its decision kept under all of them."""
+    from gmlx.engine.kernels.tuning import model_key
+
+    if os.environ.get(env) == "1":
+        use(BUCKETS)
+        return f"cuda: {what} at every step of 1-{MAX_ROWS} streams"
+    one_each = {k: m for k, m in zip(keys, members, strict=True)}.values()
+    kept = decide(model, f"{model_key(keys)}:{env}", lambda: all(agrees(m) for m in one_each), use)
+    return f"cuda: {what}; whole-step speed-up by rows: {speedups(kept)}"
 
 
 def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iterable[int]], None]) -> dict[int, float]:
@@ -47,6 +63,24 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
         tuning.save()
     use(kept)
     return kept
+
+
+def tried(run: Callable[[Any, int], Any], k: int, dtype: Any, rows: tuple[int, ...] = (1, 3)) -> list | None:
+    """``(x, rows, run(x, rows))`` for random inputs of ``rows`` rows, ``k`` wide, each
+    evaluated; None when the kernel would not build or run here (what ``agrees`` checks
+    against MLX's own operations)."""
+    import mlx.core as mx
+
+    results = []
+    for n in rows:
+        x = (mx.random.normal((n, 1, k), key=mx.random.key(n)) * 0.5).astype(dtype)
+        try:
+            got = run(x, n)
+            mx.eval(got)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        results.append((x, n, got))
+    return results
 
 
 def speedups(kept: dict[int, float]) -> str:

@@ -12,7 +12,7 @@ from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from gmlx.engine.kernels import glu_cuda
-from tests.engine.kernels.models import steps, tiny
+from tests.engine.kernels.models import step_clock, steps, tiny
 
 LAYERS = 2
 
@@ -86,19 +86,9 @@ def test_each_row_bucket_binds_the_gated_kernel_once(monkeypatch: pytest.MonkeyP
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, faster: dict[int, float]) -> list[tuple[int, bool]]:
-    """A clock for whole decode steps (this CPU cannot time the kernel): 1.0 s a step,
-    ``faster[rows]`` with the fused path taken; returns what was timed."""
-    from gmlx.engine.kernels import fast_linear
-
-    timed: list[tuple[int, bool]] = []
-
-    def step_time(model, rows):
-        on = any(glu_cuda.bucket(rows) in m._buckets for m in glu_cuda.fused(model))
-        timed.append((rows, on))
-        return faster.get(rows, 1.0) if on else 1.0
-
-    monkeypatch.setattr(fast_linear, "step_time", step_time)
-    return timed
+    """Whole steps timed 1.0 s, ``faster[rows]`` with the fused path taken."""
+    return step_clock(monkeypatch, lambda model, rows: any(glu_cuda.bucket(rows) in m._buckets
+                                                           for m in glu_cuda.fused(model)), faster)
 
 
 def test_tuning_keeps_the_buckets_whose_whole_step_got_faster(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

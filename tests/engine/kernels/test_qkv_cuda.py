@@ -11,7 +11,7 @@ from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from gmlx.engine.kernels import one_token, qkv_cuda, step_tuning
-from tests.engine.kernels.models import steps, tiny
+from tests.engine.kernels.models import step_clock, steps, tiny
 
 LAYERS = 2
 FAMILIES = ("llama", "qwen3", "gemma3_text")  # q/k/v without biases (qwen2's have them)
@@ -92,19 +92,9 @@ def test_the_values_of_another_layout_come_through_their_own_layer(monkeypatch: 
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, faster: dict[int, float]) -> list:
-    """A clock for whole steps (this CPU cannot time the kernel): 1.0 s, ``faster[rows]``
-    with the one product taken."""
-    from gmlx.engine.kernels import fast_linear
-
-    timed: list = []
-
-    def step_time(model, rows):
-        on = any(step_tuning.bucket(rows) in a._project_buckets for a in qkv_cuda.projected(model))
-        timed.append((rows, on))
-        return faster.get(rows, 1.0) if on else 1.0
-
-    monkeypatch.setattr(fast_linear, "step_time", step_time)
-    return timed
+    """Whole steps timed 1.0 s, ``faster[rows]`` with the one product taken."""
+    return step_clock(monkeypatch, lambda model, rows: any(step_tuning.bucket(rows) in a._project_buckets
+                                                           for a in qkv_cuda.projected(model)), faster)
 
 
 def test_tuning_keeps_the_faster_buckets_and_remembers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
