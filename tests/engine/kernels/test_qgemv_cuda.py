@@ -17,6 +17,7 @@ from gmlx.engine.kernels import qgemv_cuda
 from gmlx.engine.kernels.cuda_source import kernel_name
 from gmlx.engine.kernels.fast_linear import agrees, exact_product
 from tests.engine.kernels import byte_perm, emulation
+from tests.engine.kernels.qgemv_replay import replay
 
 
 def test_a_code_bit_pattern_is_its_exact_float() -> None:
@@ -63,7 +64,7 @@ def test_the_kernel_arithmetic_is_mlx_product(bits: int, group: int, k: int, dty
     x = (mx.random.normal((1, k)) * 3).astype(dtype)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
     exact = exact_product(x, wq, s, b, group, bits)
-    got = qgemv_cuda.replay(np.array(x.astype(mx.float32)), np.array(wq),
+    got = replay(np.array(x.astype(mx.float32)), np.array(wq),
                             np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), group, bits)
     got = mx.array(got)[None].astype(dtype)  # the kernel writes its float32 sums as T
     assert agrees(got, want, exact)
