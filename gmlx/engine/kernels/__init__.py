@@ -42,7 +42,7 @@ def prepare_layers(model: Any) -> list[str]:
         try:
             decided = kernel.tune(model)
         except Exception as error:  # noqa: BLE001 - a kernel that fails here must not fail the load
-            kernel.use(model, ())
+            kernel.detach(model)
             log.warning("cuda: %s is not used: %s", kernel.__name__.rsplit(".", 1)[-1], error)
             decided = None
         if decided is not None:

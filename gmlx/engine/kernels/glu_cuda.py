@@ -132,8 +132,11 @@ def tune(model: Any) -> str | None:
         return None
     keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
                       m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
-    return step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
+    note = step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
                             agrees, lambda buckets: use(model, buckets))
+    if not mlps[0]._buckets:
+        detach(model)  # taken nowhere: the model's own MLPs, without the check a call
+    return note
 
 
 def agrees(mlp: Any) -> bool:

@@ -136,8 +136,11 @@ def tune(model: Any) -> str | None:
     layers = projected(model)
     if not layers:
         return None
-    return step_tuning.tune(model, ENV, f"queries, keys and values in one product in {len(layers)} attention layer(s)",
+    note = step_tuning.tune(model, ENV, f"queries, keys and values in one product in {len(layers)} attention layer(s)",
                             layers, [_key(a) for a in layers], agrees, lambda buckets: use(model, buckets))
+    if not layers[0]._project_buckets:
+        detach(model)  # taken nowhere: three products, without the check a call
+    return note
 
 
 def _key(attention: Any) -> str:
