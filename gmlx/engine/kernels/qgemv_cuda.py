@@ -119,32 +119,16 @@ _LOAD_X = r"""
         for (int j = 0; j < 32; ++j) xs += xf[j];
 """
 
-_SOURCE = _START + r"""
-    float acc[RPW];
-    #pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
-
-    for (int c = lane; c < chunks; c += 32) {
-        // this chunk's codes, scale and bias of each row: every load issued before any use
-""" + _LOAD_ROWS + r"""        // this lane's 32 values of x, as floats, and their sum
-""" + _LOAD_X.replace("XROW", "x") + r"""        #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            // 4-bit: a word's even and odd codes as bytes, each code then one byte permute
-            // into the float 2^23 + q; 8-bit: the permute alone
-            uint32_t lo[BITS == 4 ? 4 : 1], hi[BITS == 4 ? 4 : 1];
-            if (BITS == 4) {
-                #pragma unroll
-                for (int v = 0; v < 4; ++v) {
-                    lo[v] = q[r][v] & 0x0F0F0F0Fu;
-                    hi[v] = (q[r][v] >> 4) & 0x0F0F0F0Fu;
-                }
-            }
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            #pragma unroll
-            for (int j = 0; j < 32; ++j) {
+# Code ``j`` of row ``r``'s chunk (``q[r]``) as the float ``f`` the sums take: 4-bit, a
+# word's even or odd codes masked into bytes, then one byte permute under 0.5's exponent
+# (``0.5 + q / 256``); 8-bit, the permute alone into ``2^23 + q``, less ``2^23``; 6-bit, its
+# bit window (across two words through a funnel shift) or-ed under 0.5's exponent. (The
+# 4-bit masks are the same for the four codes of a word half: the unrolled loop computes
+# each once.)
+_CODE = r"""
                 unsigned bits;
                 if (BITS == 4) {
-                    const uint32_t src = (j & 1) ? hi[j / 8] : lo[j / 8];
+                    const uint32_t src = ((j & 1) ? (q[r][j / 8] >> 4) : q[r][j / 8]) & 0x0F0F0F0Fu;
                     bits = __byte_perm(src, 0x3F000000u, 0x7054 | (((j % 8) >> 1) << 8));
                 } else if (BITS == 8) {
                     bits = __byte_perm(q[r][j / 4], 0x4B000000u, 0x7540 | (j & 3));
@@ -156,7 +140,23 @@ _SOURCE = _START + r"""
                                                            : __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
                     bits = 0x3F000000u | (code << 16);
                 }
-                d[j & 3] += xf[j] * (BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits));
+                const float f = BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits);
+"""
+
+_SOURCE = _START + r"""
+    float acc[RPW];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+
+    for (int c = lane; c < chunks; c += 32) {
+        // this chunk's codes, scale and bias of each row: every load issued before any use
+""" + _LOAD_ROWS + r"""        // this lane's 32 values of x, as floats, and their sum
+""" + _LOAD_X.replace("XROW", "x") + r"""        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            #pragma unroll
+            for (int j = 0; j < 32; ++j) {
+""" + _CODE + r"""                d[j & 3] += xf[j] * f;
             }
             acc[r] += CHUNK(s[r], b[r], (d[0] + d[1]) + (d[2] + d[3]), xs);
         }
@@ -198,21 +198,7 @@ _ROWS_SOURCE = _START + r"""
         for (int r = 0; r < RPW; ++r) {
             #pragma unroll
             for (int j = 0; j < 32; ++j) {
-                unsigned bits;
-                if (BITS == 4) {
-                    const uint32_t src = ((j & 1) ? (q[r][j / 8] >> 4) : q[r][j / 8]) & 0x0F0F0F0Fu;
-                    bits = __byte_perm(src, 0x3F000000u, 0x7054 | (((j % 8) >> 1) << 8));
-                } else if (BITS == 8) {
-                    bits = __byte_perm(q[r][j / 4], 0x4B000000u, 0x7540 | (j & 3));
-                } else {
-                    const int bit = BITS * j;
-                    const int wi = bit / 32;
-                    const int off = bit % 32;
-                    const unsigned code = off + BITS <= 32 ? (q[r][wi] >> off) & MASK
-                                                           : __funnelshift_r(q[r][wi], q[r][wi + 1], off) & MASK;
-                    bits = 0x3F000000u | (code << 16);
-                }
-                wf[r][j] = BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits);
+""" + _CODE + r"""                wf[r][j] = f;
             }
         }
         // each row of x: its 32 values of this chunk made float and summed once, then
