@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
-from mlx import nn
-
 from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning, swaps
 
 ENV = "GMLX_GLU_KERNEL"
@@ -47,18 +45,14 @@ def enabled() -> bool:
 
 
 def layout(mlp: Any) -> tuple[int, int] | None:
-    """``(group_size, bits)`` when ``mlp``'s gate and up projections are quantized alike,
-    without biases, in a layout the kernel reads; else None."""
+    """``(group_size, bits)`` when ``mlp``'s gate and up projections are quantized alike
+    (one :func:`qgemv_cuda.layout`, one shape), without biases, in a layout the kernel
+    reads; else None."""
     gate, up = mlp.get("gate_proj"), mlp.get("up_proj")
-    if not (isinstance(gate, nn.QuantizedLinear) and isinstance(up, nn.QuantizedLinear)):
+    read = qgemv_cuda.layout(gate)
+    if read is None or read != qgemv_cuda.layout(up) or gate.weight.shape != up.weight.shape:
         return None
-    mode = getattr(gate, "mode", "affine")
-    same = (gate.group_size, gate.bits, mode, gate.weight.shape) == (up.group_size, up.bits,
-                                                                     getattr(up, "mode", "affine"), up.weight.shape)
-    k = gate.weight.shape[1] * 32 // gate.bits
-    if not same or "bias" in gate or "bias" in up or not qgemv_cuda.supports(1, k, gate.group_size, gate.bits, mode):
-        return None
-    return gate.group_size, gate.bits
+    return read[0], read[1]
 
 
 def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
@@ -117,7 +111,7 @@ def use(model: Any, buckets: Iterable[int]) -> None:
 
 def fused(model: Any) -> list[Any]:
     """``model``'s MLPs given the fused path."""
-    return [m for _, m in model.named_modules() if vars(type(m)).get("glu")]
+    return swaps.marked(model, "glu")
 
 
 def tune(model: Any) -> str | None:

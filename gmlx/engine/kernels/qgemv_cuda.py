@@ -245,6 +245,21 @@ def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine"
             and k % group_size == 0 and k % 32 == 0)
 
 
+def layout(layer: Any) -> tuple[int, int, str, int, Any] | None:
+    """``(group_size, bits, mode, K, scales' dtype)`` of a quantized linear layer without a
+    bias whose one-row product the kernel takes (the gated and parts products read
+    layers that share one), else None."""
+    from mlx import nn
+
+    if not isinstance(layer, nn.QuantizedLinear) or "bias" in layer:
+        return None
+    mode = getattr(layer, "mode", "affine")
+    k = layer.weight.shape[1] * 32 // layer.bits
+    if not supports(1, k, layer.group_size, layer.bits, mode):
+        return None
+    return layer.group_size, layer.bits, mode, k, layer.scales.dtype
+
+
 def configs(rows: int = 1) -> list[tuple[int, ...]]:
     """The launch shapes the load-time tuner times for a bucket of ``rows`` rows: (warps
     per block, weight rows per warp), and for more than one row of x the rows it takes

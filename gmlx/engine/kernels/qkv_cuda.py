@@ -27,9 +27,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mlx import nn
-
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning, swaps
 
 ENV = "GMLX_QKV_KERNEL"
 NAMES = ("q_proj", "k_proj", "v_proj")
@@ -40,22 +38,12 @@ def enabled() -> bool:
     return os.environ.get(ENV, "auto") != "0" and cuda_source.available()
 
 
-def _layout(layer: Any) -> tuple | None:
-    if not isinstance(layer, nn.QuantizedLinear) or "bias" in layer:
-        return None
-    mode = getattr(layer, "mode", "affine")
-    k = layer.weight.shape[1] * 32 // layer.bits
-    if not qgemv_cuda.supports(1, k, layer.group_size, layer.bits, mode):
-        return None
-    return layer.group_size, layer.bits, mode, k, layer.scales.dtype
-
-
 def joined(attention: Any) -> tuple[str, ...]:
     """The projections of ``attention`` one product reads: all three, or the queries and
     keys when the values' layout differs; () when not even those two share one."""
     if "q_proj" not in attention or "qkv_proj" in attention:
         return ()
-    q, k, v = (_layout(attention.get(name)) for name in NAMES)
+    q, k, v = (qgemv_cuda.layout(attention.get(name)) for name in NAMES)
     if q is None or q != k:
         return ()
     return NAMES if v == q else NAMES[:2]
@@ -125,7 +113,7 @@ def projected(model: Any) -> list[Any]:
 
 
 def _one_token_layers(model: Any) -> list[Any]:
-    return [m for _, m in model.named_modules() if vars(type(m)).get("one_token")]
+    return swaps.marked(model, "one_token")
 
 
 def tune(model: Any) -> str | None:
@@ -145,7 +133,7 @@ def tune(model: Any) -> str | None:
 
 def _key(attention: Any) -> str:
     names = joined(attention)
-    group, bits, _, k, dtype = _layout(attention.q_proj)
+    group, bits, _, k, dtype = qgemv_cuda.layout(attention.q_proj)
     return f"{dtype}:{k}x" + "+".join(str(attention[n].weight.shape[0]) for n in names) + f":{bits}/{group}"
 
 

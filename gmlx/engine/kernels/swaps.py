@@ -27,9 +27,14 @@ def subclass(cls: type, marker: str, call: Any) -> type:
     return type(cls.__name__, (cls,), {"__call__": call, "__module__": call.__module__, marker: True})
 
 
+def marked(model: Any, marker: str) -> list[Any]:
+    """The modules of ``model`` whose class was made with ``marker`` (by :func:`subclass`)
+    and is theirs now."""
+    return [module for _, module in model.named_modules() if vars(type(module)).get(marker)]
+
+
 def restore(model: Any, marker: str) -> None:
     """Give every module of ``model`` whose class was made with ``marker`` its class from
     before back (a subclass made over it with another marker is left as it is)."""
-    for _, module in model.named_modules():
-        if vars(type(module)).get(marker):
-            module.__class__ = type(module).__bases__[0]
+    for module in marked(model, marker):
+        module.__class__ = type(module).__bases__[0]
