@@ -11,6 +11,7 @@ CLI's ``--help`` never loads MLX).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,7 @@ def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step
     every step). ``stream``: the one it computes on (default: mlx-lm's own)."""
     from mlx_lm.generate import BatchGenerator
 
-    return BatchGenerator(
+    gen = BatchGenerator(
         model,
         stop_tokens=[[t] for t in stop_tokens],
         completion_batch_size=width,
@@ -70,6 +71,78 @@ def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step
         prefill_step_size=prefill_step,
         **({} if stream is None else {"stream": stream}),
     )
+    gen._generation_batch = _decode_batch().empty(model, gen.sampler)
+    return gen
+
+
+@functools.cache
+def _decode_batch() -> type:
+    """mlx-lm's ``GenerationBatch`` with its decode step's per-row work batched: the
+    streams' logit biases (:class:`~gmlx.engine.sampling.LogitBias`, first in a stream's
+    processors) are added to all rows in one scatter, and the step's log-probabilities
+    are evaluated whole, where mlx-lm calls each stream's processors on its own row and
+    evaluates every row's log-probabilities as an array of its own. At 32 streams with a
+    bias each that is ~5 graph operations a stream fewer a step. Other processors
+    (penalties, a grammar) still run row by row, after the bias, as mlx-lm runs them.
+    A prompt's first token is still sampled by mlx-lm's own step, as it joins."""
+    import mlx.core as mx
+    from mlx_lm.generate import GenerationBatch
+
+    from gmlx.engine.sampling import BatchBias, LogitBias
+
+    class DecodeBatch(GenerationBatch):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._bias = BatchBias()
+            super().__init__(*args, **kwargs)
+
+        def _step(self) -> tuple[list[int], list[Any]]:
+            # mlx-lm 0.32's GenerationBatch._step but for the processors and the
+            # log-probabilities' evaluation
+            self._current_tokens = self._next_tokens
+            self._current_logprobs = self._next_logprobs
+            inputs = self._current_tokens
+            logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+            logits, token_context = self._processed(logits, inputs)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            samplers = [self.fallback_sampler if s is None else s
+                        for s in (self.samplers or [None] * len(self.uids))]
+            if not samplers or all(s is samplers[0] for s in samplers):
+                sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+            else:
+                sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
+            self._next_tokens = sampled
+            self._next_logprobs = list(logprobs)  # views of `logprobs`, evaluated with it
+            mx.async_eval(sampled, logprobs, token_context)
+            mx.eval(inputs)
+            tokens = inputs.tolist()
+            for held, token in zip(self.tokens, tokens, strict=True):
+                held.append(token)
+            return tokens, self._current_logprobs
+
+        def _processed(self, logits: Any, inputs: Any) -> tuple[Any, list[Any]]:
+            """``logits`` through each row's processors: the biases in one scatter,
+            the rest row by row (each reading its row's tokens, kept here)."""
+            rows = self.logits_processors
+            if not any(rows):
+                return logits, []
+            biases = [p[0] if p and isinstance(p[0], LogitBias) else None for p in rows]
+            if any(b is not None for b in biases):
+                logits = self._bias.apply(logits, biases)
+                rows = [p[1:] if b is not None else p for p, b in zip(rows, biases, strict=True)]
+                if not any(rows):
+                    return logits, []
+            pieces, token_context = [], []
+            for e, processors in enumerate(rows):
+                row = logits[e:e + 1]
+                if processors:
+                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])
+                    token_context.append(context)
+                    for processor in processors:
+                        row = processor(context, row)
+                pieces.append(row)
+            return mx.concatenate(pieces, axis=0), token_context
+
+    return DecodeBatch
 
 
 def prefill_lengths(gen: Any) -> list[int]:

@@ -318,8 +318,10 @@ class ActiveRequest:
         return self._guard(sampler, sampling.greedy_sampler)
 
     def guarded_processors(self) -> list[Callable[[Any, Any], Any]]:
-        """The request's logits processors, each guarded."""
-        return [self._guard(p, _unchanged_logits) for p in self.processors]
+        """The request's logits processors, each guarded but its logit bias (it cannot
+        fail, and a decode step finds it by its type to add every row's in one scatter)."""
+        return [p if isinstance(p, sampling.LogitBias) else self._guard(p, _unchanged_logits)
+                for p in self.processors]
 
     def _guard(self, fn: Callable[..., Any], stand_in: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(*args: Any) -> Any:

@@ -13,7 +13,7 @@ XTC, then temperature and the draw.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -174,9 +174,10 @@ def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None)
 
 
 def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """Penalties and logit bias, as mlx-lm's processors (empty list when unused)."""
-    return make_logits_processors(
-        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+    """Logit bias (first: a :class:`LogitBias`, which a decode step adds for all its rows
+    at once) and penalties, as mlx-lm's processors; an empty list when unused."""
+    bias: list[LogitsProcessor] = [LogitBias(params.logit_bias)] if params.logit_bias else []
+    return bias + make_logits_processors(
         repetition_penalty=params.repetition_penalty,
         repetition_context_size=params.repetition_context_size,
         presence_penalty=params.presence_penalty or None,
@@ -184,3 +185,46 @@ def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=params.frequency_context_size,
     )
+
+
+class LogitBias:
+    """A request's logit bias as a logits processor (mlx-lm's ``(tokens, logits)``:
+    ``bias[id]`` added to the logit of each token ``id``). It reads no tokens and cannot
+    fail on a validated request, so a decode step may add every row's bias in one
+    scatter (:class:`BatchBias`) in place of calling it row by row."""
+
+    __slots__ = ("_ids", "_values", "ids", "values")
+
+    def __init__(self, bias: Mapping[int, float]) -> None:
+        self.ids = [int(t) for t in bias]
+        self.values = [float(v) for v in bias.values()]
+        self._ids = mx.array(self.ids, dtype=mx.int32)
+        self._values = mx.array(self.values, dtype=mx.float32)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits.at[:, self._ids].add(self._values)
+
+
+class BatchBias:
+    """The logit biases of a batch's rows added in one scatter: ``apply(logits, biases)``
+    with ``biases[e]`` row ``e``'s :class:`LogitBias` (or None) equals calling each on
+    its row. The scatter's indices are built once per sequence of biases, and again only
+    when the rows change (a stream joins or leaves)."""
+
+    __slots__ = ("_ids", "_key", "_rows", "_values")
+
+    def __init__(self) -> None:
+        self._key: tuple[LogitBias | None, ...] = ()
+        self._rows = self._ids = self._values = mx.array([])
+
+    def apply(self, logits: mx.array, biases: list[LogitBias | None]) -> mx.array:
+        key = tuple(biases)  # held, so no id is reused while it is the key
+        if key != self._key:
+            present = [(row, b) for row, b in enumerate(biases) if b is not None]
+            self._rows = mx.array([row for row, b in present for _ in b.ids], dtype=mx.int32)
+            self._ids = mx.array([t for _, b in present for t in b.ids], dtype=mx.int32)
+            self._values = mx.array([v for _, b in present for v in b.values], dtype=mx.float32)
+            self._key = key
+        if not self._ids.size:
+            return logits
+        return logits.at[self._rows, self._ids].add(self._values)

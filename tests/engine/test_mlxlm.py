@@ -57,3 +57,46 @@ def test_kv_used_is_the_batch_arrays_fill():
     mlxlm.set_kv_used(cache, 3)
     k, _ = cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])
     assert mlxlm.kv_used(cache) == 4 and k.shape[2] == 4  # the batch continues from there
+
+
+def test_the_decode_step_batches_biases_and_matches_mlx_lms_own_step(demo_model):
+    """gmlx's decode batch (the streams' logit biases added in one scatter) against mlx-lm's
+    ``GenerationBatch`` on the same streams: each stream's tokens and log-probabilities
+    are the same, with a bias alone, a bias and a penalty, a penalty alone and nothing."""
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+    from gmlx.engine import sampling
+    from gmlx.engine.types import SamplingParams
+
+    eos = sorted(demo_model.tokenizer.eos_token_ids)
+    never_eos = {e: -100.0 for e in eos}
+    params = [SamplingParams(logit_bias={**never_eos, 11: 100.0, 12: -2.0}),
+              SamplingParams(logit_bias={**never_eos, 40: 1.5}, repetition_penalty=1.5),
+              SamplingParams(repetition_penalty=2.0),
+              SamplingParams(),
+              SamplingParams(logit_bias=never_eos)]
+    prompts = [[(5 * i + 7 * j) % 300 + 10 for j in range(6 + i)] for i in range(len(params))]
+
+    def decode(gen):
+        uids = gen.insert(prompts, max_tokens=[10] * len(prompts),
+                          logits_processors=[sampling.make_processors(p) for p in params])
+        out = {uid: [] for uid in uids}
+        while any(len(tokens) < 10 for tokens in out.values()):
+            for r in gen.next()[1]:
+                out[r.uid].append((r.token, r.logprobs))
+        gen.close()
+        return [out[uid] for uid in uids]
+
+    ours = mlxlm.batch_generator(demo_model.model, eos, width=8, prefill_step=64)
+    assert type(ours._generation_batch).__name__ == "DecodeBatch"
+    theirs = BatchGenerator(demo_model.model, stop_tokens=[[t] for t in eos], completion_batch_size=8,
+                            prefill_batch_size=1, prefill_step_size=64)
+    assert type(theirs._generation_batch) is GenerationBatch
+    for stream, (a, b) in enumerate(zip(decode(ours), decode(theirs), strict=True)):
+        assert [t for t, _ in a] == [t for t, _ in b], stream
+        for (_, la), (_, lb) in zip(a, b, strict=True):
+            assert mx.allclose(la, lb, atol=1e-5).item(), stream
+        if stream == 0:  # the biases took hold
+            assert [t for t, _ in a] == [11] * 10
+        if params[stream].logit_bias:
+            assert not {t for t, _ in a} & set(eos)

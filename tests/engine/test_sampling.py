@@ -121,3 +121,29 @@ def test_out_of_range_values_are_refused(params, name):
     with pytest.raises(InvalidRequestError) as info:
         sampling.validate(params, vocab_size=100)
     assert info.value.param == name
+
+
+def test_a_batch_bias_is_each_rows_bias_added_to_its_row():
+    vocab = 50
+    logits = mx.random.normal((4, vocab), key=mx.random.key(0)).astype(mx.bfloat16)
+    a = sampling.LogitBias({3: -100, 7: 2.5, 49: 0.25})
+    b = sampling.LogitBias({0: 1.0, 3: 4.0})
+    batch = sampling.BatchBias()
+
+    def row_by_row(biases):
+        rows = [logits[e:e + 1] if bias is None else bias(None, logits[e:e + 1]) for e, bias in enumerate(biases)]
+        return mx.concatenate(rows, axis=0)
+
+    for biases in ([a, None, b, a], [a, None, b, a], [None, b, None, None], [None] * 4, [b, a, a, b]):
+        together = batch.apply(logits, biases)  # the rows change between calls: rebuilt
+        assert together.dtype == logits.dtype
+        assert mx.array_equal(together, row_by_row(biases)).item(), biases
+    assert batch.apply(logits, [None] * 4) is logits
+
+
+def test_logit_bias_comes_first_and_unguarded_among_a_requests_processors():
+    params = SamplingParams(logit_bias={5: -100.0}, repetition_penalty=1.3)
+    processors = sampling.make_processors(params)
+    assert isinstance(processors[0], sampling.LogitBias) and len(processors) == 2
+    assert processors[0].ids == [5] and processors[0].values == [-100.0]
+    assert sampling.make_processors(SamplingParams()) == []
