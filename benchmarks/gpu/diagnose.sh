@@ -39,13 +39,12 @@ run() {
 }
 
 # first what compiles every kernel a step uses (a fresh machine's first 8B process spends
-# 2-3 minutes in MLX's compiles without a kernel cache from a past lease), then the profile
-run pipeline 200 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1 --no-generator \
-  --loops "one token,glu,qkv,step kernels,one token,glu,qkv,step kernels"
-run kernel_times 180 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
-  --loops "one token" --steps 2
-run gemv 80 python3 benchmarks/gpu/gemv_check.py --rows 1,2,8 --dtype bfloat16
-run gemv_gated 50 python3 benchmarks/gpu/gemv_check.py --gated --rows 1,2,8 --dtype bfloat16
-run gemv_qkv 40 python3 benchmarks/gpu/gemv_check.py --qkv --rows 1,8 --dtype bfloat16
+# 2-3 minutes in MLX's compiles without a kernel cache from a past lease), then the profile:
+# each kernel's time only, one step a width (with the DRAM and SM metrics, ncu replays each
+# of a step's ~600 kernels several times: 2 steps at 3 widths ran past 230 s on 12-03)
+run pipeline 200 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1,8 --no-generator \
+  --loops "one token,step kernels,one token,step kernels"
+run kernel_times 320 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
+  --loops "one token" --steps 1 --time-only --limit 200
 bash benchmarks/gpu/setup.sh kernels "$OUT"
 echo "diagnose.sh: done in $((SECONDS - START))s"

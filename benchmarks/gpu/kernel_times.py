@@ -174,6 +174,23 @@ def report(walls: list[str], table: dict[int, dict[str, Row]], top: int) -> None
             print(f"| {name} | {n:.0f} | {us:.0f} | {us / n:.1f} | {pct} |")
 
 
+def _profile(command: list[str], limit: float | None) -> tuple[str, int | None]:
+    """Run ``command`` (ncu and the child) in a session of its own; its output and exit
+    status, or None for the status when it ran past ``limit`` seconds and was stopped
+    (ncu has written the kernels it profiled by then)."""
+    import signal
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=limit)
+        return stdout, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        return stdout, None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a model reference gmlx serve takes, or synthetic:SHAPE")
@@ -188,6 +205,9 @@ def main() -> None:
                    help="only each kernel's time (no DRAM and SM throughput: one replay a kernel, faster)")
     p.add_argument("--no-plain", action="store_true",
                    help="skip the unprofiled run (the windows' wall times then come from under ncu)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="seconds the profiled run may take; past them it is stopped and the windows "
+                        "ncu finished are reported")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -204,15 +224,21 @@ def main() -> None:
             raise SystemExit("kernel_times: the plain run failed: " + plain.stderr[-2000:])
         print("\n".join(walls), flush=True)
     out = Path(args.csv or "/tmp/kernel_times.csv")
+    code: int | None = 0
     if not args.csv:
         metrics = ",".join((TIME,) if args.time_only else (TIME, *BOUND))
-        profiled = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", metrics,
-                                   "--csv", "--log-file", str(out), *common, "--profiled"],
-                                  capture_output=True, text=True, check=False)
-        if profiled.returncode:
-            raise SystemExit("kernel_times: ncu failed: " + (profiled.stdout + profiled.stderr)[-2000:])
-        walls = walls or [line for line in profiled.stdout.splitlines() if line.startswith("window ")]
-    report(walls, kernel_table(out, args.steps), args.top)
+        stdout, code = _profile([args.ncu, "--profile-from-start", "off", "--metrics", metrics,
+                                 "--csv", "--log-file", str(out), *common, "--profiled"], args.limit)
+        if code is None:
+            print(f"kernel_times: ncu cut off at {args.limit:.0f} s; the windows it finished:", flush=True)
+        elif code:
+            raise SystemExit("kernel_times: ncu failed: " + stdout[-2000:])
+        walls = walls or [line for line in stdout.splitlines() if line.startswith("window ")]
+    table = kernel_table(out, args.steps)
+    if code is None:  # the last window ncu began may be cut short
+        table.pop(max(table), None)
+        walls = [line for line in walls if int(line.split()[1]) in table]
+    report(walls, table, args.top)
 
 
 if __name__ == "__main__":
