@@ -212,8 +212,11 @@ class Batch:
         worker to finish (the list is valid until the next step)."""
         self._ended.clear()
         gen = self._gen
-        decoding = any(a.state is RequestState.DECODE for a in self.running.values())
-        gen.prefill_step_size = chunk = scheduling.prefill_step(self.prefill_step_size, decoding)
+        lengths = mlxlm.prefill_lengths(gen)
+        starting = lengths.count(0)  # nothing left to prefill: they decode from this step on
+        decoding = starting + sum(a.state is RequestState.DECODE for a in self.running.values())
+        waiting = len(lengths) - starting + len(self._staged)
+        gen.prefill_step_size = chunk = scheduling.prefill_step(self.prefill_step_size, decoding, waiting)
         if self._staged:
             self._advance_staged(chunk)
         gen.prefill_batch_size = scheduling.prefill_width(mlxlm.prefill_lengths(gen), chunk)

@@ -146,13 +146,20 @@ def _decode_batch() -> type:
 
 
 def prefill_lengths(gen: Any) -> list[int]:
-    """The prompt tokens each prompt in ``gen`` has left in its current segment, in
-    the order the generator prefills them: those prefilling, then those not started.
+    """The prompt tokens each prompt in ``gen`` has left to prefill in its current
+    segment, in the order the generator prefills them: those prefilling, then those not
+    started. 0 for a prompt left with its last token alone: the generator moves it to
+    decoding before the step's prefill, which its first decode step takes (it still
+    holds a place in the prompt batch until then).
 
     Reads ``BatchGenerator._currently_processing`` (entries ``[segments, done,
     total]``) and ``_unprocessed_sequences`` (tuples ``(uid, segments, ...)``)."""
-    lengths = [len(seq[0][0]) for seq in gen._currently_processing if seq[0]]
-    lengths += [len(seq[1][0]) for seq in gen._unprocessed_sequences]
+
+    def left(segments: list[list[int]]) -> int:
+        return 0 if len(segments) == 1 and len(segments[0]) == 1 else len(segments[0])
+
+    lengths = [left(seq[0]) for seq in gen._currently_processing if seq[0]]
+    lengths += [left(seq[1]) for seq in gen._unprocessed_sequences]
     return lengths
 
 

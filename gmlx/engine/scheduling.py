@@ -13,6 +13,7 @@ from gmlx.engine.types import GenerateRequest, SamplingParams
 DEFAULT_DECODE_BATCH = 8  # streams decoding together, where nothing else sets the width
 DEFAULT_PREFILL_STEP = 512  # CPU: unfused attention makes the chunk's transient large
 MIN_SHARED_PREFILL_STEP = 64  # the smallest prefill chunk while streams decode
+SHARED_PREFILL_PARTS = 4  # while streams decode, a step prefills 1-4 quarters of a chunk
 DEFAULT_REQUEST_S = 5.0  # a request's duration assumed before any has finished
 RETRY_AFTER_RANGE = (2, 60)  # seconds a refused client is told to wait, at least and at most
 
@@ -25,15 +26,22 @@ def default_prefill_step() -> int:
     return DEFAULT_PREFILL_STEP if backend() == "cpu" else 2048
 
 
-def prefill_step(step_size: int, decoding: bool) -> int:
-    """Prompt tokens one step may prefill. While streams are ``decoding``, a quarter of
-    ``step_size``: every step waits for its prefill chunk, so a long prompt arriving in
-    full chunks would hold each running stream's next token for a whole chunk (a
-    512-token chunk at a 2k context takes ~250 ms on a 2-core CPU). With nobody
-    decoding the whole chunk goes, for the fastest prefill."""
-    if decoding:
-        return max(MIN_SHARED_PREFILL_STEP, step_size // 4)
-    return step_size
+def prefill_step(step_size: int, decoding: int, waiting: int = 1) -> int:
+    """Prompt tokens one step may prefill while ``decoding`` streams decode and ``waiting``
+    prompts wait to prefill. With nobody decoding, the whole ``step_size``, for the
+    fastest prefill. Beside decoding streams, the waiting prompts' share of the requests
+    in the batch, rounded up to quarters of ``step_size`` (at least one; a chunk of more
+    than 256 tokens takes the products' path the warm-up compiles, whatever its size):
+    every step waits for its prefill chunk, so a long prompt arriving in
+    whole chunks would hold each running stream's next token for a whole chunk (a
+    512-token chunk at a 2k context takes ~250 ms on a 2-core CPU), while a burst of
+    prompts beside a few running streams must not be admitted a quarter chunk a step
+    (32 prompts of 128 tokens beside one stream take 32 steps so on the CPU, 8 with
+    CUDA's 2048-token chunk; 16 and 4 by their share)."""
+    if not decoding:
+        return step_size
+    parts = max(1, -(-SHARED_PREFILL_PARTS * waiting // (waiting + decoding)))
+    return max(MIN_SHARED_PREFILL_STEP, step_size * parts // SHARED_PREFILL_PARTS)
 
 
 def prefill_width(prompt_lengths: Iterable[int], step: int) -> int:
@@ -42,13 +50,18 @@ def prefill_width(prompt_lengths: Iterable[int], step: int) -> int:
     ``step`` tokens, counting each at the longest one's chunk (the batch is padded to
     it). A burst of short prompts then prefills in one step instead of one step each,
     while the memory a prefill step takes stays within what the capacity model prices
-    for one chunk. At least one."""
-    width = longest = 0
+    for one chunk. A prompt with nothing left (0: its last token goes to its first
+    decode step) takes a place but no row, so the next prompt starts beside it. At
+    least one."""
+    width = rows = longest = 0
     for length in prompt_lengths:
+        if not length:
+            width += 1
+            continue
         wider = max(longest, min(length, step))
-        if width and (width + 1) * wider > step:
+        if rows and (rows + 1) * wider > step:
             break
-        width, longest = width + 1, wider
+        width, rows, longest = width + 1, rows + 1, wider
     return max(1, width)
 
 
@@ -121,7 +134,7 @@ def warm_up_prefills(step: int, context: int, vocab_size: int,
         return GenerateRequest(tokens, max_tokens=max_tokens, sampling=greedy, id=f"req-warmup-{name}")
 
     long = prompt(1, length)
-    shared_steps = -(-length // prefill_step(step, decoding=True)) + 4
+    shared_steps = -(-length // prefill_step(step, decoding=1, waiting=1)) + 4
     return [
         [request("prefill", long, 2)],
         [request("prefix-hit", long, 2)],

@@ -35,6 +35,8 @@ def test_prefill_lengths_and_the_first_token_follow_the_generator(demo_model):
         assert mlxlm.first_token(gen, uid) is None  # not decoding yet
         gen.next()
         assert mlxlm.prefill_lengths(gen) == [35]  # one 64-token chunk done
+        gen.next()
+        assert mlxlm.prefill_lengths(gen) == [0]  # only its last token, for its first decode step
         while True:  # the step that ends the prompt computes its first token
             prompt_responses, responses = gen.next()
             assert responses == []

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gmlx.engine import scheduling
 from gmlx.engine.scheduling import (
@@ -22,14 +24,28 @@ from gmlx.engine.scheduling import (
 
 
 def test_alone_a_prompt_prefills_in_whole_chunks():
-    assert prefill_step(512, decoding=False) == 512
-    assert prefill_step(2048, decoding=False) == 2048
+    assert prefill_step(512, decoding=0) == 512
+    assert prefill_step(2048, decoding=0) == 2048
 
 
-def test_beside_decoding_streams_a_prompt_prefills_a_quarter_chunk():
-    assert prefill_step(512, decoding=True) == 128
-    assert prefill_step(2048, decoding=True) == 512
-    assert prefill_step(128, decoding=True) == MIN_SHARED_PREFILL_STEP  # never below the floor
+def test_beside_decoding_streams_the_waiting_prompts_prefill_their_share_in_quarter_chunks():
+    assert prefill_step(512, decoding=0, waiting=5) == 512
+    assert prefill_step(512, decoding=3, waiting=1) == 128  # a quarter of the requests: a quarter
+    assert prefill_step(2048, decoding=8, waiting=1) == 512  # less: still a quarter
+    assert prefill_step(2048, decoding=1, waiting=1) == 1024  # half: half
+    assert prefill_step(2048, decoding=2, waiting=3) == 1536  # 3/5: rounded up to 3/4
+    assert prefill_step(2048, decoding=1, waiting=31) == 2048  # a burst beside one stream
+    assert prefill_step(512, decoding=4, waiting=0) == 128
+    assert prefill_step(128, decoding=3, waiting=1) == MIN_SHARED_PREFILL_STEP  # never below the floor
+
+
+@given(step=st.sampled_from([128, 512, 2048]), decoding=st.integers(1, 64), waiting=st.integers(0, 64))
+def test_a_shared_chunk_is_a_whole_number_of_quarters_growing_with_the_waiting(step, decoding, waiting):
+    chunk = prefill_step(step, decoding, waiting)
+    assert chunk in {max(MIN_SHARED_PREFILL_STEP, step * q // 4) for q in (1, 2, 3, 4)}
+    assert chunk >= step * waiting // (waiting + decoding)  # at least the waiting prompts' share
+    assert prefill_step(step, decoding, waiting + 1) >= chunk
+    assert prefill_step(step, decoding + 1, waiting) <= chunk
 
 
 @pytest.mark.parametrize("lengths, step, width", [
@@ -40,6 +56,9 @@ def test_beside_decoding_streams_a_prompt_prefills_a_quarter_chunk():
     ([10, 400, 10], 512, 1),  # padded to 400, two would take 800
     ([200, 200, 900], 512, 2),  # the long one counts as a whole chunk: 3 x 512 > 512
     ([600, 10], 512, 1),  # a chunk already fills the step
+    ([0, 311, 311], 512, 2),  # the first leaves for decoding: the next starts beside it
+    ([0, 0, 200, 200, 200], 512, 4),  # places without rows, then two rows of 200
+    ([0], 512, 1),
 ])
 def test_prefill_width_keeps_a_step_within_one_chunk(lengths, step, width):
     assert prefill_width(lengths, step) == width

@@ -320,7 +320,7 @@ def test_warm_up_runs_every_batch_width_and_leaves_no_trace(demo_model, monkeypa
         # the prefill shapes: a whole chunk alone, the smaller one beside a decoding
         # stream, and a prompt-cache hit
         step = worker.prefill_step_size
-        assert step in chunks and prefill_step(step, decoding=True) in chunks
+        assert step in chunks and prefill_step(step, decoding=1, waiting=1) in chunks
         # short prompts, alone (the last token of a prompt goes to its first decode step)
         assert {n - 1 for n in SHORT_PROMPTS} <= set(chunks)
         assert "exact" in tiers
@@ -365,8 +365,9 @@ def test_a_burst_of_short_prompts_prefills_together_and_answers_as_alone(demo_mo
 
 
 def test_a_long_prompt_prefills_in_smaller_chunks_while_others_decode(demo_model, monkeypatch):
-    """Alone, a prompt prefills in chunks of prefill_step_size; while another stream
-    decodes, in chunks of a quarter of it, so that stream waits less for each token."""
+    """Alone, a prompt prefills in chunks of prefill_step_size; while other streams
+    decode, in the waiting prompts' share of it (in quarters), so those streams wait
+    less for each token: half beside one stream, a quarter beside three."""
     from mlx_lm.generate import PromptProcessingBatch
 
     from gmlx.engine.worker import ModelWorker
@@ -380,12 +381,47 @@ def test_a_long_prompt_prefills_in_smaller_chunks_while_others_decode(demo_model
     try:
         run(worker, GenerateRequest(long_prompt, max_tokens=2, sampling=GREEDY))
         assert max(chunks) == 256  # alone: whole chunks
-        chunks.clear()
-        running = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=400, sampling=GREEDY))
-        first = next(iter(running))  # it is decoding now
-        assert first.token_ids
-        run(worker, GenerateRequest(long_prompt[::-1], max_tokens=2, sampling=GREEDY))
-        assert chunks and max(chunks) == 64  # beside a decoding stream: a quarter
+        running = []
+        for streams, chunk in ((1, 128), (3, 64)):
+            while len(running) < streams:
+                running.append(worker.submit(GenerateRequest(prompt(demo_model, f"go {len(running)}"),
+                                                             max_tokens=1000, sampling=GREEDY)))
+                assert next(iter(running[-1])).token_ids  # it is decoding now
+            chunks.clear()
+            run(worker, GenerateRequest(long_prompt[::-1], max_tokens=2, sampling=GREEDY))
+            assert chunks and max(chunks) == chunk, streams
+        for handle in running:
+            worker.cancel(handle.id)
+            list(handle)
+    finally:
+        worker.close()
+
+
+def test_a_burst_of_prompts_beside_a_decoding_stream_is_admitted_in_few_steps(demo_model, monkeypatch):
+    """Eight short prompts arriving while one stream decodes prefill several a step (their
+    share of the batch is most of a chunk), not one each step at a quarter chunk."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from gmlx.engine.worker import ModelWorker
+
+    steps: list[int] = []
+    real_prompt = PromptProcessingBatch.prompt
+    monkeypatch.setattr(PromptProcessingBatch, "prompt",
+                        lambda self, tokens: (steps.append(len(tokens)), real_prompt(self, tokens))[1])
+    worker = ModelWorker(demo_model, decode_batch=9, prefill_step_size=256, prompt_cache_bytes=0)
+    try:
+        running = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=1000, sampling=GREEDY))
+        assert next(iter(running)).token_ids
+        steps.clear()
+        burst = [tuple((11 * i + 5 * j) % 300 + 10 for j in range(60)) for i in range(8)]
+        handles = [worker.submit(GenerateRequest(p, max_tokens=2, sampling=GREEDY)) for p in burst]
+        for handle in handles:
+            assert list(handle)[-1].finish_reason is FinishReason.LENGTH
+        # 8 x 59 tokens beside 1 stream, submitted within one step: a whole 256-token chunk
+        # (4 prompts), then half of it (2) beside 5 streams, then the rest; a quarter chunk
+        # throughout takes 8 steps (a submission landing a step late would add one)
+        prefilling = [n for n in steps if n]  # the generator also calls it with none
+        assert sum(prefilling) == 8 and len(prefilling) <= 4, steps
         worker.cancel(running.id)
         list(running)
     finally:
