@@ -400,28 +400,44 @@ def test_a_long_prompt_prefills_in_smaller_chunks_while_others_decode(demo_model
 def test_a_burst_of_prompts_beside_a_decoding_stream_is_admitted_in_few_steps(demo_model, monkeypatch):
     """Eight short prompts arriving while one stream decodes prefill several a step (their
     share of the batch is most of a chunk), not one each step at a quarter chunk."""
+    import threading
+
     from mlx_lm.generate import PromptProcessingBatch
 
+    from gmlx.engine.batch import Batch
     from gmlx.engine.worker import ModelWorker
 
     steps: list[int] = []
     real_prompt = PromptProcessingBatch.prompt
     monkeypatch.setattr(PromptProcessingBatch, "prompt",
                         lambda self, tokens: (steps.append(len(tokens)), real_prompt(self, tokens))[1])
+    held, hold, release = threading.Event(), threading.Event(), threading.Event()
+    real_step = Batch.step
+
+    def step(self, stats):  # the worker waits here while `hold` is set: the burst lands at once
+        if hold.is_set():
+            held.set()
+            release.wait(10)
+        return real_step(self, stats)
+
+    monkeypatch.setattr(Batch, "step", step)
     worker = ModelWorker(demo_model, decode_batch=9, prefill_step_size=256, prompt_cache_bytes=0)
     try:
         running = worker.submit(GenerateRequest(prompt(demo_model), max_tokens=1000, sampling=GREEDY))
         assert next(iter(running)).token_ids
+        hold.set()
+        assert held.wait(10)
         steps.clear()
         burst = [tuple((11 * i + 5 * j) % 300 + 10 for j in range(60)) for i in range(8)]
         handles = [worker.submit(GenerateRequest(p, max_tokens=2, sampling=GREEDY)) for p in burst]
+        hold.clear()
+        release.set()
         for handle in handles:
             assert list(handle)[-1].finish_reason is FinishReason.LENGTH
-        # 8 x 59 tokens beside 1 stream, submitted within one step: a whole 256-token chunk
-        # (4 prompts), then half of it (2) beside 5 streams, then the rest; a quarter chunk
-        # throughout takes 8 steps (a submission landing a step late would add one)
-        prefilling = [n for n in steps if n]  # the generator also calls it with none
-        assert sum(prefilling) == 8 and len(prefilling) <= 4, steps
+        # 8 x 59 tokens beside 1 stream: a whole 256-token chunk (4 prompts), then half of
+        # it (2 prompts) beside 5 streams, then a quarter (1) beside 7, and 1; a quarter
+        # chunk throughout (64 tokens, one prompt) takes 8 steps
+        assert [n for n in steps if n] == [4, 2, 1, 1], steps  # the generator also calls it with none
         worker.cancel(running.id)
         list(running)
     finally:
