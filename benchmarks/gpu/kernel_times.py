@@ -14,7 +14,8 @@ between kernels (fewer operations, fewer launches).
         --loops "one token,all kernels"
 
 runs the child twice per (width, loop) set: once plain (wall ms per step) and once under
-``ncu --profile-from-start off --metrics gpu__time_duration.sum``, the profiled window
+``ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum`` (the
+GPU's own clocks, as a server's steps run, where ncu would lock them at base), the profiled window
 opened (``cudaProfilerStart``) around ``--steps`` steps after a warm-up, each window
 begun by a marker kernel so the rows split by window. The quantized layers are MLX's
 products flattened (``GMLX_QMV_KERNEL=flat``: what the tuner starts from; no tuning run).
@@ -227,7 +228,7 @@ def main() -> None:
     code: int | None = 0
     if not args.csv:
         metrics = ",".join((TIME,) if args.time_only else (TIME, *BOUND))
-        stdout, code = _profile([args.ncu, "--profile-from-start", "off", "--metrics", metrics,
+        stdout, code = _profile([args.ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics,
                                  "--csv", "--log-file", str(out), *common, "--profiled"], args.limit)
         if code is None:
             print(f"kernel_times: ncu cut off at {args.limit:.0f} s; the windows it finished:", flush=True)
