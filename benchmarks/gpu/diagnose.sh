@@ -40,11 +40,15 @@ run() {
 
 # first what compiles every kernel a step uses (a fresh machine's first 8B process spends
 # 2-3 minutes in MLX's compiles without a kernel cache from a past lease), then the profile:
-# each kernel's time only, one step a width (with the DRAM and SM metrics, ncu replays each
-# of a step's ~600 kernels several times: 2 steps at 3 widths ran past 230 s on 12-03)
-run pipeline 200 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1,8 --no-generator \
+# every kernel's start and end by PyTorch's profiler (no replay: the GPU's busy time and the
+# gaps between kernels), then ncu's times alone, one step a width (with the DRAM and SM
+# metrics ncu replays each of a step's ~600 kernels several times: 2 steps at 3 widths ran
+# past 230 s on 12-03)
+run pipeline 170 python3 benchmarks/gpu/pipeline_check.py synthetic:llama3-8b --widths 1,8 --no-generator \
   --loops "one token,step kernels,one token,step kernels"
-run kernel_times 320 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
-  --loops "one token" --steps 1 --time-only --limit 200
+run kernel_trace 130 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
+  --loops "one token,step kernels" --steps 8 --trace
+run kernel_times 220 python3 benchmarks/gpu/kernel_times.py synthetic:llama3-8b --widths 1,8,32 \
+  --loops "one token" --steps 1 --time-only --limit 150
 bash benchmarks/gpu/setup.sh kernels "$OUT"
 echo "diagnose.sh: done in $((SECONDS - START))s"

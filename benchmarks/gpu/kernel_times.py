@@ -25,6 +25,7 @@ products flattened (``GMLX_QMV_KERNEL=flat``: what the tuner starts from; no tun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import glob
@@ -78,6 +79,7 @@ def child(args: argparse.Namespace) -> None:
     fast_linear.use_fast_kernels(loaded.model)
     attention(True)
     profiled = args.profiled and cuda_source.available()
+    tracer = _Tracer(args.torch_site) if args.trace else None
     index = 0
     for width in (int(w) for w in args.widths.split(",")):
         for mode in args.loops.split(","):
@@ -93,19 +95,77 @@ def child(args: argparse.Namespace) -> None:
                 if profiled:
                     _profiler(True)
                     _marker(index)
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    nxt = step(current)
-                    mx.async_eval(nxt)
+                with tracer.window(index) if tracer else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        nxt = step(current)
+                        mx.async_eval(nxt)
+                        mx.eval(current)
+                        current.tolist()
+                        current = nxt
                     mx.eval(current)
-                    current.tolist()
-                    current = nxt
-                mx.eval(current)
-                elapsed = time.perf_counter() - start
+                    elapsed = time.perf_counter() - start
                 if profiled:
                     _profiler(False)
             print(f"window {index} width {width} loop {mode}: {elapsed / args.steps * 1e3:.2f} ms a step", flush=True)
             index += 1
+    if tracer:
+        tracer.report(args.steps, args.top)
+
+
+class _Tracer:
+    """Each window's kernels as PyTorch's profiler records them (CUPTI's activity records
+    of every kernel in the process, MLX's included, with their start and end: no replay,
+    so the gaps between kernels are real). PyTorch comes from ``site`` (the GPU machine's
+    own install, appended to the path): gmlx's environment has none."""
+
+    def __init__(self, site: str) -> None:
+        sys.path.append(site)
+        import torch  # noqa: F401  (fails here, before any window, if it cannot load)
+
+        self.windows: dict[int, list[tuple[str, float, float]]] = {}
+
+    @contextlib.contextmanager
+    def window(self, index: int):
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield
+        self.windows[index] = sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                     if e.device_type == DeviceType.CUDA)
+
+    def report(self, steps: int, top: int) -> None:
+        """Per window: the kernels' sum, the time the GPU ran any kernel (their union),
+        the gaps between kernels, and the dearest kernels."""
+        for index, kernels in sorted(self.windows.items()):
+            if not kernels:
+                print(f"\nwindow {index}: the profiler saw no kernel (CUPTI did not reach MLX's launches)")
+                continue
+            kernels.sort(key=lambda k: k[1])
+            busy, end, gaps = 0.0, kernels[0][1], []
+            for _, start, stop in kernels:
+                if start > end:
+                    gaps.append(start - end)
+                busy += max(0.0, stop - max(start, end))
+                end = max(end, stop)
+            span = end - kernels[0][1]
+            total = sum(stop - start for _, start, stop in kernels)
+            gaps.sort()
+            median = gaps[len(gaps) // 2] if gaps else 0.0
+            print(f"\nwindow {index} (traced): span {span / steps / 1e3:.2f} ms a step, kernels {total / steps / 1e3:.2f} "
+                  f"ms, the GPU busy {busy / steps / 1e3:.2f} ms ({busy / span:.0%} of the span); "
+                  f"{len(kernels) / steps:.0f} kernels a step, gaps median {median:.1f} us, "
+                  f"{sum(gaps) / steps / 1e3:.2f} ms a step in all")
+            by_name: dict[str, list[float]] = {}
+            for name, start, stop in kernels:
+                acc = by_name.setdefault(name.split("(")[0].split("<")[0].strip()[:70], [0.0, 0])
+                acc[0] += stop - start
+                acc[1] += 1
+            print("| kernel | a step | us a step | us each |")
+            print("|---|---:|---:|---:|")
+            for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+                print(f"| {name} | {n / steps:.1f} | {us / steps:.0f} | {us / n:.1f} |")
 
 
 TIME = "gpu__time_duration.sum"
@@ -209,10 +269,15 @@ def main() -> None:
     p.add_argument("--limit", type=float, default=None,
                    help="seconds the profiled run may take; past them it is stopped and the windows "
                         "ncu finished are reported")
+    p.add_argument("--trace", action="store_true",
+                   help="no ncu: one process, each window traced by PyTorch's profiler (real start and end "
+                        "of every kernel: the GPU's busy time and the gaps between kernels)")
+    p.add_argument("--torch-site", default="/opt/torch/.venv/lib/python3.12/site-packages",
+                   help="where --trace imports PyTorch from (the GPU machine's own)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
+    if args.child or args.trace:
         child(args)
         return
     common = [sys.executable, __file__, args.model, "--child", "--widths", args.widths, "--loops", args.loops,
