@@ -104,7 +104,7 @@ def test_tuning_keeps_the_faster_buckets_and_remembers(tmp_path, monkeypatch: py
     qkv_cuda.attach(model, qkv_cuda.mlx_project, buckets=())
     timed = _timed(monkeypatch, {2: 0.9, 8: 0.99})
     note = qkv_cuda.tune(model)
-    assert len(timed) == 2 * len(step_tuning.BUCKETS) and "2: 1.11x" in note
+    assert len(timed) == 4 * len(step_tuning.BUCKETS) and "2: 1.11x" in note
     assert all(a._project_buckets == {2} for a in qkv_cuda.projected(model))
     again = _model("qwen3")
     qkv_cuda.attach(again, qkv_cuda.mlx_project, buckets=())
