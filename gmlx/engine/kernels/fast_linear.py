@@ -276,20 +276,38 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
     speed-up (each timed with and without them; the layers' ``paths`` as they were)."""
     kept: dict[int, float] = {}
     for rows in buckets:
-        saved = {id(m): m.paths.pop(rows) for m in swapped if rows in m.paths}
-        try:
-            _forget_calls(swapped)
-            without = step_time(model, rows)
+        saved = {id(m): m.paths[rows] for m in swapped if rows in m.paths}
+
+        def use(taken: bool, rows: int = rows, saved: dict = saved) -> None:
             for m in swapped:
                 if id(m) in saved:
-                    m.paths[rows] = saved[id(m)]
+                    if taken:
+                        m.paths[rows] = saved[id(m)]
+                    else:
+                        m.paths.pop(rows, None)
             _forget_calls(swapped)
-            with_paths = step_time(model, rows)
+
+        try:
+            without, with_paths = step_times(model, rows, use)
         except (TypeError, ValueError, RuntimeError):  # a model this cannot step: keep MLX's
+            use(True)
             with_paths, without = 1.0, 0.0
         if with_paths < 0.98 * without:
             kept[rows] = without / with_paths
     return kept
+
+
+def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tuple[float, float]:
+    """Seconds per decode step of ``rows`` streams without and with what ``use(True)``
+    puts in place (``use(False)`` takes it out), each timed twice (:func:`step_time`) in
+    the order without, with, with, without, so a machine whose speed drifts while it is
+    timed (clocks rising, caches filling) favours neither; left with it in place."""
+    times = {False: 0.0, True: 0.0}
+    for taken in (False, True, True, False):
+        use(taken)
+        times[taken] += step_time(model, rows)
+    use(True)
+    return times[False] / 2, times[True] / 2
 
 
 def _forget_calls(layers: list[Any]) -> None:

@@ -4,7 +4,7 @@ decisions (:mod:`tuning`), so a machine decides once.
 
 The kernel must first give what the operations it replaces give (``agrees``); then, for
 each bucket of 1, 2, 4 and 8 streams, a whole decode step is timed without it and with it,
-twice each in the order without-with-with-without (``fast_linear.step_time``: pipelined,
+twice each in the order without-with-with-without (``fast_linear.step_times``: pipelined,
 as the worker runs steps), and the bucket takes it only 2% faster or more. :mod:`glu_cuda` and :mod:`qkv_cuda` decide this way."""
 
 from __future__ import annotations
@@ -50,16 +50,11 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
         kept = {}
         if agrees():
             for b in BUCKETS:
-                # without, with, with, without: a machine whose speed drifts while it is
-                # timed (clocks rising, caches filling) favours neither side
-                times: dict[bool, float] = {False: 0.0, True: 0.0}
                 try:
-                    for taken in (False, True, True, False):
-                        use((b,) if taken else ())
-                        times[taken] += fast_linear.step_time(model, b)
+                    without, with_kernel = fast_linear.step_times(
+                        model, b, lambda taken, b=b: use((b,) if taken else ()))
                 except (TypeError, ValueError, RuntimeError):  # a model this cannot step
                     continue
-                without, with_kernel = times[False], times[True]
                 if with_kernel < 0.98 * without:
                     kept[b] = without / with_kernel
         tuning.set_confirmed(key, kept)
