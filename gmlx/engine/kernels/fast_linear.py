@@ -265,6 +265,8 @@ def _measure(layer: Any, reps: int = 20) -> Paths:
         want = candidates[(MLX, (0, 0))]()
         times = {name: _time(fn, reps) for name, fn in candidates.items()
                  if name[0] == MLX or _agrees(fn, want, exact)}  # never a path that disagrees
+        # MLX's product again, last: timed first, on a GPU still speeding up, it would lose
+        times[(MLX, (0, 0))] = min(times[(MLX, (0, 0))], _time(candidates[(MLX, (0, 0))], reps))
         best = min(times, key=lambda name: times[name])
         if best[0] != MLX:
             paths[rows] = best

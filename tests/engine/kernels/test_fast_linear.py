@@ -380,3 +380,23 @@ def test_the_confirming_steps_run_the_paths_they_time(monkeypatch) -> None:
     assert note is not None and "2: 2.00x" in note
     swapped = [m for _, m in model.named_modules() if isinstance(m, FastQuantizedLinear)]
     assert swapped and all(m.paths == {2: (fast_linear.DENSE, (0, 0))} for m in swapped)
+
+
+def test_mlx_product_is_timed_first_and_last_so_a_warming_machine_does_not_lose_it(monkeypatch) -> None:
+    """Each row bucket times MLX's product, then every path that agrees with it, then
+    MLX's again, keeping its faster time: on a machine speeding up while it is timed
+    (the stand-in clock: each timing 5% faster than the last) the dense path, no faster
+    in truth, must not win for having been timed second. The products run for real."""
+    from gmlx.engine.kernels import fast_linear
+
+    layer = _tiny_quantized_llama().layers[0].self_attn.q_proj
+    order: list[int] = []
+
+    def warming(fn, reps: int) -> float:
+        mx.eval(fn())
+        order.append(len(order))
+        return 1.0 - 0.05 * order[-1]
+
+    monkeypatch.setattr(fast_linear, "_time", warming)
+    assert fast_linear._measure(layer) == {}  # MLX's product everywhere
+    assert len(order) == 3 * len(fast_linear.BUCKETS)  # on this CPU: MLX, dense, MLX again
