@@ -64,7 +64,9 @@ def test_kv_used_is_the_batch_arrays_fill():
 def test_the_decode_step_batches_biases_and_matches_mlx_lms_own_step(demo_model):
     """gmlx's decode batch (the streams' logit biases added in one scatter) against mlx-lm's
     ``GenerationBatch`` on the same streams: each stream's tokens and log-probabilities
-    are the same, with a bias alone, a bias and a penalty, a penalty alone and nothing."""
+    are the same, with a bias alone, a bias and a penalty, a penalty alone and nothing;
+    streams leave at different steps and two more join while the others decode (the
+    scatter is rebuilt as the rows change)."""
     from mlx_lm.generate import BatchGenerator, GenerationBatch
 
     from gmlx.engine import sampling
@@ -77,15 +79,25 @@ def test_the_decode_step_batches_biases_and_matches_mlx_lms_own_step(demo_model)
               SamplingParams(repetition_penalty=2.0),
               SamplingParams(),
               SamplingParams(logit_bias=never_eos)]
+    params += [SamplingParams(logit_bias={**never_eos, 7: 2.0}), params[1]]  # the two that join later
     prompts = [[(5 * i + 7 * j) % 300 + 10 for j in range(6 + i)] for i in range(len(params))]
+    lengths = [10, 4, 10, 7, 10, 6, 8]
 
     def decode(gen):
-        uids = gen.insert(prompts, max_tokens=[10] * len(prompts),
-                          logits_processors=[sampling.make_processors(p) for p in params])
-        out = {uid: [] for uid in uids}
-        while any(len(tokens) < 10 for tokens in out.values()):
+        def insert(streams: range) -> list[int]:
+            return gen.insert([prompts[i] for i in streams], max_tokens=[lengths[i] for i in streams],
+                              logits_processors=[sampling.make_processors(params[i]) for i in streams])
+
+        uids = insert(range(5))
+        out: dict[int, list] = {uid: [] for uid in uids}
+        step = 0
+        while any(len(out[uid]) < lengths[i] for i, uid in enumerate(uids)):
+            if step == 5:  # two more join while the first decode
+                uids += insert(range(5, 7))
+                out.update({uid: [] for uid in uids[5:]})
             for r in gen.next()[1]:
                 out[r.uid].append((r.token, r.logprobs))
+            step += 1
         gen.close()
         return [out[uid] for uid in uids]
 
@@ -98,6 +110,7 @@ def test_the_decode_step_batches_biases_and_matches_mlx_lms_own_step(demo_model)
         assert [t for t, _ in a] == [t for t, _ in b], stream
         for (_, la), (_, lb) in zip(a, b, strict=True):
             assert mx.allclose(la, lb, atol=1e-5).item(), stream
+        assert len(a) == lengths[stream]
         if stream == 0:  # the biases took hold
             assert [t for t, _ in a] == [11] * 10
         if params[stream].logit_bias:
