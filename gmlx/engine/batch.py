@@ -219,7 +219,8 @@ class Batch:
         gen.prefill_step_size = chunk = scheduling.prefill_step(self.prefill_step_size, decoding, waiting)
         if self._staged:
             self._advance_staged(chunk)
-        gen.prefill_batch_size = scheduling.prefill_width(mlxlm.prefill_lengths(gen), chunk)
+            lengths = mlxlm.prefill_lengths(gen)  # a staged prompt may have joined the generator
+        gen.prefill_batch_size = scheduling.prefill_width(lengths, chunk)
         try:
             prompt_responses, responses = gen.next()
         except Exception as e:  # a failed step must not kill the worker
