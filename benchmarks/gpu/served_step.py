@@ -197,7 +197,7 @@ def main() -> None:
     print(f"device: {mx.default_device()}  model: {args.model}  loaded in {time.perf_counter() - start:.1f} s  "
           f"MLX_CUDA_GRAPH_CACHE_SIZE={graphs}")
     vocab = loaded.tokenizer.vocab_size
-    biases = {int(n): {(7919 * i) % vocab: -100.0 for i in range(int(n))} or None for n in args.bias.split(",")}
+    biases = [(int(n), {(7919 * i) % vocab: -100.0 for i in range(int(n))} or None) for n in args.bias.split(",")]
     for note in loaded.notes:
         print(f"  note: {note}")
     widths = [int(w) for w in args.widths.split(",")]
@@ -228,7 +228,7 @@ def main() -> None:
             print(f"  {mode}: {note} ({time.perf_counter() - t:.1f} s)", flush=True)
         for width in widths:
             step, build, launch = bare_step(loaded.model, width, context=args.prompt)
-            for n, bias in biases.items():
+            for n, bias in biases:  # in order, repeats too (0,256,0,256: does the order matter?)
                 row = (f"{mode:>6} {width:>5} {n:>5} {step * 1e3:>8.2f} {build * 1e3:>9.2f} {launch * 1e3:>9.2f} "
                        f"{width / step:>11.1f}")
                 if not args.no_serve:

@@ -18,7 +18,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gmlx.engine.kernels import add_norm_cuda, attention_cuda, qgemv_cuda, qmma_cuda, rope_cuda
+from gmlx.engine.kernels import (
+    add_norm_cuda,
+    attention_cuda,
+    qgemv_cuda,
+    qmma_cuda,
+    qmmw_cuda,
+    rope_cuda,
+)
 from tests.engine.kernels import emulation
 
 NVCC = shutil.which("nvcc") or next(
@@ -47,7 +54,7 @@ def _wrapped(made: dict, input_types: list) -> str:
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda, rope_cuda):
+    for module in (qgemv_cuda, qmma_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     return made
 
@@ -72,6 +79,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 for ft, warps, unroll in qmma_cuda.configs(rows):
                     qmma_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), 4, 32, ft, warps, unroll)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
+                for bits in qmmw_cuda.BITS:
+                    for ft, warps, unroll in qmmw_cuda.configs(rows):
+                        qmmw_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), bits, 32, ft, warps, unroll)
+                        kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
             for d in attention_cuda.HEAD_DIMS:
                 attention_cuda._kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
@@ -82,7 +93,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 rope_cuda._kernel(dtype, 32, 8, 128, traditional, eps)
                 kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32, *([dtype] * 2 if eps else [])]))
     finally:
-        for module in (qgemv_cuda, qmma_cuda, attention_cuda, add_norm_cuda, rope_cuda):
+        for module in (qgemv_cuda, qmma_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
     names = [m["name"] for m, _ in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source

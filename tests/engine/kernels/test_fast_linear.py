@@ -80,7 +80,7 @@ def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> Non
     x = mx.random.normal((2, 64))
     before = model.layers[0].self_attn.q_proj(x)
     monkeypatch.setattr(cuda_source, "available", lambda: True)
-    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {
         1: (fast_linear.DENSE, (0, 0)), 2: (fast_linear.DENSE, (0, 0))})
 
     def step_time(model: nn.Module, rows: int) -> float:
@@ -102,7 +102,7 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
 
     model = _tiny_quantized_llama()
     monkeypatch.setattr(cuda_source, "available", lambda: True)
-    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 1.0)
     note = use_fast_kernels(model)
     assert note is not None and "none faster" in note
@@ -139,7 +139,7 @@ def test_every_quantized_product_gets_its_rows_flattened(monkeypatch) -> None:
     before = model(tokens)
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setenv("GMLX_QMV_KERNEL", "flat")
-    monkeypatch.setattr(fast_linear, "_measure", lambda layer: pytest.fail("timed in flat mode"))
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: pytest.fail("timed in flat mode"))
     quantized = sum(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
                     for _, m in model.named_modules())
     note = use_fast_kernels(model)
@@ -195,7 +195,7 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
 
     calls = {"measure": 0, "step": 0}
 
-    def measure(layer: nn.Module) -> dict:
+    def measure(layer: nn.Module, *_: object) -> dict:
         calls["measure"] += 1
         return {1: (fast_linear.DENSE, (0, 0))}
 
@@ -223,7 +223,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     from gmlx.engine.kernels import fast_linear, tuning
 
     monkeypatch.setattr(cuda_source, "available", lambda: True)
-    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {1: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 1.0)
     file = paths.cache_dir() / "kernels" / "tuning.json"
     file.parent.mkdir(parents=True)
@@ -270,7 +270,7 @@ def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
     before = capacity.probe_geometry(loaded)
     assert before.dense_scratch_bytes == 0
     monkeypatch.setattr(cuda_source, "available", lambda: True)
-    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {
         fast_linear.LARGE: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 0.5 if any(
         rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0)
@@ -359,7 +359,7 @@ def test_the_confirming_steps_run_the_paths_they_time(monkeypatch) -> None:
 
     model = _tiny_quantized_llama()
     monkeypatch.setattr(cuda_source, "available", lambda: True)
-    monkeypatch.setattr(fast_linear, "_measure", lambda layer: {2: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {2: (fast_linear.DENSE, (0, 0))})
     ran_dense: list[bool] = []
     real_dense = fast_linear.dequantized
 
@@ -400,3 +400,38 @@ def test_mlx_product_is_timed_first_and_last_so_a_warming_machine_does_not_lose_
     monkeypatch.setattr(fast_linear, "_time", warming)
     assert fast_linear._measure(layer) == {}  # MLX's product everywhere
     assert len(order) == 3 * len(fast_linear.BUCKETS)  # on this CPU: MLX, dense, MLX again
+
+
+def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatch) -> None:
+    """One layer's product repeated finds its weights in the GPU's L2 cache, where a
+    step reads each layer from memory: each timing goes through the weights of the
+    layers of the same shape in turn, as many as ``COLD_BYTES`` takes (here three of
+    four), and checks agreement on the layer's own. The products run for real."""
+    from gmlx.engine.kernels import fast_linear
+
+    model = _tiny_quantized_llama()
+    first = model.layers[0].self_attn.q_proj
+    layers = [first] + [m for _, m in model.named_modules() if m is not first and
+                         isinstance(m, nn.QuantizedLinear) and fast_linear._key(m) == fast_linear._key(first)]
+    assert len(layers) >= 4
+    size = sum(a.nbytes for a in (layers[0].weight, layers[0].scales, layers[0].biases))
+    monkeypatch.setattr(fast_linear, "COLD_BYTES", 3 * size)
+    read: list[int] = []
+    real = mx.quantized_matmul
+
+    def recording(x, w, *rest, **kw):
+        read.append(next(i for i, m in enumerate(layers) if m.weight is w))
+        return real(x, w, *rest, **kw)
+
+    def timing(fn, reps: int) -> float:
+        del read[:]
+        mx.eval([fn() for _ in range(reps)])
+        timed.append(list(read))
+        return 1.0
+
+    timed: list[list[int]] = []
+    monkeypatch.setattr(mx, "quantized_matmul", recording)
+    monkeypatch.setattr(fast_linear, "_time", timing)
+    fast_linear._measure(layers[0], layers[1:], reps=4)
+    mlx_timings = timed[::3]  # per bucket on this CPU: MLX, dense (no matmul of MLX's), MLX again
+    assert mlx_timings and all(t == [0, 1, 2, 0] for t in mlx_timings)

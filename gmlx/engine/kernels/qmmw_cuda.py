@@ -1,0 +1,306 @@
+"""Decode-sized quantized matmuls on tensor cores with wide weight loads (CUDA): ``x @
+dequantize(w).T`` for up to 64 rows of ``x``, each weight read once per product, each
+lane loading a whole 32-code chunk of a weight row at a time.
+
+Why: on the H200 :mod:`qmma_cuda`'s kernel (lane ``t`` of a quad takes word ``t`` of each
+chunk: one 4-byte load of codes, a 2-byte scale and a 2-byte bias per 4 bytes of weights)
+read an 8B's layers at ~0.3 TB/s inside a decode step of 32 streams (the step 19.4 ms,
+its products ~16 ms; the bandwidth floor of those weights is ~1 ms): too few bytes in
+flight and too many load instructions a byte. Here lane ``(g, t)`` of a warp takes chunk
+``4q + t`` of quad ``q`` (four consecutive chunks) whole: 16, 24 or 32 bytes (4-, 6-, 8-bit)
+in one to three wide loads, and one scale and bias a chunk. ``U`` quads of every one of a
+warp's ``FT`` feature tiles are loaded before any is used.
+
+The tensor-core product (``mma.sync m16n8k16``) sums over ``k`` in an order the lanes
+choose, but in one call the four lanes of a quad now bring codes of four different
+chunks, with four different scales: so each code is dequantized before the product, in
+the activations' half type, two at a time (``MAGIC | lo | hi << 16`` is the pair
+``OFF + q`` exactly, ``OFF`` taken off by one fused multiply-add, then ``q * s + b`` by
+another, rounded once: the weight MLX's own dequantize makes). 8-bit codes in bf16 (not
+exact as ``OFF + q``) are made floats and rounded from float32. In a chunk the codes
+pair as in :mod:`qmma_cuda` (code ``j`` with ``j + 4`` of each 8-code word group, ``x``
+paired alike by ``__byte_perm``), and the A/B/C registers are laid out as there.
+
+A block of ``WARPS`` warps owns ``16 * FT`` output features and splits the quads between
+its warps; their float32 sums meet in shared memory. ``RT`` tiles of 8 rows cover the
+rows of ``x`` (rows past the end read as zeros). ``K`` must be a multiple of 128.
+
+Only built where MLX runs on CUDA (sm_80 and later); Metal and the CPU never reach it.
+``tests/engine/kernels/test_qmmw_cuda.py`` replays the lanes' loads, pairing and
+registers in numpy here; the load-time tuner (:mod:`fast_linear`) times it beside MLX's
+product and the other kernels and refuses it for any layer where it disagrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+from gmlx.engine.kernels import qmma_cuda
+from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
+
+MAX_ROWS = 64
+BITS = (4, 6, 8)
+GROUPS = (32, 64, 128)
+
+_SOURCE = r"""
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr bool PAIRED = BF == 0 || BITS < 8;   // a pair of codes as OFF + q exactly
+    constexpr unsigned MAGIC = BF ? 0x43004300u : 0x64006400u;
+    constexpr unsigned ONE2 = BF ? 0x3F803F80u : 0x3C003C00u;      // (1, 1)
+    constexpr unsigned MINUS_OFF2 = BF ? 0xC300C300u : 0xE400E400u; // (-OFF, -OFF)
+    const int K = w_shape[1] * 32 / BITS;
+    int rows = 1;
+    for (int i = 0; i + 1 < x_ndim; ++i) rows *= x_shape[i];
+    const int N = w_shape[0];
+    const int words = K / 32 * BITS;          // 32-bit words per weight row
+    const int groups = K / G;
+    const int quads = K / 128;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int f0 = blockIdx.x * (16 * FT);
+
+    const uint32_t* wp[FT][2];
+    const S* sp[FT][2];
+    const S* bp[FT][2];
+    #pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int f = min(f0 + 16 * ft + 8 * h + g, N - 1);  // past the end: read, never write
+            wp[ft][h] = w + (size_t)f * words;
+            sp[ft][h] = scales + (size_t)f * groups;
+            bp[ft][h] = biases + (size_t)f * groups;
+        }
+    }
+    float acc[FT][RT][4];
+    #pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+        #pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[ft][rt][e] = 0.0f;
+        }
+    }
+
+    for (int q0 = warp * U; q0 < quads; q0 += WARPS * U) {
+        // every load of U quads (this lane's chunk of each: codes, scale, bias) first
+        uint32_t wd[U][FT][2][BITS];
+        float sraw[U][FT][2], braw[U][FT][2];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = 4 * min(q0 + u, quads - 1) + t;  // past the end: loaded, never used
+            const int grp = c * 32 / G;
+            #pragma unroll
+            for (int ft = 0; ft < FT; ++ft) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint32_t* p = wp[ft][h] + c * BITS;
+                    if (BITS == 6) {
+                        #pragma unroll
+                        for (int i = 0; i < 3; ++i) {
+                            const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+                            wd[u][ft][h][2 * i] = v.x;
+                            wd[u][ft][h][2 * i + 1] = v.y;
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int i = 0; i < BITS / 4; ++i) {
+                            const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+                            wd[u][ft][h][4 * i] = v.x;
+                            wd[u][ft][h][4 * i + 1] = v.y;
+                            wd[u][ft][h][4 * i + 2] = v.z;
+                            wd[u][ft][h][4 * i + 3] = v.w;
+                        }
+                    }
+                    sraw[u][ft][h] = static_cast<float>(sp[ft][h][grp]);
+                    braw[u][ft][h] = static_cast<float>(bp[ft][h][grp]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (q0 + u >= quads) break;
+            const int c = 4 * (q0 + u) + t;
+            uint32_t s2[FT][2], b2[FT][2];
+            #pragma unroll
+            for (int ft = 0; ft < FT; ++ft) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    PACK2(s2[ft][h], sraw[u][ft][h], sraw[u][ft][h]);
+                    PACK2(b2[ft][h], braw[u][ft][h], braw[u][ft][h]);
+                }
+            }
+            #pragma unroll
+            for (int m = 0; m < 4; ++m) {  // the chunk's groups of 8 codes
+                // A registers: the dequantized weights of this lane's two features of each
+                // tile (g and g + 8), codes j and j + 4 of the group paired
+                uint32_t a[FT][2][4];
+                #pragma unroll
+                for (int ft = 0; ft < FT; ++ft) {
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int bit = 8 * m * BITS;
+                        unsigned long long v = wd[u][ft][h][bit / 32];
+                        if (bit / 32 + 1 < BITS) v |= (unsigned long long)wd[u][ft][h][bit / 32 + 1] << 32;
+                        v >>= bit % 32;
+                        uint32_t pair[4];
+                        #pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const unsigned lo = (unsigned)(v >> (BITS * j)) & MASK;
+                            const unsigned hi = (unsigned)(v >> (BITS * (j + 4))) & MASK;
+                            if (PAIRED) {
+                                uint32_t q;
+                                FMA2(q, MAGIC | lo | (hi << 16), ONE2, MINUS_OFF2);
+                                FMA2(pair[j], q, s2[ft][h], b2[ft][h]);
+                            } else {
+                                const float flo = __uint_as_float(0x4B000000u | lo) - 8388608.0f;
+                                const float fhi = __uint_as_float(0x4B000000u | hi) - 8388608.0f;
+                                PACK2(pair[j], fmaf(fhi, sraw[u][ft][h], braw[u][ft][h]),
+                                      fmaf(flo, sraw[u][ft][h], braw[u][ft][h]));
+                            }
+                        }
+                        a[ft][0][h] = pair[0];
+                        a[ft][0][2 + h] = pair[1];
+                        a[ft][1][h] = pair[2];
+                        a[ft][1][2 + h] = pair[3];
+                    }
+                }
+                #pragma unroll
+                for (int rt = 0; rt < RT; ++rt) {
+                    const int r = 8 * rt + g;
+                    const uint4 xv = r < rows ? *reinterpret_cast<const uint4*>(x + (size_t)r * K + c * 32 + 8 * m)
+                                              : make_uint4(0u, 0u, 0u, 0u);
+                    const uint32_t b0 = __byte_perm(xv.x, xv.z, 0x5410);
+                    const uint32_t b1 = __byte_perm(xv.x, xv.z, 0x7632);
+                    const uint32_t b2r = __byte_perm(xv.y, xv.w, 0x5410);
+                    const uint32_t b3 = __byte_perm(xv.y, xv.w, 0x7632);
+                    #pragma unroll
+                    for (int ft = 0; ft < FT; ++ft) {
+                        MMA(acc[ft][rt], a[ft][0], b0, b1);
+                        MMA(acc[ft][rt], a[ft][1], b2r, b3);
+                    }
+                }
+            }
+        }
+    }
+
+    if (WARPS > 1) {
+        __shared__ float partial[(WARPS > 1 ? WARPS - 1 : 1) * FT * RT * 4 * 32];
+        if (warp > 0) {
+            #pragma unroll
+            for (int ft = 0; ft < FT; ++ft) {
+                #pragma unroll
+                for (int rt = 0; rt < RT; ++rt) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        partial[((((warp - 1) * FT + ft) * RT + rt) * 4 + e) * 32 + lane] = acc[ft][rt][e];
+                }
+            }
+        }
+        __syncthreads();
+        if (warp > 0) return;
+        for (int k = 0; k < WARPS - 1; ++k) {
+            #pragma unroll
+            for (int ft = 0; ft < FT; ++ft) {
+                #pragma unroll
+                for (int rt = 0; rt < RT; ++rt) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[ft][rt][e] += partial[(((k * FT + ft) * RT + rt) * 4 + e) * 32 + lane];
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int ft = 0; ft < FT; ++ft) {
+        #pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int f = f0 + 16 * ft + g + 8 * (e >> 1);
+                const int r = 8 * rt + 2 * t + (e & 1);
+                if (f < N && r < rows) out[(size_t)r * N + f] = static_cast<T>(acc[ft][rt][e]);
+            }
+        }
+    }
+"""
+
+# Two half floats' instructions, bf16 or fp16 by ``BF`` (both spelled out: NVRTC compiles
+# the branch not taken, and each is valid PTX on sm_80), and the tensor-core call
+# accumulating into a float4 of ``acc``.
+_MACROS = r"""
+#define FMA2(d, a, b, c) do { if (BF) asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); \
+    else asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); } while (0)
+#define PACK2(d, hi, lo) do { if (BF) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo)); \
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo)); } while (0)
+#define MMA(c, a, b0, b1) do { if (BF) asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \
+    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) \
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1)); \
+    else asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 " \
+    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) \
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1)); } while (0)
+"""
+
+_BODY = _MACROS.strip() + "\n" + compact(_SOURCE)
+
+
+def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
+    """Whether a product of this shape may take the kernel (the tuner still measures)."""
+    return (mode == "affine" and bits in BITS and group_size in GROUPS and 1 <= rows <= MAX_ROWS
+            and k % 128 == 0 and k % group_size == 0)
+
+
+def configs(rows: int) -> list[tuple[int, int, int]]:
+    """The launch shapes the load-time tuner times: (feature tiles of 16 per block, warps
+    per block, quads in flight per warp). Each is one more kernel to compile at load."""
+    return [c for c in ((1, 8, 2), (1, 4, 4), (2, 4, 2)) if qmma_cuda.fits(rows, c)]
+
+
+@cache
+def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int, ft: int, warps: int,
+            unroll: int) -> Any:
+    """One kernel per layout, row tiles and launch shape (:mod:`cuda_source` says why)."""
+    import mlx.core as mx
+
+    t, s = cuda_type(dtype), cuda_type(scale_dtype)
+    head = (f"using T = {t}; using S = {s}; constexpr int RT = {tiles}; constexpr int BITS = {bits}; "
+            f"constexpr int G = {group_size}; constexpr int FT = {ft}; constexpr int WARPS = {warps}; "
+            f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n")
+    return build(f"gmlx_qmmw_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
+                 head, _BODY, ["x", "w", "scales", "biases"])
+
+
+def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
+          config: tuple[int, ...] | None = None) -> Callable[[Any], Any]:
+    """The product with this layer's weights as a function of ``x`` alone, its launch
+    worked out once per row-tile count (a layer calls it on every decode step)."""
+    n = w.shape[0]
+    k = w.shape[1] * 32 // bits
+    weights = [w, scales, biases]
+    launches: dict[int, tuple[Any, tuple[int, int, int], tuple[int, int, int]]] = {}
+
+    def run(x: Any) -> Any:
+        tiles = qmma_cuda.row_tiles(x.size // k)
+        launch = launches.get(tiles)
+        if launch is None:
+            ft, warps, unroll = config or configs(x.size // k)[0]
+            kernel = _kernel(x.dtype, scales.dtype, tiles, bits, group_size, ft, warps, unroll)
+            launch = launches[tiles] = (kernel, (-(-n // (16 * ft)) * 32 * warps, 1, 1), (32 * warps, 1, 1))
+        kernel, grid, threadgroup = launch
+        (out,) = kernel(inputs=[x, *weights], grid=grid, threadgroup=threadgroup,
+                        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])
+        return out
+
+    return run
+
+
+def qmm(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
+        config: tuple[int, ...] | None = None) -> Any:
+    """``x [..., K] @ dequantize(w [N, K*bits/32], scales, biases).T`` -> ``[..., N]``
+    on tensor cores, for at most ``MAX_ROWS`` rows in ``x``'s leading dimensions
+    (``x`` bf16 or fp16, ``K`` a multiple of 128)."""
+    return bound(w, scales, biases, group_size, bits, config)(x)
