@@ -2,7 +2,7 @@
 
 For Llama-3-8B's layer shapes, at 1-64 rows and a prefill chunk's 512, in the layouts a
 Q4_K_M GGUF loads as (4-bit and 6-bit, group 32) and mlx-lm's 4-bit (group 64):
-correctness of the tensor-core kernel (``qmma_cuda``; ``fast_linear.agrees``: within
+correctness of the tensor-core kernel (``qmmw_cuda``; ``fast_linear.agrees``: within
 twice MLX's own error against a float32 product, MLX's product taken on the CPU backend
 from the same inputs) and microseconds per product (50 queued per wait, x as (rows, K))
 for MLX's quantized matmul, the dequantize+dense path, the kernel at the best of its
@@ -24,7 +24,7 @@ import time
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import cuda_source, qmma_cuda
+from gmlx.engine.kernels import cuda_source, qmmw_cuda
 from gmlx.engine.kernels.fast_linear import agrees, dequantized, exact_product
 
 # (in, out) of Llama-3-8B's products: q/o, k/v, gate/up, down, lm_head
@@ -88,9 +88,9 @@ def main() -> None:
     xs = mx.random.normal((1, 256)).astype(dtype)
     floor = {"add": timed(lambda: xs + 1), "float": timed(lambda: xs @ small.T),
              "mlx": timed(lambda: mx.quantized_matmul(xs, *sq, transpose=True, group_size=32, bits=4)),
-             "tc": timed(lambda: qmma_cuda.qmm(xs, *sq, 32, 4))}
+             "tc": timed(lambda: qmmw_cuda.qmm(xs, *sq, 32, 4))}
     built = time.perf_counter()
-    outs = [qmma_cuda.qmm(xs, *sq, 32, 4) for _ in range(200)]
+    outs = [qmmw_cuda.qmm(xs, *sq, 32, 4) for _ in range(200)]
     built, start = time.perf_counter() - built, time.perf_counter()
     mx.eval(outs)
     floor["tc build"], floor["tc eval"] = built / 200 * 1e6, (time.perf_counter() - start) / 200 * 1e6
@@ -120,12 +120,12 @@ def main() -> None:
             del wd
             paths = {"mlx": t_mlx, "dense": t_dense}
             ok_tc, t_tc, cfg_tc = "—", float("nan"), "—"
-            if qmma_cuda.supports(rows, k, g, bits):
-                configs = qmma_cuda.configs(rows)[:1] if args.quick else qmma_cuda.configs(rows)
+            if qmmw_cuda.supports(rows, k, g, bits):
+                configs = qmmw_cuda.configs(rows)[:1] if args.quick else qmmw_cuda.configs(rows)
                 if args.explore and (bits, g) == (4, 32) and (k, n) in ((4096, 4096), (4096, 14336)):
-                    configs = [c for c in EXPLORE if qmma_cuda.fits(rows, c)]
+                    configs = [c for c in EXPLORE if qmmw_cuda.fits(rows, c)]
                 for cfg in configs:
-                    ok, t = check(lambda x=x, cfg=cfg, q=q, g=g, bits=bits: qmma_cuda.qmm(x, *q, g, bits, config=cfg),
+                    ok, t = check(lambda x=x, cfg=cfg, q=q, g=g, bits=bits: qmmw_cuda.qmm(x, *q, g, bits, config=cfg),
                                   x, q, g, bits)
                     ok_tc = ok if ok_tc in ("—", "yes") else ok_tc
                     if not math.isnan(t) and not t_tc <= t:

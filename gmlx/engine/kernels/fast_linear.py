@@ -8,7 +8,7 @@ model's affine quantized layers is timed at each row bucket a decode step can ha
 2, 4, 8, 16, 32, 64 rows), at short prefills' sizes (128 and 256 rows) and at a long
 prefill chunk's (``LARGE`` rows, for every product over 256 rows) four ways: MLX's
 ``quantized_matmul``, ``qgemv_cuda`` (one to eight rows: CUDA cores, the weights read in
-wide loads; at one row 1.3-1.75x MLX's product on an 8B's large layers on the H200), ``qmma_cuda.qmm`` (the
+wide loads; at one row 1.3-1.75x MLX's product on an 8B's large layers on the H200), ``qmmw_cuda.qmm`` (the
 tensor-core kernel, bf16 and fp16 activations, up to 64 rows) and ``dequantized`` (dequantize, then a dense matmul: at
 prefill sizes it is MLX's float prefill plus one pass over the weights, a cost that does
 not shrink with the rows: on the H200 it made an 8B's 2k-token prefill 2.1x faster and a
@@ -37,7 +37,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmma_cuda, qmmw_cuda
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
@@ -47,7 +47,6 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
 log = logging.getLogger(__name__)
 MLX = "mlx"
 KERNEL = "kernel"
-WIDE = "wide"
 GEMV = "gemv"
 DENSE = "dense"
 
@@ -102,8 +101,6 @@ class FastQuantizedLinear(nn.QuantizedLinear):
             if path == GEMV:
                 launch = qgemv_cuda.bound(*q, config)
             elif path == KERNEL:
-                launch = qmma_cuda.bound(*q, config)
-            elif path == WIDE:
                 launch = qmmw_cuda.bound(*q, config)
             else:
                 launch = lambda x: dequantized(x, *q)
@@ -175,8 +172,8 @@ def use_fast_kernels(model: nn.Module) -> str | None:
     flat = sum(isinstance(m, FastQuantizedLinear | FlatQuantizedEmbedding) for m in modules)
     if not flat:
         return None
-    layers = [m for m in modules if isinstance(m, FastQuantizedLinear) and qmma_cuda.supports(
-        1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine"))]
+    layers = [m for m in modules if isinstance(m, FastQuantizedLinear) and any(kernels.supports(
+        1, _in_features(m), m.group_size, m.bits, getattr(m, "mode", "affine")) for kernels in (qgemv_cuda, qmmw_cuda))]
     note = f"cuda: {flat} quantized layer(s) take their input as (rows, K)"
     if mode == "flat" or not layers:
         return note
@@ -219,7 +216,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
         m.set_paths(dict(chosen[_key(m)]))
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
-        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p in (KERNEL, WIDE, GEMV) else "")
+        f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p in (KERNEL, GEMV) else "")
                                              for r, (p, c) in sorted(paths.items())) or "mlx")
         for (k, n, bits, _), paths in chosen.items())
     steps = ", ".join(f"{r}: {t:.2f}x" for r, t in confirmed.items()) or "none faster"
@@ -246,7 +243,7 @@ def _key(layer: Any) -> tuple[int, int, int, int]:
 
 def _measure(layer: Any, alike: list[Any] = (), reps: int = 20) -> Paths:
     """The row buckets where a path beat MLX's quantized matmul on this layer: which path,
-    and for a kernel the launch shape it was fastest at. Each timing runs its products
+    and for a kernel the launch shape (of its module's ``configs``) it was fastest at. Each timing runs its products
     over this layer's and ``alike``'s weights in turn (the model's other layers of the
     same shape), as many as it takes to pass ``COLD_BYTES``: a step reads each layer once,
     from memory, where one layer's product repeated finds its weights in the GPU's L2
@@ -268,12 +265,9 @@ def _measure(layer: Any, alike: list[Any] = (), reps: int = 20) -> Paths:
             (MLX, (0, 0)): lambda x, *w: mx.quantized_matmul(x, *w, transpose=True, group_size=g, bits=bits),
             (DENSE, (0, 0)): lambda x, *w: dequantized(x, *w, g, bits),
         }
-        kernels = [(KERNEL, qmma_cuda), (WIDE, qmmw_cuda)] if x.dtype in (mx.bfloat16, mx.float16) else []
-        for path, module in kernels:
-            if module.supports(rows, k, g, bits):
-                for config in module.configs(rows):
-                    products[(path, config)] = (
-                        lambda x, *w, m=module, c=config: m.qmm(x, *w, g, bits, config=c))
+        if qmmw_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
+            for config in qmmw_cuda.configs(rows):
+                products[(KERNEL, config)] = lambda x, *w, c=config: qmmw_cuda.qmm(x, *w, g, bits, config=c)
         if qgemv_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
             for config in qgemv_cuda.configs(rows):
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
@@ -409,11 +403,16 @@ def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bit
 
 def _time(fn: Any, reps: int) -> float:
     """Seconds for ``reps`` products queued before one wait, as a decode step queues its
-    layers (a wait per product would time the synchronization instead)."""
+    layers (a wait per product would time the synchronization instead). Their graphs are
+    built before the clock starts: building costs the host alone, which a pipelined step
+    overlaps with the GPU's work (the whole-step confirmation counts it), and timed here
+    it made a busy host pick MLX's product over faster kernels (the H200 with llama.cpp
+    compiling beside it, 12-03: every one-row kernel lost)."""
     import mlx.core as mx
 
     for _ in range(3):
         mx.eval(fn())
+    products = [fn() for _ in range(reps)]
     start = time.perf_counter()
-    mx.eval([fn() for _ in range(reps)])
+    mx.eval(products)
     return time.perf_counter() - start

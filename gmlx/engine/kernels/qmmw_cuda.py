@@ -2,24 +2,28 @@
 dequantize(w).T`` for up to 64 rows of ``x``, each weight read once per product, each
 lane loading a whole 32-code chunk of a weight row at a time.
 
-Why: on the H200 :mod:`qmma_cuda`'s kernel (lane ``t`` of a quad takes word ``t`` of each
-chunk: one 4-byte load of codes, a 2-byte scale and a 2-byte bias per 4 bytes of weights)
-read an 8B's layers at ~0.3 TB/s inside a decode step of 32 streams (the step 19.4 ms,
-its products ~16 ms; the bandwidth floor of those weights is ~1 ms): too few bytes in
-flight and too many load instructions a byte. Here lane ``(g, t)`` of a warp takes chunk
+Why: on the H200 the tensor-core kernel this one replaced (lane ``t`` of a quad took word
+``t`` of each chunk, its scales applied after the product: one 4-byte load of codes, a
+2-byte scale and a 2-byte bias per 4 bytes of weights) read an 8B's layers at ~0.3 TB/s
+inside a decode step of 32 streams (the step 19.4 ms, its products ~16 ms; the bandwidth
+floor of those weights is ~1 ms): too few bytes in flight and too many load instructions
+a byte. Here lane ``(g, t)`` of a warp takes chunk
 ``4q + t`` of quad ``q`` (four consecutive chunks) whole: 16, 24 or 32 bytes (4-, 6-, 8-bit)
 in one to three wide loads, and one scale and bias a chunk. ``U`` quads of every one of a
 warp's ``FT`` feature tiles are loaded before any is used.
 
 The tensor-core product (``mma.sync m16n8k16``) sums over ``k`` in an order the lanes
 choose, but in one call the four lanes of a quad now bring codes of four different
-chunks, with four different scales: so each code is dequantized before the product, in
+chunks, with four different scales: so each code is dequantized before the product (not
+after, per chunk, as the replaced kernel could), in
 the activations' half type, two at a time (``MAGIC | lo | hi << 16`` is the pair
 ``OFF + q`` exactly, ``OFF`` taken off by one fused multiply-add, then ``q * s + b`` by
 another, rounded once: the weight MLX's own dequantize makes). 8-bit codes in bf16 (not
-exact as ``OFF + q``) are made floats and rounded from float32. In a chunk the codes
-pair as in :mod:`qmma_cuda` (code ``j`` with ``j + 4`` of each 8-code word group, ``x``
-paired alike by ``__byte_perm``), and the A/B/C registers are laid out as there.
+exact as ``OFF + q``) are made floats and rounded from float32. In a chunk code ``j``
+pairs with code ``j + 4`` of each 8-code group (one shift and mask makes both), ``x``
+alike by ``__byte_perm``; a pair is two consecutive ``k`` of the A and B registers of
+``mma.sync.m16n8k16`` (PTX ISA's layouts: lane ``(g, t)`` holds A's rows ``g`` and ``g +
+8``, columns ``2t, 2t+1`` and ``2t+8, 2t+9``, and B's column ``g``, the same ``k``).
 
 A block of ``WARPS`` warps owns ``16 * FT`` output features and splits the quads between
 its warps; their float32 sums meet in shared memory. ``RT`` tiles of 8 rows cover the
@@ -37,12 +41,12 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qmma_cuda
 from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 MAX_ROWS = 64
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
+MAX_SHARED_FLOATS = 7 * 8 * 128  # (WARPS - 1) * FT * RT * 128 floats of shared memory
 
 _SOURCE = r"""
     constexpr unsigned MASK = (1u << BITS) - 1u;
@@ -254,10 +258,24 @@ def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine"
             and k % 128 == 0 and k % group_size == 0)
 
 
+def row_tiles(rows: int) -> int:
+    """8-row tiles compiled for: 1, 2, 4 or 8 (so few variants compile)."""
+    tiles = 1
+    while tiles * 8 < rows:
+        tiles *= 2
+    return tiles
+
+
 def configs(rows: int) -> list[tuple[int, int, int]]:
     """The launch shapes the load-time tuner times: (feature tiles of 16 per block, warps
     per block, quads in flight per warp). Each is one more kernel to compile at load."""
-    return [c for c in ((1, 8, 2), (1, 4, 4), (2, 4, 2)) if qmma_cuda.fits(rows, c)]
+    return [c for c in ((1, 8, 2), (1, 4, 4), (2, 4, 2)) if fits(rows, c)]
+
+
+def fits(rows: int, config: tuple[int, ...]) -> bool:
+    """Whether a launch shape's cross-warp sums fit the shared memory allowed."""
+    ft, warps = config[0], config[1]
+    return (warps - 1) * ft * row_tiles(rows) * 128 <= MAX_SHARED_FLOATS
 
 
 @cache
@@ -284,7 +302,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     launches: dict[int, tuple[Any, tuple[int, int, int], tuple[int, int, int]]] = {}
 
     def run(x: Any) -> Any:
-        tiles = qmma_cuda.row_tiles(x.size // k)
+        tiles = row_tiles(x.size // k)
         launch = launches.get(tiles)
         if launch is None:
             ft, warps, unroll = config or configs(x.size // k)[0]

@@ -22,7 +22,6 @@ from gmlx.engine.kernels import (
     add_norm_cuda,
     attention_cuda,
     qgemv_cuda,
-    qmma_cuda,
     qmmw_cuda,
     rope_cuda,
 )
@@ -54,7 +53,7 @@ def _wrapped(made: dict, input_types: list) -> str:
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qmma_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
+    for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     return made
 
@@ -76,12 +75,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     qgemv_cuda._kernel(dtype, bits, 64, *config, *(() if len(config) > 2 else (1,)), False, sizes)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes)]))
             for rows in (1, 16, 64):
-                for ft, warps, unroll in qmma_cuda.configs(rows):
-                    qmma_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), 4, 32, ft, warps, unroll)
-                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
                 for bits in qmmw_cuda.BITS:
                     for ft, warps, unroll in qmmw_cuda.configs(rows):
-                        qmmw_cuda._kernel(dtype, dtype, qmma_cuda.row_tiles(rows), bits, 32, ft, warps, unroll)
+                        qmmw_cuda._kernel(dtype, dtype, qmmw_cuda.row_tiles(rows), bits, 32, ft, warps, unroll)
                         kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
             for d in attention_cuda.HEAD_DIMS:
                 attention_cuda._kernel(dtype, d, d ** -0.5)
@@ -93,7 +89,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 rope_cuda._kernel(dtype, 32, 8, 128, traditional, eps)
                 kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32, *([dtype] * 2 if eps else [])]))
     finally:
-        for module in (qgemv_cuda, qmma_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
+        for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
     names = [m["name"] for m, _ in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source

@@ -2,7 +2,7 @@
 every quantized product's rows flattened; the tuner's choices confirmed on the whole
 step and kept per machine. The kernel's own check against MLX's quantized matmul on the
 CPU backend runs on a CUDA machine (``benchmarks/gpu/kernel_check.py``, and at every load
-there); its lane arithmetic is replayed here in ``test_qmma_cuda.py``. Where a test
+there); its lane arithmetic is replayed here in ``test_qmmw_cuda.py``. Where a test
 stands in for CUDA (``available``) or for a clock (``_measure``, ``step_time``), it says
 so; the products themselves run for real on the CPU."""
 
@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source, qmma_cuda
+from gmlx.engine.kernels import cuda_source, qmmw_cuda
 from gmlx.engine.kernels.fast_linear import (
     FastQuantizedLinear,
     agrees,
@@ -312,7 +312,7 @@ def test_each_chosen_path_is_bound_once_per_layer(monkeypatch) -> None:
         return bind
 
     monkeypatch.setattr(qgemv_cuda, "bound", binder("gemv"))
-    monkeypatch.setattr(qmma_cuda, "bound", binder("kernel"))
+    monkeypatch.setattr(qmmw_cuda, "bound", binder("kernel"))
     layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
     x = mx.random.normal((12, 1, 64))
     want = layer(x)
