@@ -1,5 +1,5 @@
 """An MLP's gate and up projections and the swiglu between them in one CUDA kernel, for
-decode steps of one to eight streams.
+decode steps of one to 64 streams.
 
 A llama-pattern MLP (llama and the models mlx-lm runs through it, qwen2, qwen3) computes
 ``down(swiglu(gate(x), up(x)))``: two quantized products and the swiglu, three kernels a
@@ -7,11 +7,12 @@ layer, the two products each reading ``x`` and each writing a ``hidden``-wide re
 that the swiglu reads back. Where both projections are quantized in one layout (a
 Q4_K_M's are both 4-bit), one kernel reads the two layers' rows side by side and writes
 ``silu(gate) * up`` (:func:`qgemv_cuda.bound` with ``up``: the one-row source at one
-stream, the few-rows source at two to eight), rounded as MLX's products and mlx-lm's
-swiglu round it. llama.cpp's CUDA decode fuses the same three.
+stream, the few-rows source at two; :func:`qmmw_cuda.bound` with ``up``, on tensor
+cores, at 3-64), rounded as MLX's products and mlx-lm's swiglu round it. llama.cpp's
+CUDA decode fuses the same three.
 
-Only built on CUDA; only for one-token steps of at most eight streams and projections
-without biases. Whether a step of 1, 2, 4 or 8 streams takes it is measured at load
+Only built on CUDA; only for one-token steps of at most 64 streams and projections
+without biases. Whether a step of 1, 2, 4, ... 64 streams takes it is measured at load
 (:func:`tune`, after the quantized layers' own paths): the kernel must agree with MLX's
 products and swiglu as closely as they agree with float32 ones, and a whole decode step
 of that many streams must get faster with it, or the bucket keeps the three kernels;
@@ -30,12 +31,13 @@ from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning, swaps
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
 
 ENV = "GMLX_GLU_KERNEL"
 FAMILIES = ("llama", "qwen2", "qwen3")  # their MLP is down(swiglu(gate(x), up(x)))
-MAX_ROWS = step_tuning.MAX_ROWS
-BUCKETS = step_tuning.BUCKETS
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_ROWS = BUCKETS[-1]
+FEW_ROWS = 2  # the CUDA-core source's buckets; tensor cores past them
 bucket = step_tuning.bucket
 
 
@@ -57,8 +59,9 @@ def layout(mlp: Any) -> tuple[int, int] | None:
 
 def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
     """``gated(mlp, x, rows)``: ``swiglu(gate(x), up(x))`` through the kernel, its launch
-    worked out once per row bucket (1, 2, 4, 8). (The module is passed in, not kept: the
-    function lives on it.)"""
+    worked out once per row bucket (1, 2, 4, ... 64); MLX's products and swiglu at a
+    bucket past ``FEW_ROWS`` whose input width the tensor-core kernel does not take.
+    (The module is passed in, not kept: the function lives on it.)"""
     group_size, bits = layout(mlp)
     runs: dict[int, Callable[[Any], Any]] = {}
 
@@ -67,8 +70,15 @@ def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
         run = runs.get(b)
         if run is None:
             gate, up = mlp.gate_proj, mlp.up_proj
-            run = runs[b] = qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits,
-                                             qgemv_cuda.gated_configs(b)[0], up=(up.weight, up.scales, up.biases))
+            q = (gate.weight, gate.scales, gate.biases, group_size, bits)
+            k = gate.weight.shape[1] * 32 // bits
+            if b <= FEW_ROWS:
+                run = qgemv_cuda.bound(*q, qgemv_cuda.gated_configs(b)[0], up=(up.weight, up.scales, up.biases))
+            elif qmmw_cuda.supports(b, k, group_size, bits):
+                run = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=(up.weight, up.scales, up.biases))
+            else:
+                return _mlx_gated(mlp, x, rows)
+            runs[b] = run
         return run(x)
 
     return gated
@@ -127,7 +137,7 @@ def tune(model: Any) -> str | None:
     keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
                       m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
     note = step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
-                            agrees, lambda buckets: use(model, buckets))
+                            agrees, lambda buckets: use(model, buckets), BUCKETS)
     if not mlps[0]._buckets:
         detach(model)  # taken nowhere: the model's own MLPs, without the check a call
     return note
@@ -144,7 +154,7 @@ def agrees(mlp: Any) -> bool:
 
     gate, up = mlp.gate_proj, mlp.up_proj
     results = step_tuning.tried(lambda x, n: mlp._gated(mlp, x, n), gate.weight.shape[1] * 32 // gate.bits,
-                                gate.scales.dtype)
+                                gate.scales.dtype, rows=(1, 2, 3, 20))  # each source, one and four row tiles
     if results is None:
         return False
     for x, n, got in results:
@@ -166,7 +176,7 @@ def _mlp_classes() -> frozenset[type]:
 
 @cache
 def _fused_mlp(cls: type) -> type:
-    """``cls`` whose one-token steps of up to eight streams take the gated product."""
+    """``cls`` whose one-token steps of up to ``MAX_ROWS`` streams take the gated product."""
     import mlx.core as mx
 
     def __call__(self: Any, x: Any) -> Any:

@@ -26,7 +26,9 @@ alike by ``__byte_perm``; a pair is two consecutive ``k`` of the A and B registe
 8``, columns ``2t, 2t+1`` and ``2t+8, 2t+9``, and B's column ``g``, the same ``k``).
 
 A block of ``WARPS`` warps owns ``16 * FT`` output features and splits the quads between
-its warps; their float32 sums meet in shared memory. ``RT`` tiles of 8 rows cover the
+its warps; their float32 sums meet in shared memory. Gated (``bound(..., up=...)``, for
+:mod:`glu_cuda`): the block reads the same features of an MLP's gate and up projections
+and writes ``silu(gate) * up``. ``RT`` tiles of 8 rows cover the
 rows of ``x`` (rows past the end read as zeros). ``K`` must be a multiple of 128.
 
 Only built where MLX runs on CUDA (sm_80 and later); Metal and the CPU never reach it.
@@ -67,22 +69,22 @@ _SOURCE = r"""
     const int t = lane & 3;
     const int f0 = blockIdx.x * (16 * FT);
 
-    const uint32_t* wp[FT][2];
-    const S* sp[FT][2];
-    const S* bp[FT][2];
+    const uint32_t* wp[FTN][2];
+    const S* sp[FTN][2];
+    const S* bp[FTN][2];
     #pragma unroll
-    for (int ft = 0; ft < FT; ++ft) {
+    for (int ft = 0; ft < FTN; ++ft) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int f = min(f0 + 16 * ft + 8 * h + g, N - 1);  // past the end: read, never write
-            wp[ft][h] = w + (size_t)f * words;
-            sp[ft][h] = scales + (size_t)f * groups;
-            bp[ft][h] = biases + (size_t)f * groups;
+            const int f = min(f0 + 16 * (ft % FT) + 8 * h + g, N - 1);  // past the end: read, never write
+            wp[ft][h] = PART_W(ft / FT) + (size_t)f * words;
+            sp[ft][h] = PART_S(ft / FT) + (size_t)f * groups;
+            bp[ft][h] = PART_B(ft / FT) + (size_t)f * groups;
         }
     }
-    float acc[FT][RT][4];
+    float acc[FTN][RT][4];
     #pragma unroll
-    for (int ft = 0; ft < FT; ++ft) {
+    for (int ft = 0; ft < FTN; ++ft) {
         #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             #pragma unroll
@@ -92,14 +94,14 @@ _SOURCE = r"""
 
     for (int q0 = warp * U; q0 < quads; q0 += WARPS * U) {
         // every load of U quads (this lane's chunk of each: codes, scale, bias) first
-        uint32_t wd[U][FT][2][BITS];
-        float sraw[U][FT][2], braw[U][FT][2];
+        uint32_t wd[U][FTN][2][BITS];
+        float sraw[U][FTN][2], braw[U][FTN][2];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = 4 * min(q0 + u, quads - 1) + t;  // past the end: loaded, never used
             const int grp = c * 32 / G;
             #pragma unroll
-            for (int ft = 0; ft < FT; ++ft) {
+            for (int ft = 0; ft < FTN; ++ft) {
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const uint32_t* p = wp[ft][h] + c * BITS;
@@ -129,9 +131,9 @@ _SOURCE = r"""
         for (int u = 0; u < U; ++u) {
             if (q0 + u >= quads) break;
             const int c = 4 * (q0 + u) + t;
-            uint32_t s2[FT][2], b2[FT][2];
+            uint32_t s2[FTN][2], b2[FTN][2];
             #pragma unroll
-            for (int ft = 0; ft < FT; ++ft) {
+            for (int ft = 0; ft < FTN; ++ft) {
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     PACK2(s2[ft][h], sraw[u][ft][h], sraw[u][ft][h]);
@@ -142,9 +144,9 @@ _SOURCE = r"""
             for (int m = 0; m < 4; ++m) {  // the chunk's groups of 8 codes
                 // A registers: the dequantized weights of this lane's two features of each
                 // tile (g and g + 8), codes j and j + 4 of the group paired
-                uint32_t a[FT][2][4];
+                uint32_t a[FTN][2][4];
                 #pragma unroll
-                for (int ft = 0; ft < FT; ++ft) {
+                for (int ft = 0; ft < FTN; ++ft) {
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int bit = 8 * m * BITS;
@@ -183,7 +185,7 @@ _SOURCE = r"""
                     const uint32_t b2r = __byte_perm(xv.y, xv.w, 0x5410);
                     const uint32_t b3 = __byte_perm(xv.y, xv.w, 0x7632);
                     #pragma unroll
-                    for (int ft = 0; ft < FT; ++ft) {
+                    for (int ft = 0; ft < FTN; ++ft) {
                         MMA(acc[ft][rt], a[ft][0], b0, b1);
                         MMA(acc[ft][rt], a[ft][1], b2r, b3);
                     }
@@ -193,15 +195,15 @@ _SOURCE = r"""
     }
 
     if (WARPS > 1) {
-        __shared__ float partial[(WARPS > 1 ? WARPS - 1 : 1) * FT * RT * 4 * 32];
+        __shared__ float partial[(WARPS > 1 ? WARPS - 1 : 1) * FTN * RT * 4 * 32];
         if (warp > 0) {
             #pragma unroll
-            for (int ft = 0; ft < FT; ++ft) {
+            for (int ft = 0; ft < FTN; ++ft) {
                 #pragma unroll
                 for (int rt = 0; rt < RT; ++rt) {
                     #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        partial[((((warp - 1) * FT + ft) * RT + rt) * 4 + e) * 32 + lane] = acc[ft][rt][e];
+                        partial[((((warp - 1) * FTN + ft) * RT + rt) * 4 + e) * 32 + lane] = acc[ft][rt][e];
                 }
             }
         }
@@ -209,12 +211,12 @@ _SOURCE = r"""
         if (warp > 0) return;
         for (int k = 0; k < WARPS - 1; ++k) {
             #pragma unroll
-            for (int ft = 0; ft < FT; ++ft) {
+            for (int ft = 0; ft < FTN; ++ft) {
                 #pragma unroll
                 for (int rt = 0; rt < RT; ++rt) {
                     #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        acc[ft][rt][e] += partial[(((k * FT + ft) * RT + rt) * 4 + e) * 32 + lane];
+                        acc[ft][rt][e] += partial[(((k * FTN + ft) * RT + rt) * 4 + e) * 32 + lane];
                 }
             }
         }
@@ -227,7 +229,7 @@ _SOURCE = r"""
             for (int e = 0; e < 4; ++e) {
                 const int f = f0 + 16 * ft + g + 8 * (e >> 1);
                 const int r = 8 * rt + 2 * t + (e & 1);
-                if (f < N && r < rows) out[(size_t)r * N + f] = static_cast<T>(acc[ft][rt][e]);
+                if (f < N && r < rows) out[(size_t)r * N + f] = OUTPUT(acc[ft][rt][e], acc[(ft + FT) % FTN][rt][e]);
             }
         }
     }
@@ -251,6 +253,30 @@ _MACROS = r"""
 
 _BODY = _MACROS.strip() + "\n" + compact(_SOURCE)
 
+# A plain product reads one layer; a gated one (an MLP's ``silu(x @ gate.T) * (x @ up.T)``,
+# :mod:`glu_cuda`) reads the same features of two (``w2``... the up projection's), each
+# block ``FT`` tiles of each, and writes the swiglu of each pair, rounded as MLX's products
+# and mlx-lm's swiglu round it (each product to T, then the sigmoid, its product with the
+# gate and that with up, each to T).
+_PLAIN = """constexpr int FTN = FT;
+#define PART_W(p) w
+#define PART_S(p) scales
+#define PART_B(p) biases
+#define OUTPUT(v, u) static_cast<T>(v)
+"""
+_GATED = """constexpr int FTN = 2 * FT;
+#define PART_W(p) ((p) ? w2 : w)
+#define PART_S(p) ((p) ? scales2 : scales)
+#define PART_B(p) ((p) ? biases2 : biases)
+auto gmlx_swiglu = [](float g, float u) -> T {
+    const float gf = static_cast<float>(static_cast<T>(g));
+    const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gf))));
+    const float a = static_cast<float>(static_cast<T>(gf * sig));
+    return static_cast<T>(a * static_cast<float>(static_cast<T>(u)));
+};
+#define OUTPUT(g, u) gmlx_swiglu(g, u)
+"""
+
 
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether a product of this shape may take the kernel (the tuner still measures)."""
@@ -266,47 +292,55 @@ def row_tiles(rows: int) -> int:
     return tiles
 
 
-def configs(rows: int) -> list[tuple[int, int, int]]:
+def configs(rows: int, gated: bool = False) -> list[tuple[int, int, int]]:
     """The launch shapes the load-time tuner times: (feature tiles of 16 per block, warps
-    per block, quads in flight per warp). Each is one more kernel to compile at load."""
-    return [c for c in ((1, 8, 2), (1, 4, 4), (2, 4, 2)) if fits(rows, c)]
+    per block, quads in flight per warp); ``gated``: a tile of each of two layers per
+    feature tile. Each is one more kernel to compile at load."""
+    shapes = ((1, 8, 2), (1, 4, 4)) if gated else ((1, 8, 2), (1, 4, 4), (2, 4, 2))
+    return [c for c in shapes if fits(rows, c, gated)]
 
 
-def fits(rows: int, config: tuple[int, ...]) -> bool:
+def fits(rows: int, config: tuple[int, ...], gated: bool = False) -> bool:
     """Whether a launch shape's cross-warp sums fit the shared memory allowed."""
     ft, warps = config[0], config[1]
-    return (warps - 1) * ft * row_tiles(rows) * 128 <= MAX_SHARED_FLOATS
+    return (warps - 1) * ft * (2 if gated else 1) * row_tiles(rows) * 128 <= MAX_SHARED_FLOATS
 
 
 @cache
 def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int, ft: int, warps: int,
-            unroll: int) -> Any:
-    """One kernel per layout, row tiles and launch shape (:mod:`cuda_source` says why)."""
+            unroll: int, gated: bool = False) -> Any:
+    """One kernel per layout, row tiles and launch shape (:mod:`cuda_source` says why);
+    ``gated``: the swiglu of two layers' products."""
     import mlx.core as mx
 
     t, s = cuda_type(dtype), cuda_type(scale_dtype)
     head = (f"using T = {t}; using S = {s}; constexpr int RT = {tiles}; constexpr int BITS = {bits}; "
             f"constexpr int G = {group_size}; constexpr int FT = {ft}; constexpr int WARPS = {warps}; "
-            f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n")
-    return build(f"gmlx_qmmw_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
-                 head, _BODY, ["x", "w", "scales", "biases"])
+            f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n"
+            + (_GATED if gated else _PLAIN))
+    inputs = ["x", "w", "scales", "biases", *(["w2", "scales2", "biases2"] if gated else [])]
+    return build(f"gmlx_{'qglumw' if gated else 'qmmw'}_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}"
+                 f"_{ft}_{warps}_{unroll}", head, _BODY, inputs)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
-          config: tuple[int, ...] | None = None) -> Callable[[Any], Any]:
+          config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None) -> Callable[[Any], Any]:
     """The product with this layer's weights as a function of ``x`` alone, its launch
-    worked out once per row-tile count (a layer calls it on every decode step)."""
+    worked out once per row-tile count (a layer calls it on every decode step); with
+    ``up`` (the up projection's weights, scales and biases, of this layer's layout and
+    shape) the gated product ``silu(x @ W.T) * (x @ U.T)``."""
     n = w.shape[0]
     k = w.shape[1] * 32 // bits
-    weights = [w, scales, biases]
+    weights = [w, scales, biases, *(up or ())]
+    gated = up is not None
     launches: dict[int, tuple[Any, tuple[int, int, int], tuple[int, int, int]]] = {}
 
     def run(x: Any) -> Any:
         tiles = row_tiles(x.size // k)
         launch = launches.get(tiles)
         if launch is None:
-            ft, warps, unroll = config or configs(x.size // k)[0]
-            kernel = _kernel(x.dtype, scales.dtype, tiles, bits, group_size, ft, warps, unroll)
+            ft, warps, unroll = config or configs(x.size // k, gated)[0]
+            kernel = _kernel(x.dtype, scales.dtype, tiles, bits, group_size, ft, warps, unroll, gated)
             launch = launches[tiles] = (kernel, (-(-n // (16 * ft)) * 32 * warps, 1, 1), (32 * warps, 1, 1))
         kernel, grid, threadgroup = launch
         (out,) = kernel(inputs=[x, *weights], grid=grid, threadgroup=threadgroup,

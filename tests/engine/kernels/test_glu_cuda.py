@@ -68,21 +68,27 @@ def test_only_projections_quantized_alike_take_it() -> None:
 
 
 def test_each_row_bucket_binds_the_gated_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel's function binds the gated product per bucket of streams (1, 2, 4, 8),
-    with the up projection's weights beside the gate's, once each."""
+    """The kernel's function binds the gated product per bucket of streams, with the up
+    projection's weights beside the gate's, once each: the CUDA-core source at 1 and 2
+    streams, the tensor-core one at 4 to 64. (The kernels' ``bound`` stand in: CUDA
+    cannot run here.)"""
     mlp = _model("llama").layers[0].mlp
     bound: list[tuple] = []
 
-    def fake_bound(w, scales, biases, group_size, bits, config, up):
-        bound.append((group_size, bits, config))
-        assert up[0] is mlp.up_proj.weight and w is mlp.gate_proj.weight
-        return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+    def binder(name: str):
+        def fake_bound(w, scales, biases, group_size, bits, config, up):
+            bound.append((name, config))
+            assert up[0] is mlp.up_proj.weight and w is mlp.gate_proj.weight
+            return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+        return fake_bound
 
-    monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", fake_bound)
+    monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", binder("gemv"))
+    monkeypatch.setattr(glu_cuda.qmmw_cuda, "bound", binder("tensor cores"))
     gated = glu_cuda.kernel(mlp)
-    for rows in (1, 1, 2, 3, 4, 5, 8):
+    for rows in (1, 1, 2, 3, 4, 5, 8, 20, 33, 64):
         assert gated(mlp, mx.zeros((rows, 1, 128), mx.bfloat16), rows).shape == (rows, 1, 128)
-    assert [b[2] for b in bound] == [glu_cuda.qgemv_cuda.gated_configs(n)[0] for n in (1, 2, 4, 8)]
+    assert bound == ([("gemv", glu_cuda.qgemv_cuda.gated_configs(n)[0]) for n in (1, 2)]
+                     + [("tensor cores", glu_cuda.qmmw_cuda.configs(n, gated=True)[0]) for n in (4, 8, 32, 64)])
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, faster: dict[int, float], drift: float = 0.0) -> list[tuple[int, bool]]:
@@ -149,7 +155,7 @@ def test_set_to_1_it_takes_every_bucket_untimed(tmp_path, monkeypatch: pytest.Mo
     model = _model("qwen2")
     glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=())
     timed = _timed(monkeypatch, {})
-    assert "every step of 1-8 streams" in glu_cuda.tune(model)
+    assert "every step of 1-64 streams" in glu_cuda.tune(model)
     assert timed == [] and all(m._buckets == set(glu_cuda.BUCKETS) for m in glu_cuda.fused(model))
 
 
