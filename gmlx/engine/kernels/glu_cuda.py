@@ -35,9 +35,8 @@ from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning,
 
 ENV = "GMLX_GLU_KERNEL"
 FAMILIES = ("llama", "qwen2", "qwen3")  # their MLP is down(swiglu(gate(x), up(x)))
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MAX_ROWS = BUCKETS[-1]
-FEW_ROWS = 2  # the CUDA-core source's buckets; tensor cores past them
+BUCKETS = step_tuning.BUCKETS
+MAX_ROWS = step_tuning.MAX_ROWS
 bucket = step_tuning.bucket
 
 
@@ -60,7 +59,7 @@ def layout(mlp: Any) -> tuple[int, int] | None:
 def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
     """``gated(mlp, x, rows)``: ``swiglu(gate(x), up(x))`` through the kernel, its launch
     worked out once per row bucket (1, 2, 4, ... 64); MLX's products and swiglu at a
-    bucket past ``FEW_ROWS`` whose input width the tensor-core kernel does not take.
+    bucket past ``step_tuning.FEW_ROWS`` whose input width the tensor-core kernel does not take.
     (The module is passed in, not kept: the function lives on it.)"""
     group_size, bits = layout(mlp)
     runs: dict[int, Callable[[Any], Any]] = {}
@@ -72,7 +71,7 @@ def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
             gate, up = mlp.gate_proj, mlp.up_proj
             q = (gate.weight, gate.scales, gate.biases, group_size, bits)
             k = gate.weight.shape[1] * 32 // bits
-            if b <= FEW_ROWS:
+            if b <= step_tuning.FEW_ROWS:
                 run = qgemv_cuda.bound(*q, qgemv_cuda.gated_configs(b)[0], up=(up.weight, up.scales, up.biases))
             elif qmmw_cuda.supports(b, k, group_size, bits):
                 run = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=(up.weight, up.scales, up.biases))
@@ -137,7 +136,7 @@ def tune(model: Any) -> str | None:
     keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
                       m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
     note = step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
-                            agrees, lambda buckets: use(model, buckets), BUCKETS)
+                            agrees, lambda buckets: use(model, buckets))
     if not mlps[0]._buckets:
         detach(model)  # taken nowhere: the model's own MLPs, without the check a call
     return note

@@ -1,5 +1,5 @@
 """An attention's query, key and value projections in one CUDA kernel, for decode steps
-of one to eight streams.
+of one to 64 streams.
 
 A one-token step (:mod:`one_token`) starts with three products of one input: the queries
 (``heads * D`` rows), the keys and the values (``kv_heads * D`` each). The keys' and
@@ -8,12 +8,13 @@ values' are small (an 8B's 4096x1024) and run far from the memory's speed on the
 took 15.9 us against 27.8 for the three apart). Stacking their weights into one layer
 costs a split and, past one stream, copies of the parts; here one kernel reads the three
 layers' rows one after another and writes each layer's to its own output
-(:func:`qgemv_cuda.bound` with ``more``), where all three are quantized alike; where the
+(:func:`qgemv_cuda.bound` with ``more`` at one and two streams, :func:`qmmw_cuda.bound`
+with ``more``, on tensor cores, at 3-64), where all three are quantized alike; where the
 values' layout differs (a Q4_K_M's 6-bit values in some layers) the queries and keys alone,
 the values through their own layer.
 
 Only built on CUDA; only for projections without biases (qwen2's have them: it keeps
-its products) and one-token steps of at most eight streams; where it runs is decided at
+its products) and one-token steps of at most 64 streams; where it runs is decided at
 load like :mod:`glu_cuda`'s (:mod:`step_tuning`: it must agree with MLX's products, then
 make whole steps faster). ``GMLX_QKV_KERNEL=0`` turns it off, ``=1`` takes it at every
 bucket untimed. The tests run the kernel's own source on the CPU against MLX's products
@@ -27,7 +28,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, step_tuning, swaps
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
 
 ENV = "GMLX_QKV_KERNEL"
 NAMES = ("q_proj", "k_proj", "v_proj")
@@ -52,7 +53,8 @@ def joined(attention: Any) -> tuple[str, ...]:
 def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
     """``project(attention, x, rows)``: the queries, keys and values through one product
     of the :func:`joined` layers (the values through their own layer when not joined),
-    its launch worked out once per row bucket."""
+    its launch worked out once per row bucket; past ``step_tuning.FEW_ROWS`` where the
+    tensor-core kernel does not take the layers, their own products."""
     names = joined(attention)
     runs: dict[int, Callable[[Any], Any]] = {}
 
@@ -61,9 +63,18 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
         run = runs.get(b)
         if run is None:
             first, *others = (attention[name] for name in names)
-            run = runs[b] = qgemv_cuda.bound(
-                first.weight, first.scales, first.biases, first.group_size, first.bits, qgemv_cuda.configs(b)[0],
-                more=tuple((m.weight, m.scales, m.biases) for m in others))
+            q = (first.weight, first.scales, first.biases, first.group_size, first.bits)
+            more = tuple((m.weight, m.scales, m.biases) for m in others)
+            sizes = tuple(attention[name].weight.shape[0] for name in names)
+            k = first.weight.shape[1] * 32 // first.bits
+            config = qmmw_cuda.configs(b)[0]
+            if b <= step_tuning.FEW_ROWS:
+                run = qgemv_cuda.bound(*q, qgemv_cuda.configs(b)[0], more=more)
+            elif qmmw_cuda.supports(b, k, first.group_size, first.bits) and qmmw_cuda.parts_fit(sizes, config):
+                run = qmmw_cuda.bound(*q, config, more=more)
+            else:
+                return _mlx_project(attention, x, rows)
+            runs[b] = run
         outs = run(x)
         return outs if len(outs) == 3 else (*outs, attention.v_proj(x))
 
@@ -145,7 +156,7 @@ def agrees(attention: Any) -> bool:
 
     q = attention.q_proj
     results = step_tuning.tried(lambda x, n: attention._project(attention, x, n), q.weight.shape[1] * 32 // q.bits,
-                                q.scales.dtype)
+                                q.scales.dtype, rows=(1, 2, 3, 20))  # each source, one and four row tiles
     if results is None:
         return False
     for x, n, got in results:

@@ -28,7 +28,9 @@ alike by ``__byte_perm``; a pair is two consecutive ``k`` of the A and B registe
 A block of ``WARPS`` warps owns ``16 * FT`` output features and splits the quads between
 its warps; their float32 sums meet in shared memory. Gated (``bound(..., up=...)``, for
 :mod:`glu_cuda`): the block reads the same features of an MLP's gate and up projections
-and writes ``silu(gate) * up``. ``RT`` tiles of 8 rows cover the
+and writes ``silu(gate) * up``. Parts (``bound(..., more=...)``, for :mod:`qkv_cuda`): two
+or three layers of one layout and input (an attention's queries, keys and values), a
+block's features all in one of them, each layer written to its own output. ``RT`` tiles of 8 rows cover the
 rows of ``x`` (rows past the end read as zeros). ``K`` must be a multiple of 128.
 
 Only built where MLX runs on CUDA (sm_80 and later); Metal and the CPU never reach it.
@@ -68,6 +70,7 @@ _SOURCE = r"""
     const int g = lane >> 2;
     const int t = lane & 3;
     const int f0 = blockIdx.x * (16 * FT);
+    SETUP  // this block's layer: its first feature fb, its features NL
 
     const uint32_t* wp[FTN][2];
     const S* sp[FTN][2];
@@ -76,7 +79,7 @@ _SOURCE = r"""
     for (int ft = 0; ft < FTN; ++ft) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int f = min(f0 + 16 * (ft % FT) + 8 * h + g, N - 1);  // past the end: read, never write
+            const int f = min(fb + 16 * (ft % FT) + 8 * h + g, NL - 1);  // past the end: read, never write
             wp[ft][h] = PART_W(ft / FT) + (size_t)f * words;
             sp[ft][h] = PART_S(ft / FT) + (size_t)f * groups;
             bp[ft][h] = PART_B(ft / FT) + (size_t)f * groups;
@@ -227,9 +230,9 @@ _SOURCE = r"""
         for (int rt = 0; rt < RT; ++rt) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int f = f0 + 16 * ft + g + 8 * (e >> 1);
+                const int f = fb + 16 * ft + g + 8 * (e >> 1);
                 const int r = 8 * rt + 2 * t + (e & 1);
-                if (f < N && r < rows) out[(size_t)r * N + f] = OUTPUT(acc[ft][rt][e], acc[(ft + FT) % FTN][rt][e]);
+                if (f < NL && r < rows) STORE(r, f, OUTPUT(acc[ft][rt][e], acc[(ft + FT) % FTN][rt][e]));
             }
         }
     }
@@ -259,12 +262,16 @@ _BODY = _MACROS.strip() + "\n" + compact(_SOURCE)
 # and mlx-lm's swiglu round it (each product to T, then the sigmoid, its product with the
 # gate and that with up, each to T).
 _PLAIN = """constexpr int FTN = FT;
+#define SETUP const int fb = f0; const int NL = N;
 #define PART_W(p) w
 #define PART_S(p) scales
 #define PART_B(p) biases
 #define OUTPUT(v, u) static_cast<T>(v)
+#define STORE(r, f, v) out[(size_t)(r) * N + (f)] = (v)
 """
 _GATED = """constexpr int FTN = 2 * FT;
+#define SETUP const int fb = f0; const int NL = N;
+#define STORE(r, f, v) out[(size_t)(r) * N + (f)] = (v)
 #define PART_W(p) ((p) ? w2 : w)
 #define PART_S(p) ((p) ? scales2 : scales)
 #define PART_B(p) ((p) ? biases2 : biases)
@@ -306,32 +313,69 @@ def fits(rows: int, config: tuple[int, ...], gated: bool = False) -> bool:
     return (warps - 1) * ft * (2 if gated else 1) * row_tiles(rows) * 128 <= MAX_SHARED_FLOATS
 
 
+def _parts_head(sizes: tuple[int, ...]) -> str:
+    """Products of two or three layers of one layout and input (an attention's queries,
+    keys and values) in one launch: the blocks cover their features one layer after the
+    other (each layer's a whole number of blocks), and each layer's are written to its
+    own output: ``w, scales, biases`` then ``w2...`` and ``w3...``; ``out``, ``out2``,
+    ``out3``."""
+    suffix = ["", "2", "3"][:len(sizes)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def pick(values: list[str]) -> str:  # the block's layer's value
+        expr = values[-1]
+        for i in range(len(sizes) - 2, -1, -1):
+            expr = f"(part == {i} ? {values[i]} : {expr})"
+        return expr
+
+    part = " : ".join(f"f0 < {starts[i + 1]} ? {i}" for i in range(len(sizes) - 1)) + f" : {len(sizes) - 1}"
+    store = " else ".join(f"if (part == {i}) out{x}[(size_t)(r) * {n} + (f)] = (v);"
+                          for i, (x, n) in enumerate(zip(suffix, sizes, strict=True)))
+    return ("constexpr int FTN = FT;\n"
+            f"#define SETUP const int part = {part}; const int fb = f0 - {pick([str(v) for v in starts])}; "
+            f"const int NL = {pick([str(n) for n in sizes])}; "
+            f"const uint32_t* wl = {pick([f'w{x}' for x in suffix])}; const S* sl = {pick([f'scales{x}' for x in suffix])}; "
+            f"const S* bl = {pick([f'biases{x}' for x in suffix])};\n"
+            "#define PART_W(p) wl\n#define PART_S(p) sl\n#define PART_B(p) bl\n"
+            "#define OUTPUT(v, u) static_cast<T>(v)\n"
+            f"#define STORE(r, f, v) {{ {store} }}\n")
+
+
 @cache
 def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int, ft: int, warps: int,
-            unroll: int, gated: bool = False) -> Any:
+            unroll: int, gated: bool = False, parts: tuple[int, ...] = ()) -> Any:
     """One kernel per layout, row tiles and launch shape (:mod:`cuda_source` says why);
-    ``gated``: the swiglu of two layers' products."""
+    ``gated``: the swiglu of two layers' products; ``parts``: the feature counts of two or
+    three layers of one layout read in one launch, each written to its own output."""
     import mlx.core as mx
 
     t, s = cuda_type(dtype), cuda_type(scale_dtype)
     head = (f"using T = {t}; using S = {s}; constexpr int RT = {tiles}; constexpr int BITS = {bits}; "
             f"constexpr int G = {group_size}; constexpr int FT = {ft}; constexpr int WARPS = {warps}; "
             f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n"
-            + (_GATED if gated else _PLAIN))
-    inputs = ["x", "w", "scales", "biases", *(["w2", "scales2", "biases2"] if gated else [])]
-    return build(f"gmlx_{'qglumw' if gated else 'qmmw'}_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}"
-                 f"_{ft}_{warps}_{unroll}", head, _BODY, inputs)
+            + (_GATED if gated else _parts_head(parts) if parts else _PLAIN))
+    layers = 2 if gated else max(1, len(parts))
+    inputs = ["x", *[f"{name}{i if i > 1 else ''}" for i in range(1, layers + 1) for name in ("w", "scales", "biases")]]
+    outputs = tuple(f"out{i if i > 1 else ''}" for i in range(1, (len(parts) or 1) + 1))
+    kind = "qglumw" if gated else f"qpartsmw{len(parts)}" if parts else "qmmw"
+    return build(f"gmlx_{kind}_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
+                 head, _BODY, inputs, outputs=outputs)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
-          config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None) -> Callable[[Any], Any]:
+          config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
+          more: tuple[tuple[Any, Any, Any], ...] = ()) -> Callable[[Any], Any]:
     """The product with this layer's weights as a function of ``x`` alone, its launch
     worked out once per row-tile count (a layer calls it on every decode step); with
     ``up`` (the up projection's weights, scales and biases, of this layer's layout and
-    shape) the gated product ``silu(x @ W.T) * (x @ U.T)``."""
-    n = w.shape[0]
+    shape) the gated product ``silu(x @ W.T) * (x @ U.T)``; with ``more`` (one or two
+    more layers' weights, scales and biases, of this layout and input width, each
+    layer's features a multiple of ``16 * FT``) the products of all of them in one
+    launch, returned as a tuple."""
+    sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
+    n = sum(sizes) if more else w.shape[0]
     k = w.shape[1] * 32 // bits
-    weights = [w, scales, biases, *(up or ())]
+    weights = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
     gated = up is not None
     launches: dict[int, tuple[Any, tuple[int, int, int], tuple[int, int, int]]] = {}
 
@@ -340,14 +384,20 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         launch = launches.get(tiles)
         if launch is None:
             ft, warps, unroll = config or configs(x.size // k, gated)[0]
-            kernel = _kernel(x.dtype, scales.dtype, tiles, bits, group_size, ft, warps, unroll, gated)
+            kernel = _kernel(x.dtype, scales.dtype, tiles, bits, group_size, ft, warps, unroll, gated, sizes)
             launch = launches[tiles] = (kernel, (-(-n // (16 * ft)) * 32 * warps, 1, 1), (32 * warps, 1, 1))
         kernel, grid, threadgroup = launch
-        (out,) = kernel(inputs=[x, *weights], grid=grid, threadgroup=threadgroup,
-                        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])
-        return out
+        outs = kernel(inputs=[x, *weights], grid=grid, threadgroup=threadgroup,
+                      output_shapes=[(*x.shape[:-1], m) for m in (sizes or (n,))],
+                      output_dtypes=[x.dtype] * (len(sizes) or 1))
+        return tuple(outs) if more else outs[0]
 
     return run
+
+
+def parts_fit(sizes: tuple[int, ...], config: tuple[int, ...]) -> bool:
+    """Whether every layer of a parts product is a whole number of a launch's blocks."""
+    return all(size % (16 * config[0]) == 0 for size in sizes)
 
 
 def qmm(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int,

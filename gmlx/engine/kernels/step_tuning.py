@@ -3,7 +3,7 @@ steps faster, decided at load for each bucket of streams and kept with the tuner
 decisions (:mod:`tuning`), so a machine decides once.
 
 The kernel must first give what the operations it replaces give (``agrees``); then, for
-each bucket of streams (1, 2, 4 and 8, or the kernel's own), a whole decode step is timed without it and with it,
+each bucket of streams (1, 2, 4, ... 64, or the kernel's own), a whole decode step is timed without it and with it,
 twice each in the order without-with-with-without (``fast_linear.step_times``: pipelined,
 as the worker runs steps), and the bucket takes it only 2% faster or more. :mod:`glu_cuda` and :mod:`qkv_cuda` decide this way."""
 
@@ -13,8 +13,9 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-BUCKETS = (1, 2, 4, 8)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_ROWS = BUCKETS[-1]
+FEW_ROWS = 2  # the buckets the CUDA-core sources (qgemv_cuda) take; tensor cores (qmmw_cuda) past them
 
 
 def bucket(rows: int) -> int:

@@ -82,6 +82,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     for ft, warps, unroll in qmmw_cuda.configs(rows, gated=True):
                         qmmw_cuda._kernel(dtype, dtype, qmmw_cuda.row_tiles(rows), bits, 32, ft, warps, unroll, True)
                         kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
+                    for sizes in ((4096, 1024, 1024), (4096, 1024)):
+                        qmmw_cuda._kernel(dtype, dtype, qmmw_cuda.row_tiles(rows), bits, 32, *qmmw_cuda.configs(rows)[0],
+                                          False, sizes)
+                        kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes)]))
             for d in attention_cuda.HEAD_DIMS:
                 attention_cuda._kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))

@@ -71,24 +71,33 @@ def test_which_projections_one_product_reads() -> None:
 
 def test_the_values_of_another_layout_come_through_their_own_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Queries and keys from one bound product per bucket (their layers' weights, in
-    order), the values from their own layer."""
+    order: the CUDA-core source at 1 and 2 streams, the tensor-core one past them), the
+    values from their own layer. (The kernels' ``bound`` stand in: CUDA cannot run here.)"""
     attention = _model("llama", values_bits=8).layers[0].self_attn
     bound: list = []
 
-    def fake_bound(w, scales, biases, group_size, bits, config, more):
-        bound.append(config)
-        assert w is attention.q_proj.weight and [m[0] for m in more] == [attention.k_proj.weight]
-        return lambda x: (mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype),
-                          mx.ones((*x.shape[:-1], more[0][0].shape[0]), x.dtype))
+    def binder(name: str):
+        def fake_bound(w, scales, biases, group_size, bits, config, more):
+            bound.append((name, config))
+            assert w is attention.q_proj.weight and [m[0] for m in more] == [attention.k_proj.weight]
+            return lambda x: (mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype),
+                              mx.ones((*x.shape[:-1], more[0][0].shape[0]), x.dtype))
+        return fake_bound
 
-    monkeypatch.setattr(qkv_cuda.qgemv_cuda, "bound", fake_bound)
+    monkeypatch.setattr(qkv_cuda.qgemv_cuda, "bound", binder("gemv"))
+    monkeypatch.setattr(qkv_cuda.qmmw_cuda, "bound", binder("tensor cores"))
     project = qkv_cuda.kernel(attention)
-    x = mx.random.normal((2, 1, 128)).astype(mx.bfloat16)
-    q, k, v = project(attention, x, 2)
-    assert mx.array_equal(v, attention.v_proj(x)).item() and (q.shape, k.shape) == ((2, 1, 128), (2, 1, 64))
-    project(attention, x, 2)
+    x = mx.random.normal((20, 1, 128)).astype(mx.bfloat16)
+    q, k, v = project(attention, x[:2], 2)
+    assert mx.array_equal(v, attention.v_proj(x[:2])).item() and (q.shape, k.shape) == ((2, 1, 128), (2, 1, 64))
+    project(attention, x[:2], 2)
     project(attention, x[:1], 1)
-    assert bound == [qkv_cuda.qgemv_cuda.configs(2)[0], qkv_cuda.qgemv_cuda.configs(1)[0]]
+    q, k, v = project(attention, x, 20)
+    assert mx.array_equal(v, attention.v_proj(x)).item() and (q.shape, k.shape) == ((20, 1, 128), (20, 1, 64))
+    project(attention, x[:5], 5)
+    assert bound == [("gemv", qkv_cuda.qgemv_cuda.configs(2)[0]), ("gemv", qkv_cuda.qgemv_cuda.configs(1)[0]),
+                     ("tensor cores", qkv_cuda.qmmw_cuda.configs(20)[0]),
+                     ("tensor cores", qkv_cuda.qmmw_cuda.configs(5)[0])]
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, faster: dict[int, float]) -> list:
@@ -132,5 +141,5 @@ def test_set_to_1_it_takes_every_bucket_untimed(tmp_path, monkeypatch: pytest.Mo
     model = _model("gemma3_text")
     qkv_cuda.attach(model, qkv_cuda.mlx_project, buckets=())
     timed = _timed(monkeypatch, {})
-    assert "every step of 1-8 streams" in qkv_cuda.tune(model) and timed == []
+    assert "every step of 1-64 streams" in qkv_cuda.tune(model) and timed == []
     assert all(a._project_buckets == set(step_tuning.BUCKETS) for a in qkv_cuda.projected(model))
