@@ -58,8 +58,9 @@ def layout(mlp: Any) -> tuple[int, int] | None:
 
 def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
     """``gated(mlp, x, rows)``: ``swiglu(gate(x), up(x))`` through the kernel, its launch
-    worked out once per row bucket (1, 2, 4, ... 64); MLX's products and swiglu at a
-    bucket past ``step_tuning.FEW_ROWS`` whose input width the tensor-core kernel does not take.
+    worked out once per row bucket (1, 2, 4, ... 64), from the source
+    :func:`step_tuning.tensor_cores` names; MLX's products and swiglu where the
+    tensor-core kernel does not take the layers' input width.
     (The module is passed in, not kept: the function lives on it.)"""
     group_size, bits = layout(mlp)
     runs: dict[int, Callable[[Any], Any]] = {}
@@ -71,7 +72,7 @@ def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
             gate, up = mlp.gate_proj, mlp.up_proj
             q = (gate.weight, gate.scales, gate.biases, group_size, bits)
             k = gate.weight.shape[1] * 32 // bits
-            if b <= step_tuning.FEW_ROWS:
+            if not step_tuning.tensor_cores(gate, b):
                 run = qgemv_cuda.bound(*q, qgemv_cuda.gated_configs(b)[0], up=(up.weight, up.scales, up.biases))
             elif qmmw_cuda.supports(b, k, group_size, bits):
                 run = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=(up.weight, up.scales, up.biases))

@@ -53,8 +53,9 @@ def joined(attention: Any) -> tuple[str, ...]:
 def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
     """``project(attention, x, rows)``: the queries, keys and values through one product
     of the :func:`joined` layers (the values through their own layer when not joined),
-    its launch worked out once per row bucket; past ``step_tuning.FEW_ROWS`` where the
-    tensor-core kernel does not take the layers, their own products."""
+    its launch worked out once per row bucket, from the source
+    :func:`step_tuning.tensor_cores` names; their own products where the tensor-core
+    kernel does not take the layers."""
     names = joined(attention)
     runs: dict[int, Callable[[Any], Any]] = {}
 
@@ -68,7 +69,7 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
             sizes = tuple(attention[name].weight.shape[0] for name in names)
             k = first.weight.shape[1] * 32 // first.bits
             config = qmmw_cuda.configs(b)[0]
-            if b <= step_tuning.FEW_ROWS:
+            if not step_tuning.tensor_cores(first, b):
                 run = qgemv_cuda.bound(*q, qgemv_cuda.configs(b)[0], more=more)
             elif qmmw_cuda.supports(b, k, first.group_size, first.bits) and qmmw_cuda.parts_fit(sizes, config):
                 run = qmmw_cuda.bound(*q, config, more=more)

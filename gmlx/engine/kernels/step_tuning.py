@@ -24,6 +24,16 @@ def bucket(rows: int) -> int:
     return 1 if rows == 1 else 1 << (rows - 1).bit_length()
 
 
+def tensor_cores(layer: Any, rows: int) -> bool:
+    """Whether a step kernel standing in for ``layer``'s product (and its neighbours')
+    takes the tensor-core source at the bucket ``rows``: past ``FEW_ROWS``, or where the
+    load's tuner gave ``layer`` itself the tensor-core kernel there (its ``paths``)."""
+    from gmlx.engine.kernels.fast_linear import KERNEL
+
+    chosen = (getattr(layer, "paths", None) or {}).get(rows)
+    return rows > FEW_ROWS or (chosen is not None and chosen[0] == KERNEL)
+
+
 def tune(model: Any, env: str, what: str, members: Sequence[Any], keys: Sequence[str],
          agrees: Callable[[Any], bool], use: Callable[[Iterable[int]], None],
          buckets: Sequence[int] = BUCKETS) -> str:

@@ -91,6 +91,28 @@ def test_each_row_bucket_binds_the_gated_kernel_once(monkeypatch: pytest.MonkeyP
                      + [("tensor cores", glu_cuda.qmmw_cuda.configs(n, gated=True)[0]) for n in (4, 8, 32, 64)])
 
 
+def test_a_bucket_whose_gate_product_took_tensor_cores_takes_them_gated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one or two streams the gated product follows the gate projection's own tuned
+    path: the tensor-core source where the load's tuner gave the gate's product that
+    kernel at the bucket, else the CUDA-core one."""
+    mlp = _model("llama").layers[0].mlp
+    bound: list[str] = []
+
+    def binder(name: str):
+        def fake_bound(w, scales, biases, group_size, bits, config, up):
+            bound.append(name)
+            return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+        return fake_bound
+
+    monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", binder("gemv"))
+    monkeypatch.setattr(glu_cuda.qmmw_cuda, "bound", binder("tensor cores"))
+    object.__setattr__(mlp.gate_proj, "paths", {1: ("kernel", (1, 8, 2)), 2: ("gemv", (4, 2, 2))})
+    gated = glu_cuda.kernel(mlp)
+    for rows in (1, 2):
+        gated(mlp, mx.zeros((rows, 1, 128), mx.bfloat16), rows)
+    assert bound == ["tensor cores", "gemv"]
+
+
 def _timed(monkeypatch: pytest.MonkeyPatch, faster: dict[int, float], drift: float = 0.0) -> list[tuple[int, bool]]:
     """Whole steps timed 1.0 s, ``faster[rows]`` with the fused path taken."""
     return step_clock(monkeypatch, lambda model, rows: any(glu_cuda.bucket(rows) in m._buckets
