@@ -291,6 +291,10 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
             if later:
                 result["run_log"] = later
                 print("\n".join(f"    | {line}" for line in later), flush=True)
+    except KeyboardInterrupt:  # the call's time ran out: what the server was doing, then stop
+        print(f"  {kind} interrupted after {time.perf_counter() - t0:.0f} s\n--- {kind} ({s.status()}), "
+              f"last lines of its log:\n{s.tail(40)}", flush=True)
+        raise
     except Exception as e:  # noqa: BLE001 (a failed server keeps its row, with the reason; the run goes on)
         result["error"] = f"{type(e).__name__}: {e}"[:300]
         print(f"  {kind} FAILED: {result['error']}\n--- {kind} ({s.status()}), last lines of its log:\n"

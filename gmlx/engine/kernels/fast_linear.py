@@ -7,7 +7,7 @@ First, every quantized layer hands MLX its input as ``(rows, K)`` (a decode step
 model's affine quantized layers is timed at each row bucket a decode step can have (1,
 2, 4, 8, 16, 32, 64 rows), at short prefills' sizes (128 and 256 rows) and at a long
 prefill chunk's (``LARGE`` rows, for every product over 256 rows) four ways: MLX's
-``quantized_matmul``, ``qgemv_cuda`` (one to eight rows: CUDA cores, the weights read in
+``quantized_matmul``, ``qgemv_cuda`` (one or two rows: CUDA cores, the weights read in
 wide loads; at one row 1.3-1.75x MLX's product on an 8B's large layers on the H200), ``qmmw_cuda.qmm`` (the
 tensor-core kernel, bf16 and fp16 activations, up to 64 rows) and ``dequantized`` (dequantize, then a dense matmul: at
 prefill sizes it is MLX's float prefill plus one pass over the weights, a cost that does
@@ -42,6 +42,7 @@ from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
 COLD_BYTES = 256 << 20  # weights a product's timing passes through (past the GPU's L2 cache)
+GEMV_ROWS = 2  # the CUDA-core kernel's buckets: past them the tensor-core one won every time on the H200
 MAX_KEPT_ROWS = 64  # decode steps of at most this many streams keep their worked-out call
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
 log = logging.getLogger(__name__)
@@ -198,7 +199,9 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
             keys[key] = layer_key(m.scales.dtype, *key)
             known = tuning.layer(keys[key])
             if known is None:
+                started = time.perf_counter()
                 known = _measure(m, alike[key][1:])
+                log.info("cuda: %s's paths timed in %.1f s", keys[key], time.perf_counter() - started)
                 tuning.set_layer(keys[key], known)
             chosen[key] = known
     swapped = [m for m in layers if chosen[_key(m)]]
@@ -268,7 +271,7 @@ def _measure(layer: Any, alike: list[Any] = (), reps: int = 20) -> Paths:
         if qmmw_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
             for config in qmmw_cuda.configs(rows):
                 products[(KERNEL, config)] = lambda x, *w, c=config: qmmw_cuda.qmm(x, *w, g, bits, config=c)
-        if qgemv_cuda.supports(rows, k, g, bits) and x.dtype in (mx.bfloat16, mx.float16):
+        if qgemv_cuda.supports(rows, k, g, bits) and rows <= GEMV_ROWS and x.dtype in (mx.bfloat16, mx.float16):
             for config in qgemv_cuda.configs(rows):
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
         exact = exact_product(x, *args, g, bits)
@@ -305,8 +308,11 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
                         m.paths.pop(rows, None)
             _forget_calls(swapped)
 
+        started = time.perf_counter()
         try:
             without, with_paths = step_times(model, rows, use)
+            log.info("cuda: whole steps of %d rows with and without their paths: %.2fx (%.1f s)", rows,
+                     without / with_paths, time.perf_counter() - started)
         except (TypeError, ValueError, RuntimeError):  # a model this cannot step: keep MLX's
             use(True)
             with_paths, without = 1.0, 0.0

@@ -9,9 +9,13 @@ as the worker runs steps), and the bucket takes it only 2% faster or more. :mod:
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_ROWS = BUCKETS[-1]
@@ -65,11 +69,14 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
         kept = {}
         if agrees():
             for b in buckets:
+                started = time.perf_counter()
                 try:
                     without, with_kernel = fast_linear.step_times(
                         model, b, lambda taken, b=b: use((b,) if taken else ()))
                 except (TypeError, ValueError, RuntimeError):  # a model this cannot step
                     continue
+                log.info("cuda: %s at %d rows: whole step %.2fx (%.1f s)", key.rsplit(":", 1)[-1], b,
+                         without / with_kernel, time.perf_counter() - started)
                 if with_kernel < 0.98 * without:
                     kept[b] = without / with_kernel
         tuning.set_confirmed(key, kept)
