@@ -128,7 +128,7 @@ def load(ref: str, dtype: str, quantize: bool = True):
 
 # the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
-           "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv")}
+           "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv")}
 
 
 @contextlib.contextmanager
