@@ -53,3 +53,23 @@ def build(prefix: str, head: str, body: str, inputs: list[str], outputs: tuple[s
     source = head + body
     return mx.fast.cuda_kernel(name=kernel_name(prefix, source), input_names=inputs, output_names=list(outputs),
                                source=source, **options)
+
+
+# An MLP's swiglu of a gate and an up product, rounded as MLX's products and mlx-lm's
+# swiglu round it (each product to T, then the sigmoid, its product with the gate and
+# that with up, each to T): the gated kernels' output.
+SWIGLU = """auto gmlx_swiglu = [](float g, float u) -> T {
+    const float gf = static_cast<float>(static_cast<T>(g));
+    const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gf))));
+    const float a = static_cast<float>(static_cast<T>(gf * sig));
+    return static_cast<T>(a * static_cast<float>(static_cast<T>(u)));
+};
+"""
+
+
+def layer_names(layers: int, outputs: int = 1) -> tuple[list[str], tuple[str, ...]]:
+    """A quantized kernel's input names for ``x`` and ``layers`` layers' weights (``w,
+    scales, biases``, then ``w2...``, ``w3...``) and its ``outputs`` output names (``out``,
+    ``out2``, ...)."""
+    inputs = ["x", *[f"{name}{i if i > 1 else ''}" for i in range(1, layers + 1) for name in ("w", "scales", "biases")]]
+    return inputs, tuple(f"out{i if i > 1 else ''}" for i in range(1, outputs + 1))

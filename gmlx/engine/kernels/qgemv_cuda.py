@@ -49,7 +49,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
+from gmlx.engine.kernels.cuda_source import SWIGLU, build, compact, cuda_type, layer_names
 
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
@@ -298,13 +298,7 @@ _GATED = """constexpr int OUTS = RPW / 2;
 #define ROW_W(r, n) (((r) < OUTS ? w : w2) + (size_t)(n) * words)
 #define ROW_S(r, n) (((r) < OUTS ? scales : scales2) + (size_t)(n) * groups)
 #define ROW_B(r, n) (((r) < OUTS ? biases : biases2) + (size_t)(n) * groups)
-auto gmlx_swiglu = [](float g, float u) -> T {
-    const float gf = static_cast<float>(static_cast<T>(g));
-    const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gf))));
-    const float a = static_cast<float>(static_cast<T>(gf * sig));
-    return static_cast<T>(a * static_cast<float>(static_cast<T>(u)));
-};
-#define OUTPUT(g, u) gmlx_swiglu(g, u)
+""" + SWIGLU + """#define OUTPUT(g, u) gmlx_swiglu(g, u)
 #define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
 """
 
@@ -348,8 +342,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else "") + "\n"
             + (_GATED if gated else _parts_head(parts) if parts else _PLAIN))
     layers = 2 if gated else max(1, len(parts))
-    inputs = ["x", *[f"{name}{i if i > 1 else ''}" for i in range(1, layers + 1) for name in ("w", "scales", "biases")]]
-    outputs = tuple(f"out{i if i > 1 else ''}" for i in range(1, (len(parts) or 1) + 1))
+    inputs, outputs = layer_names(layers, len(parts) or 1)
     kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemv"
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}",
                  head, _BODY if max_rows == 1 else _ROWS_BODY, inputs, outputs=outputs)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
+from gmlx.engine.kernels.cuda_source import SWIGLU, build, compact, cuda_type, layer_names
 
 MAX_ROWS = 64
 BITS = (4, 6, 8)
@@ -275,13 +275,7 @@ _GATED = """constexpr int FTN = 2 * FT;
 #define PART_W(p) ((p) ? w2 : w)
 #define PART_S(p) ((p) ? scales2 : scales)
 #define PART_B(p) ((p) ? biases2 : biases)
-auto gmlx_swiglu = [](float g, float u) -> T {
-    const float gf = static_cast<float>(static_cast<T>(g));
-    const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gf))));
-    const float a = static_cast<float>(static_cast<T>(gf * sig));
-    return static_cast<T>(a * static_cast<float>(static_cast<T>(u)));
-};
-#define OUTPUT(g, u) gmlx_swiglu(g, u)
+""" + SWIGLU + """#define OUTPUT(g, u) gmlx_swiglu(g, u)
 """
 
 
@@ -357,8 +351,7 @@ def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int
             f"constexpr int U = {unroll}; constexpr int BF = {int(dtype == mx.bfloat16)};\n"
             + (_GATED if gated else _parts_head(parts) if parts else _PLAIN))
     layers = 2 if gated else max(1, len(parts))
-    inputs = ["x", *[f"{name}{i if i > 1 else ''}" for i in range(1, layers + 1) for name in ("w", "scales", "biases")]]
-    outputs = tuple(f"out{i if i > 1 else ''}" for i in range(1, (len(parts) or 1) + 1))
+    inputs, outputs = layer_names(layers, len(parts) or 1)
     kind = "qglumw" if gated else f"qpartsmw{len(parts)}" if parts else "qmmw"
     return build(f"gmlx_{kind}_{t.strip('_')}_{s.strip('_')}_{tiles}_{bits}_{group_size}_{ft}_{warps}_{unroll}",
                  head, _BODY, inputs, outputs=outputs)
