@@ -29,10 +29,11 @@ compiles it, before the model reports ready. The decisions are kept per machine
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlx import nn
@@ -244,11 +245,11 @@ def _key(layer: Any) -> tuple[int, int, int, int]:
     return (_in_features(layer), layer.weight.shape[0], layer.bits, layer.group_size)
 
 
-def _measure(layer: Any, alike: list[Any] = (), reps: int = 20) -> Paths:
+def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
     """The row buckets where a path beat MLX's quantized matmul on this layer: which path,
-    and for a kernel the launch shape (of its module's ``configs``) it was fastest at. Each timing runs its products
-    over this layer's and ``alike``'s weights in turn (the model's other layers of the
-    same shape), as many as it takes to pass ``COLD_BYTES``: a step reads each layer once,
+    and for a kernel the launch shape (of its module's ``configs``) it was fastest at.
+    Each timing runs its products over this layer's and ``alike``'s weights in turn (the
+    model's other layers of the same shape), as many as it takes to pass ``COLD_BYTES``: a step reads each layer once,
     from memory, where one layer's product repeated finds its weights in the GPU's L2
     cache (50 MB on the H200: a Llama-3-8B's 4-bit MLP layer is 33 MB), which flatters a
     kernel that reads them more than once."""
@@ -288,7 +289,7 @@ def _measure(layer: Any, alike: list[Any] = (), reps: int = 20) -> Paths:
 
 def _cycling(product: Callable[..., Any], x: Any, weights: list[tuple[Any, ...]]) -> Callable[[], Any]:
     """``product(x, *w)`` over each of ``weights`` in turn, one a call."""
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
     return lambda: product(x, *weights[next(turn) % len(weights)])
 
 
