@@ -3,7 +3,7 @@ steps faster, decided at load for each bucket of streams and kept with the tuner
 decisions (:mod:`tuning`), so a machine decides once.
 
 The kernel must first give what the operations it replaces give (``agrees``); then, for
-each bucket of streams (1, 2, 4, ... 64, or the kernel's own), a whole decode step is timed without it and with it,
+each bucket of 1, 2, 4, ... 64 streams, a whole decode step is timed without it and with it,
 twice each in the order without-with-with-without (``fast_linear.step_times``: pipelined,
 as the worker runs steps), and the bucket takes it only 2% faster or more. :mod:`glu_cuda` and :mod:`qkv_cuda` decide this way."""
 
@@ -39,24 +39,21 @@ def tensor_cores(layer: Any, rows: int) -> bool:
 
 
 def tune(model: Any, env: str, what: str, members: Sequence[Any], keys: Sequence[str],
-         agrees: Callable[[Any], bool], use: Callable[[Iterable[int]], None],
-         buckets: Sequence[int] = BUCKETS) -> str:
-    """A step kernel's load decision and its load note: with ``env=1`` every bucket (of
-    ``buckets``) untimed, else :func:`decide`, its agreement checked on one member (of
-    ``members``) per distinct layer key (``keys``, one each) and its decision kept under
-    all of them."""
+         agrees: Callable[[Any], bool], use: Callable[[Iterable[int]], None]) -> str:
+    """A step kernel's load decision and its load note: with ``env=1`` every bucket
+    untimed, else :func:`decide`, its agreement checked on one member (of ``members``)
+    per distinct layer key (``keys``, one each) and its decision kept under all of them."""
     from gmlx.engine.kernels.tuning import model_key
 
     if os.environ.get(env) == "1":
-        use(buckets)
-        return f"cuda: {what} at every step of 1-{buckets[-1]} streams"
+        use(BUCKETS)
+        return f"cuda: {what} at every step of 1-{MAX_ROWS} streams"
     one_each = {k: m for k, m in zip(keys, members, strict=True)}.values()
-    kept = decide(model, f"{model_key(keys)}:{env}", lambda: all(agrees(m) for m in one_each), use, buckets)
+    kept = decide(model, f"{model_key(keys)}:{env}", lambda: all(agrees(m) for m in one_each), use)
     return f"cuda: {what}; whole-step speed-up by rows: {speedups(kept)}"
 
 
-def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iterable[int]], None],
-           buckets: Sequence[int] = BUCKETS) -> dict[int, float]:
+def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iterable[int]], None]) -> dict[int, float]:
     """The buckets where ``use``-ing the kernel made ``model``'s whole step faster, with
     the speed-up, from an earlier load on this machine (``key``) or timed now; the
     kernel is left in use at those. ``agrees`` false: none, nothing timed."""
@@ -68,7 +65,7 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
     if kept is None:
         kept = {}
         if agrees():
-            for b in buckets:
+            for b in BUCKETS:
                 started = time.perf_counter()
                 try:
                     without, with_kernel = fast_linear.step_times(
