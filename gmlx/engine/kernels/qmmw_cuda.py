@@ -35,7 +35,9 @@ rows of ``x`` (rows past the end read as zeros). ``K`` must be a multiple of 128
 
 Only built where MLX runs on CUDA (sm_80 and later); Metal and the CPU never reach it.
 ``tests/engine/kernels/test_qmmw_cuda.py`` replays the lanes' loads, pairing and
-registers in numpy here; the load-time tuner (:mod:`fast_linear`) times it beside MLX's
+registers in numpy, and runs the source itself on the CPU (each block's threads as host
+threads, its three PTX instructions emulated: plain, gated and parts, against MLX's
+products); the load-time tuner (:mod:`fast_linear`) times it beside MLX's
 product and the other kernels and refuses it for any layer where it disagrees.
 """
 

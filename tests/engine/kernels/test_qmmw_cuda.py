@@ -1,6 +1,7 @@
-"""The wide-load tensor-core kernel's arithmetic, replayed here in numpy lane by lane
-(CUDA cannot run on this machine; on the GPU machine the load-time tuner checks the
-kernel itself against MLX's product at every load, and refuses it where it disagrees).
+"""The wide-load tensor-core kernel's arithmetic, replayed here in numpy lane by lane,
+and its own source run on the CPU with its PTX instructions emulated (CUDA cannot run on
+this machine; on the GPU machine the load-time tuner checks the kernel itself against
+MLX's product at every load, and refuses it where it disagrees).
 
 What is replayed: which chunk of which weight row each lane loads, its 8-code windows and
 the code pairs it makes, the half-float bit trick (``MAGIC | lo | hi << 16`` is ``OFF +
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 
 from gmlx.engine.kernels import qmmw_cuda
-from tests.engine.kernels import byte_perm
+from gmlx.engine.kernels.fast_linear import agrees, exact_product
+from tests.engine.kernels import byte_perm, emulation
 
 
 def _to_half(values: np.ndarray | float, bf16: bool) -> np.ndarray:
@@ -149,3 +151,154 @@ def test_the_kernel_source_defines_its_instructions_once_and_has_no_comments() -
     assert body.startswith("#define FMA2")
     assert "//" not in body.split("#define MMA")[1].split("\n", 4)[-1]
     assert body.count("fma.rn.bf16x2") == 1 and body.count("fma.rn.f16x2") == 1
+
+
+# -- the kernel's own source, run on the CPU -----------------------------------------------------
+
+# The three instructions the source writes as PTX, for the host: two half floats' fused
+# multiply-add (in float32, then rounded), two floats packed as half floats, and the
+# tensor-core product, its fragments exchanged through memory between two barriers of
+# the warp (PTX ISA's m16n8k16 layouts: A's element (r, k) in lane (r % 8) * 4 + (k % 8) / 2,
+# register (r >= 8) + 2 (k >= 8), half k % 2; B's (k, n) in lane n * 4 + (k % 8) / 2,
+# register k >= 8, half k % 2; C's (r, n) in lane (r % 8) * 4 + n / 2, element 2 (r >= 8) + n % 2).
+_EMULATED = r"""
+inline float emu_half(uint32_t v, bool bf) {
+    const uint16_t h = (uint16_t)v;
+    if (bf) { const uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
+    __half x; std::memcpy(&x, &h, 2); return __half2float(x);
+}
+inline uint32_t emu_round(float f, bool bf) {
+    if (bf) { uint32_t u; std::memcpy(&u, &f, 4); return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; }
+    const __half x = __float2half_rn(f); uint16_t h; std::memcpy(&h, &x, 2); return h;
+}
+inline uint32_t emu_fma2(uint32_t a, uint32_t b, uint32_t c, bool bf) {
+    const float lo = std::fma(emu_half(a, bf), emu_half(b, bf), emu_half(c, bf));
+    const float hi = std::fma(emu_half(a >> 16, bf), emu_half(b >> 16, bf), emu_half(c >> 16, bf));
+    return emu_round(lo, bf) | (emu_round(hi, bf) << 16);
+}
+static uint32_t emu_a[32][32][4], emu_b[32][32][2];
+inline void emu_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1, bool bf) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = 0; i < 4; ++i) emu_a[warp][lane][i] = a[i];
+    emu_b[warp][lane][0] = b0; emu_b[warp][lane][1] = b1;
+    warp_barrier[warp]->arrive_and_wait();
+    auto A = [&](int r, int k) { return emu_half(emu_a[warp][(r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)] >> (16 * (k % 2)), bf); };
+    auto B = [&](int k, int n) { return emu_half(emu_b[warp][n * 4 + (k % 8) / 2][k >= 8] >> (16 * (k % 2)), bf); };
+    for (int e = 0; e < 4; ++e) {
+        const int r = lane / 4 + 8 * (e / 2), n = 2 * (lane % 4) + e % 2;
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum += A(r, k) * B(k, n);
+        c[e] += sum;
+    }
+    warp_barrier[warp]->arrive_and_wait();
+}
+#define FMA2(d, a, b, c) d = emu_fma2((a), (b), (c), BF)
+#define PACK2(d, hi, lo) d = emu_round((hi), BF) << 16 | emu_round((lo), BF)
+#define MMA(c, a, b0, b1) emu_mma(c, a, b0, b1, BF)
+"""
+
+
+def _made(dtype, bits: int, config: tuple[int, int, int], rows: int, gated: bool = False,
+          parts: tuple[int, ...] = ()) -> dict:
+    """What ``qmmw_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape."""
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        qmmw_cuda._kernel.cache_clear()
+        try:
+            qmmw_cuda._kernel(dtype, dtype, qmmw_cuda.row_tiles(rows), bits, 32, *config, gated, parts)
+        finally:
+            qmmw_cuda._kernel.cache_clear()
+    return made[0]
+
+
+def _run(tmp_path, dtype, bits: int, config: tuple[int, int, int], x: mx.array, layers: list, *,
+         gated: bool = False, parts: bool = False) -> list[mx.array]:
+    """The kernel's own source run on the CPU (``emulation``: each block's threads as host
+    threads; the PTX instructions as ``_EMULATED``) on ``x`` and ``layers`` (``(w, scales,
+    biases)`` each); its outputs."""
+    rows, k = x.shape
+    sizes = tuple(w.shape[0] for w, _, _ in layers)
+    made = _made(dtype, bits, config, rows, gated, sizes if parts else ())
+    name = str(dtype).removeprefix("mlx.core.")
+    body = emulation.function(made, [name, *["uint32", name, name] * len(layers)], name)
+    body = body.replace(qmmw_cuda._MACROS.strip(), "")
+    suffix = ["", "2", "3"]
+    names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws"}
+    loads, saves = [], []
+    outputs = len(layers) if parts else 1
+    for i, (w, _, _) in enumerate(layers):
+        loads.append(f'auto w{i} = load<uint32_t>("w{i}.bin", {w.size}); auto s{i} = load<E>("s{i}.bin", {w.shape[0] * k // 32}); '
+                     f'auto b{i} = load<E>("b{i}.bin", {w.shape[0] * k // 32});')
+        names |= {f"w{suffix[i]}": f"w{i}.data()", f"scales{suffix[i]}": f"s{i}.data()", f"biases{suffix[i]}": f"b{i}.data()"}
+    for i in range(outputs):
+        loads.append(f"std::vector<E> o{i}((size_t){rows} * {sizes[i]});")
+        saves.append(f'save("o{i}.bin", o{i});')
+        names[f"out{suffix[i]}"] = f"o{i}.data()"
+    head = body[body.index("(") + 1:body.index(")")]
+    args = ", ".join(names[p.split()[-1].lstrip("*")] for p in head.split(","))
+    features = sum(sizes) if parts else sizes[0]
+    blocks = -(-features // (16 * config[0]))
+    main = (f"int main() {{\n    auto x = load<E>(\"x.bin\", {x.size});\n    " + "\n    ".join(loads)
+            + f"\n    Shape xs{{{rows}, {k}}}, ws{{{sizes[0]}, {layers[0][0].shape[1]}}};\n"
+            f"    run_blocks({blocks}, {32 * config[1]}, [&] {{ kernel({args}); }});\n    " + "\n    ".join(saves) + "\n}\n")
+    program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + _EMULATED + body + main
+    (tmp_path / "x.bin").write_bytes(np.array(x.view(mx.uint16)).tobytes())
+    for i, (w, s, b) in enumerate(layers):
+        for file, a in ((f"w{i}", w), (f"s{i}", s.view(mx.uint16)), (f"b{i}", b.view(mx.uint16))):
+            (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [])
+    return [mx.array(np.frombuffer((tmp_path / f"o{i}.bin").read_bytes(), dtype=np.uint16).reshape(rows, sizes[i]))
+            .view(dtype) for i in range(outputs)]
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "rows", "config", "dtype"), [
+    (4, 3, (1, 8, 2), mx.bfloat16), (6, 20, (2, 4, 2), mx.bfloat16), (8, 9, (1, 8, 2), mx.bfloat16),
+    (4, 20, (1, 8, 2), mx.float16), (6, 5, (2, 4, 2), mx.float16)])
+def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, rows: int, config, dtype) -> None:
+    """The source MLX compiles, run on the CPU: 40 features (a block's last tile past the
+    end), 384 columns (three quads: a warp's second quad past the end), fewer rows of x
+    than its tiles take, against MLX's own product, as closely as MLX's is to float32."""
+    mx.random.seed(bits * rows)
+    n, k = 40, 384
+    w, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=32, bits=bits)
+    x = (mx.random.normal((rows, k)) * 2).astype(dtype)
+    (got,) = _run(tmp_path, dtype, bits, config, x, [(w, s, b)])
+    want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=bits)
+    assert agrees(got, want, exact_product(x, w, s, b, 32, bits))
+    assert not mx.array_equal(got, mx.zeros_like(got)).item()
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "rows", "dtype"), [(4, 3, mx.bfloat16), (6, 20, mx.float16)])
+def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, rows: int, dtype) -> None:
+    """An MLP's gate and up projections and its swiglu in one kernel, run on the CPU as
+    above, against MLX's two products and mlx-lm's swiglu."""
+    from mlx_lm.models.activations import swiglu
+
+    mx.random.seed(bits * rows + 1)
+    n, k = 40, 256
+    gate, up = (mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=32, bits=bits) for _ in range(2))
+    x = (mx.random.normal((rows, k)) * 0.5).astype(dtype)
+    (got,) = _run(tmp_path, dtype, bits, qmmw_cuda.configs(rows, gated=True)[0], x, [gate, up], gated=True)
+
+    def product(layer):
+        return mx.quantized_matmul(x, *layer, transpose=True, group_size=32, bits=bits)
+
+    g, u = (exact_product(x, *layer, 32, bits) for layer in (gate, up))
+    assert agrees(got, swiglu(product(gate), product(up)), g * mx.sigmoid(g) * u)
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("sizes", "rows", "config"), [((32, 16, 16), 3, (1, 8, 2)), ((64, 32), 20, (2, 4, 2))])
+def test_the_parts_source_is_each_layers_product(tmp_path, sizes: tuple[int, ...], rows: int, config) -> None:
+    """Two or three layers read in one launch (an attention's queries, keys and values),
+    each written to its own output, against MLX's product of each."""
+    dtype, bits, k = mx.bfloat16, 4, 256
+    mx.random.seed(rows + len(sizes))
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=32, bits=bits) for n in sizes]
+    x = mx.random.normal((rows, k)).astype(dtype)
+    for got, layer in zip(_run(tmp_path, dtype, bits, config, x, layers, parts=True), layers, strict=True):
+        want = mx.quantized_matmul(x, *layer, transpose=True, group_size=32, bits=bits)
+        assert agrees(got, want, exact_product(x, *layer, 32, bits))
