@@ -30,7 +30,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gmlx.engine.kernels import qgemv_cuda
-from gmlx.engine.kernels.fast_linear import agrees
+from gmlx.engine.kernels.timing import agrees
 
 # (K, N, bits): an 8B's products in Q4_K_M's layouts
 SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4096, 1024, 6),

@@ -2,7 +2,7 @@
 
 For Llama-3-8B's layer shapes, at 1-64 rows and a prefill chunk's 512, in the layouts a
 Q4_K_M GGUF loads as (4-bit and 6-bit, group 32) and mlx-lm's 4-bit (group 64):
-correctness of the tensor-core kernel (``qmmw_cuda``; ``fast_linear.agrees``: within
+correctness of the tensor-core kernel (``qmmw_cuda``; ``timing.agrees``: within
 twice MLX's own error against a float32 product, MLX's product taken on the CPU backend
 from the same inputs) and microseconds per product (50 queued per wait, x as (rows, K))
 for MLX's quantized matmul, the dequantize+dense path, the kernel at the best of its
@@ -25,7 +25,8 @@ import time
 import mlx.core as mx
 
 from gmlx.engine.kernels import cuda_source, qmmw_cuda
-from gmlx.engine.kernels.fast_linear import agrees, dequantized, exact_product
+from gmlx.engine.kernels.fast_linear import dequantized
+from gmlx.engine.kernels.timing import agrees, exact_product
 
 # (in, out) of Llama-3-8B's products: q/o, k/v, gate/up, down, lm_head
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]

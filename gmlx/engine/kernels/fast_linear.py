@@ -29,7 +29,6 @@ compiles it, before the model reports ready. The decisions are kept per machine
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -38,7 +37,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, timing
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
@@ -275,22 +274,17 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
         if qgemv_cuda.supports(rows, k, g, bits) and rows <= GEMV_ROWS and x.dtype in (mx.bfloat16, mx.float16):
             for config in qgemv_cuda.configs(rows):
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
-        exact = exact_product(x, *args, g, bits)
+        exact = timing.exact_product(x, *args, g, bits)
         want = products[(MLX, (0, 0))](x, *args)
-        times = {name: _time(_cycling(fn, x, weights), reps) for name, fn in products.items()
-                 if name[0] == MLX or _agrees(_cycling(fn, x, weights[:1]), want, exact)}  # never one that disagrees
+        times = {name: timing.product_time(timing.cycling(fn, x, weights), reps) for name, fn in products.items()
+                 if name[0] == MLX or timing.runs_and_agrees(timing.cycling(fn, x, weights[:1]), want, exact)}
         # MLX's product again, last: timed first, on a GPU still speeding up, it would lose
-        times[(MLX, (0, 0))] = min(times[(MLX, (0, 0))], _time(_cycling(products[(MLX, (0, 0))], x, weights), reps))
+        mlx_again = timing.product_time(timing.cycling(products[(MLX, (0, 0))], x, weights), reps)
+        times[(MLX, (0, 0))] = min(times[(MLX, (0, 0))], mlx_again)
         best = min(times, key=lambda name: times[name])
         if best[0] != MLX:
             paths[rows] = best
     return paths
-
-
-def _cycling(product: Callable[..., Any], x: Any, weights: list[tuple[Any, ...]]) -> Callable[[], Any]:
-    """``product(x, *w)`` over each of ``weights`` in turn, one a call."""
-    turn = itertools.count()
-    return lambda: product(x, *weights[next(turn) % len(weights)])
 
 
 def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[int, float]:
@@ -311,7 +305,7 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
 
         started = time.perf_counter()
         try:
-            without, with_paths = step_times(model, rows, use)
+            without, with_paths = timing.step_times(model, rows, use)
             log.info("cuda: whole steps of %d rows with and without their paths: %.2fx (%.1f s)", rows,
                      without / with_paths, time.perf_counter() - started)
         except (TypeError, ValueError, RuntimeError):  # a model this cannot step: keep MLX's
@@ -322,104 +316,9 @@ def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[i
     return kept
 
 
-def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tuple[float, float]:
-    """Seconds per decode step of ``rows`` streams without and with what ``use(True)``
-    puts in place (``use(False)`` takes it out), each timed twice (:func:`step_time`) in
-    the order without, with, with, without, so a machine whose speed drifts while it is
-    timed (clocks rising, caches filling) favours neither; left with it in place."""
-    times = {False: 0.0, True: 0.0}
-    for taken in (False, True, True, False):
-        use(taken)
-        times[taken] += step_time(model, rows)
-    use(True)
-    return times[False] / 2, times[True] / 2
-
-
 def _forget_calls(layers: list[Any]) -> None:
     """Drop the calls ``layers`` worked out per shape (their ``paths`` changed)."""
     for m in layers:
         m.by_shape.clear()
 
 
-def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -> float:
-    """Seconds per decode step of ``rows`` streams after a ``context``-token prompt, run
-    as the worker runs them: each step's tokens (the greedy pick) feed the next, which is
-    built and handed to the GPU before the last one's tokens are read, so a step costs
-    the larger of its host time and its GPU time. (Waiting for each step would add the
-    two: a path that saves the GPU time it costs the host would time faster there and
-    serve slower; on the H200 the one-row kernels did at one stream.) Past 64 rows, per
-    prefill of one ``rows``-token prompt (the products a prefill chunk makes)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    if rows > 64:
-        prompt = mx.zeros((1, rows), mx.int32)
-        mx.eval(model(prompt))
-        start = time.perf_counter()
-        for _ in range(2):
-            mx.eval(model(prompt))
-        return (time.perf_counter() - start) / 2
-    cache = make_prompt_cache(model)
-
-    def step(tokens: Any) -> Any:
-        return mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1, keepdims=True)
-
-    mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
-    pending = step(mx.zeros((rows, 1), mx.int32))
-    mx.async_eval(pending)
-    start = 0.0
-    for i in range(steps + 2):  # two untimed: the first steps compile
-        if i == 2:
-            start = time.perf_counter()
-        following = step(pending)
-        mx.async_eval(following)
-        pending.tolist()  # the worker reads each step's tokens
-        pending = following
-    pending.tolist()
-    return (time.perf_counter() - start) / steps
-
-
-def _agrees(fn: Callable[[], Any], want: Any, exact: Any) -> bool:
-    """Whether a path runs here and agrees (a kernel that does not compile is no path)."""
-    try:
-        return agrees(fn(), want, exact)
-    except RuntimeError as e:  # NVRTC's compile error, or a launch MLX refused
-        log.warning("cuda: a decode-sized path is not used: %s", str(e).splitlines()[0][:200])
-        return False
-
-
-def agrees(got: Any, want: Any, exact: Any) -> bool:
-    """Whether the kernel's ``got`` is as close to the float32 product ``exact`` as MLX's
-    own quantized matmul ``want`` is (within twice its error, plus 0.1% of the largest
-    value): both accumulate in their own order and round to float16."""
-    import mlx.core as mx
-
-    got, want, exact = (a.astype(mx.float32) for a in (got, want, exact))
-    err_kernel = mx.abs(got - exact).max()
-    err_mlx = mx.abs(want - exact).max()
-    return (err_kernel <= 2 * err_mlx + 1e-3 * mx.abs(exact).max()).item()
-
-
-def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
-    """``x @ dequantize(w).T`` in float32: the reference every product is held to."""
-    import mlx.core as mx
-
-    w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    return x.astype(mx.float32) @ w.astype(mx.float32).T
-
-
-def _time(fn: Any, reps: int) -> float:
-    """Seconds for ``reps`` products queued before one wait, as a decode step queues its
-    layers (a wait per product would time the synchronization instead). Their graphs are
-    built before the clock starts: building costs the host alone, which a pipelined step
-    overlaps with the GPU's work (the whole-step confirmation counts it), and timed here
-    it made a busy host pick MLX's product over faster kernels (the H200 with llama.cpp
-    compiling beside it, 12-03: every one-row kernel lost)."""
-    import mlx.core as mx
-
-    for _ in range(3):
-        mx.eval(fn())
-    products = [fn() for _ in range(reps)]
-    start = time.perf_counter()
-    mx.eval(products)
-    return time.perf_counter() - start

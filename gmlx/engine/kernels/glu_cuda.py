@@ -145,12 +145,12 @@ def tune(model: Any) -> str | None:
 
 def agrees(mlp: Any) -> bool:
     """Whether ``mlp``'s fused path gives what MLX's products and swiglu give, as closely
-    as those are to float32 products through a float32 swiglu (:func:`fast_linear.agrees`),
+    as those are to float32 products through a float32 swiglu (:func:`timing.agrees`),
     on random rows of input."""
     import mlx.core as mx
 
-    from gmlx.engine.kernels.fast_linear import agrees as close_enough
-    from gmlx.engine.kernels.fast_linear import exact_product
+    from gmlx.engine.kernels.timing import agrees as close_enough
+    from gmlx.engine.kernels.timing import exact_product
 
     gate, up = mlp.gate_proj, mlp.up_proj
     results = step_tuning.tried(lambda x, n: mlp._gated(mlp, x, n), gate.weight.shape[1] * 32 // gate.bits,

@@ -151,9 +151,9 @@ def _key(attention: Any) -> str:
 
 def agrees(attention: Any) -> bool:
     """Whether the one product gives each projection what its own layer gives, as closely
-    as that is to a float32 product (:func:`fast_linear.agrees`), on random input rows."""
-    from gmlx.engine.kernels.fast_linear import agrees as close_enough
-    from gmlx.engine.kernels.fast_linear import exact_product
+    as that is to a float32 product (:func:`timing.agrees`), on random input rows."""
+    from gmlx.engine.kernels.timing import agrees as close_enough
+    from gmlx.engine.kernels.timing import exact_product
 
     q = attention.q_proj
     results = step_tuning.tried(lambda x, n: attention._project(attention, x, n), q.weight.shape[1] * 32 // q.bits,

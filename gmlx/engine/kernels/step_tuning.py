@@ -4,7 +4,7 @@ decisions (:mod:`tuning`), so a machine decides once.
 
 The kernel must first give what the operations it replaces give (``agrees``); then, for
 each bucket of 1, 2, 4, ... 64 streams, a whole decode step is timed without it and with it,
-twice each in the order without-with-with-without (``fast_linear.step_times``: pipelined,
+twice each in the order without-with-with-without (``timing.step_times``: pipelined,
 as the worker runs steps), and the bucket takes it only 2% faster or more. :mod:`glu_cuda` and :mod:`qkv_cuda` decide this way."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
     """The buckets where ``use``-ing the kernel made ``model``'s whole step faster, with
     the speed-up, from an earlier load on this machine (``key``) or timed now; the
     kernel is left in use at those. ``agrees`` false: none, nothing timed."""
-    from gmlx.engine.kernels import fast_linear
+    from gmlx.engine.kernels import timing
     from gmlx.engine.kernels.tuning import Tuning
 
     tuning = Tuning()
@@ -68,7 +68,7 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
             for b in BUCKETS:
                 started = time.perf_counter()
                 try:
-                    without, with_kernel = fast_linear.step_times(
+                    without, with_kernel = timing.step_times(
                         model, b, lambda taken, b=b: use((b,) if taken else ()))
                 except (TypeError, ValueError, RuntimeError):  # a model this cannot step
                     continue

@@ -48,10 +48,10 @@ def steps(model: nn.Module, cache: list, prompts: mx.array, n: int = 4) -> list[
 
 def step_clock(monkeypatch: Any, taken: Any, faster: dict[int, float], drift: float = 0.0) -> list[tuple[int, bool]]:
     """A clock for whole decode steps (this CPU cannot time a CUDA kernel), standing in for
-    ``fast_linear.step_time``: 1.0 s a step, ``faster[rows]`` while ``taken(model, rows)``
+    ``timing.step_time``: 1.0 s a step, ``faster[rows]`` while ``taken(model, rows)``
     says the kernel under test is in use, each step ``drift`` faster than the one timed
     before (a machine warming up); returns what was timed, (rows, taken) each."""
-    from gmlx.engine.kernels import fast_linear
+    from gmlx.engine.kernels import timing
 
     timed: list[tuple[int, bool]] = []
 
@@ -61,5 +61,5 @@ def step_clock(monkeypatch: Any, taken: Any, faster: dict[int, float], drift: fl
         timed.append((rows, on))
         return (faster.get(rows, 1.0) if on else 1.0) * warmer
 
-    monkeypatch.setattr(fast_linear, "step_time", step_time)
+    monkeypatch.setattr(timing, "step_time", step_time)
     return timed

@@ -14,14 +14,9 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source, qmmw_cuda
-from gmlx.engine.kernels.fast_linear import (
-    FastQuantizedLinear,
-    agrees,
-    dequantized,
-    exact_product,
-    use_fast_kernels,
-)
+from gmlx.engine.kernels import cuda_source, qmmw_cuda, timing
+from gmlx.engine.kernels.fast_linear import FastQuantizedLinear, dequantized, use_fast_kernels
+from gmlx.engine.kernels.timing import agrees, exact_product
 
 
 def test_not_used_where_it_is_not_built() -> None:
@@ -87,7 +82,7 @@ def test_a_bucket_stays_only_where_the_whole_step_got_faster(monkeypatch) -> Non
         fast = any(rows in getattr(m, "paths", {}) for _, m in model.named_modules())
         return {(1, True): 0.5, (1, False): 1.0, (2, True): 1.0, (2, False): 1.0}[(rows, fast)]
 
-    monkeypatch.setattr(fast_linear, "step_time", step_time)
+    monkeypatch.setattr(timing, "step_time", step_time)
     note = use_fast_kernels(model)
     layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     swapped = [m for m in layers if isinstance(m, FastQuantizedLinear)]
@@ -103,7 +98,7 @@ def test_nothing_is_kept_when_no_step_gets_faster(monkeypatch) -> None:
     model = _tiny_quantized_llama()
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {1: (fast_linear.DENSE, (0, 0))})
-    monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 1.0)
+    monkeypatch.setattr(timing, "step_time", lambda model, rows: 1.0)
     note = use_fast_kernels(model)
     assert note is not None and "none faster" in note
     layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
@@ -205,7 +200,7 @@ def test_a_second_load_reuses_the_decisions(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", measure)
-    monkeypatch.setattr(fast_linear, "step_time", step_time)
+    monkeypatch.setattr(timing, "step_time", step_time)
     first = use_fast_kernels(_tiny_quantized_llama())
     assert calls["measure"] > 0 and calls["step"] == 4  # with and without, twice each
     assert (paths.cache_dir() / "kernels" / "tuning.json").is_file()
@@ -224,7 +219,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {1: (fast_linear.DENSE, (0, 0))})
-    monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 1.0)
+    monkeypatch.setattr(timing, "step_time", lambda model, rows: 1.0)
     file = paths.cache_dir() / "kernels" / "tuning.json"
     file.parent.mkdir(parents=True)
     file.write_text("{not json")
@@ -235,7 +230,7 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
 def test_the_step_timer_runs_real_decode_steps_each_fed_the_last_ones_tokens() -> None:
     """As the worker runs them: one prompt, then one-token steps (two untimed), each fed
     the greedy pick of the step before, never the same zeros again."""
-    from gmlx.engine.kernels.fast_linear import step_time
+    from gmlx.engine.kernels.timing import step_time
 
     model = _tiny_quantized_llama()
     seen: list[tuple[tuple[int, ...], mx.array, mx.array]] = []  # (input shape, input, greedy pick)
@@ -272,7 +267,7 @@ def test_the_dense_prefill_path_is_priced_as_scratch(monkeypatch) -> None:
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {
         fast_linear.LARGE: (fast_linear.DENSE, (0, 0))})
-    monkeypatch.setattr(fast_linear, "step_time", lambda model, rows: 0.5 if any(
+    monkeypatch.setattr(timing, "step_time", lambda model, rows: 0.5 if any(
         rows in getattr(m, "paths", {}) for _, m in model.named_modules()) else 1.0)
     use_fast_kernels(loaded.model)
     dense = [m for _, m in loaded.model.named_modules()
@@ -375,7 +370,7 @@ def test_the_confirming_steps_run_the_paths_they_time(monkeypatch) -> None:
             mx.eval(model(mx.zeros((rows, 1), mx.int32)))
         return 0.5 if ran_dense else 1.0
 
-    monkeypatch.setattr(fast_linear, "step_time", step_time)
+    monkeypatch.setattr(timing, "step_time", step_time)
     note = use_fast_kernels(model)
     assert note is not None and "2: 2.00x" in note
     swapped = [m for _, m in model.named_modules() if isinstance(m, FastQuantizedLinear)]
@@ -397,7 +392,7 @@ def test_mlx_product_is_timed_first_and_last_so_a_warming_machine_does_not_lose_
         order.append(len(order))
         return 1.0 - 0.05 * order[-1]
 
-    monkeypatch.setattr(fast_linear, "_time", warming)
+    monkeypatch.setattr(timing, "product_time", warming)
     assert fast_linear._measure(layer) == {}  # MLX's product everywhere
     assert len(order) == 3 * len(fast_linear.BUCKETS)  # on this CPU: MLX, dense, MLX again
 
@@ -423,7 +418,7 @@ def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatc
         read.append(next(i for i, m in enumerate(layers) if m.weight is w))
         return real(x, w, *rest, **kw)
 
-    def timing(fn, reps: int) -> float:
+    def clock(fn, reps: int) -> float:
         del read[:]
         mx.eval([fn() for _ in range(reps)])
         timed.append(list(read))
@@ -431,7 +426,7 @@ def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatc
 
     timed: list[list[int]] = []
     monkeypatch.setattr(mx, "quantized_matmul", recording)
-    monkeypatch.setattr(fast_linear, "_time", timing)
+    monkeypatch.setattr(timing, "product_time", clock)
     fast_linear._measure(layers[0], layers[1:], reps=4)
     mlx_timings = timed[::3]  # per bucket on this CPU: MLX, dense (no matmul of MLX's), MLX again
     assert mlx_timings and all(t == [0, 1, 2, 0] for t in mlx_timings)

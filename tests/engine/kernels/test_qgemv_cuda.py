@@ -15,7 +15,7 @@ import pytest
 
 from gmlx.engine.kernels import qgemv_cuda
 from gmlx.engine.kernels.cuda_source import kernel_name
-from gmlx.engine.kernels.fast_linear import agrees, exact_product
+from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import byte_perm, emulation
 from tests.engine.kernels.qgemv_replay import replay
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from gmlx.engine.kernels import qmmw_cuda
-from gmlx.engine.kernels.fast_linear import agrees, exact_product
+from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import byte_perm, emulation
 
 

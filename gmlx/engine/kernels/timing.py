@@ -1,0 +1,119 @@
+"""What a load's tuners measure with: whole decode steps pipelined as the worker runs them (:func:`step_time`, :func:`step_times`), a queue of
+products (:func:`product_time`, :func:`cycling`), and the agreement every path must show
+with a float32 product before it is timed (:func:`agrees`). Used by :mod:`fast_linear`
+(the products' paths) and :mod:`step_tuning` (the step kernels)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mlx import nn
+
+log = logging.getLogger(__name__)
+
+
+def cycling(product: Callable[..., Any], x: Any, weights: list[tuple[Any, ...]]) -> Callable[[], Any]:
+    """``product(x, *w)`` over each of ``weights`` in turn, one a call."""
+    turn = itertools.count()
+    return lambda: product(x, *weights[next(turn) % len(weights)])
+
+
+def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tuple[float, float]:
+    """Seconds per decode step of ``rows`` streams without and with what ``use(True)``
+    puts in place (``use(False)`` takes it out), each timed twice (:func:`step_time`) in
+    the order without, with, with, without, so a machine whose speed drifts while it is
+    timed (clocks rising, caches filling) favours neither; left with it in place."""
+    times = {False: 0.0, True: 0.0}
+    for taken in (False, True, True, False):
+        use(taken)
+        times[taken] += step_time(model, rows)
+    use(True)
+    return times[False] / 2, times[True] / 2
+
+
+def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -> float:
+    """Seconds per decode step of ``rows`` streams after a ``context``-token prompt, run
+    as the worker runs them: each step's tokens (the greedy pick) feed the next, which is
+    built and handed to the GPU before the last one's tokens are read, so a step costs
+    the larger of its host time and its GPU time. (Waiting for each step would add the
+    two: a path that saves the GPU time it costs the host would time faster there and
+    serve slower; on the H200 the one-row kernels did at one stream.) Past 64 rows, per
+    prefill of one ``rows``-token prompt (the products a prefill chunk makes)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if rows > 64:
+        prompt = mx.zeros((1, rows), mx.int32)
+        mx.eval(model(prompt))
+        start = time.perf_counter()
+        for _ in range(2):
+            mx.eval(model(prompt))
+        return (time.perf_counter() - start) / 2
+    cache = make_prompt_cache(model)
+
+    def step(tokens: Any) -> Any:
+        return mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+
+    mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
+    pending = step(mx.zeros((rows, 1), mx.int32))
+    mx.async_eval(pending)
+    start = 0.0
+    for i in range(steps + 2):  # two untimed: the first steps compile
+        if i == 2:
+            start = time.perf_counter()
+        following = step(pending)
+        mx.async_eval(following)
+        pending.tolist()  # the worker reads each step's tokens
+        pending = following
+    pending.tolist()
+    return (time.perf_counter() - start) / steps
+
+
+def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any) -> bool:
+    """Whether a path runs here and agrees (a kernel that does not compile is no path)."""
+    try:
+        return agrees(fn(), want, exact)
+    except RuntimeError as e:  # NVRTC's compile error, or a launch MLX refused
+        log.warning("cuda: a decode-sized path is not used: %s", str(e).splitlines()[0][:200])
+        return False
+
+
+def agrees(got: Any, want: Any, exact: Any) -> bool:
+    """Whether the kernel's ``got`` is as close to the float32 product ``exact`` as MLX's
+    own quantized matmul ``want`` is (within twice its error, plus 0.1% of the largest
+    value): both accumulate in their own order and round to float16."""
+    import mlx.core as mx
+
+    got, want, exact = (a.astype(mx.float32) for a in (got, want, exact))
+    err_kernel = mx.abs(got - exact).max()
+    err_mlx = mx.abs(want - exact).max()
+    return (err_kernel <= 2 * err_mlx + 1e-3 * mx.abs(exact).max()).item()
+
+
+def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
+    """``x @ dequantize(w).T`` in float32: the reference every product is held to."""
+    import mlx.core as mx
+
+    w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    return x.astype(mx.float32) @ w.astype(mx.float32).T
+
+
+def product_time(fn: Any, reps: int) -> float:
+    """Seconds for ``reps`` products queued before one wait, as a decode step queues its
+    layers (a wait per product would time the synchronization instead). Their graphs are
+    built before the clock starts: building costs the host alone, which a pipelined step
+    overlaps with the GPU's work (the whole-step confirmation counts it), and timed here
+    it made a busy host pick MLX's product over faster kernels (the H200 with llama.cpp
+    compiling beside it, 12-03: every one-row kernel lost)."""
+    import mlx.core as mx
+
+    for _ in range(3):
+        mx.eval(fn())
+    products = [fn() for _ in range(reps)]
+    start = time.perf_counter()
+    mx.eval(products)
+    return time.perf_counter() - start
