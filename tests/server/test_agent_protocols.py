@@ -80,8 +80,10 @@ def test_a_system_turn_renders_at_its_place(anthropic_client, demo_tokenizer):
         {"role": "system", "content": "Be brief."}, CLAUDE_CODE[0],
         {"role": "system", "content": AGENTS}, CLAUDE_CODE[2]])
     assert counted.input_tokens == len(expected)
+    no_end = {"logit_bias": {str(t): -100 for t in demo_tokenizer.eos_token_ids}}  # sampled: may end early
     msg = anthropic_client.messages.create(model="demo", max_tokens=3, system="Be brief.",
-                                           messages=[*CLAUDE_CODE[:1], {"role": "system", "content": AGENTS}])
+                                           messages=[*CLAUDE_CODE[:1], {"role": "system", "content": AGENTS}],
+                                           extra_body=no_end)
     assert msg.stop_reason == "max_tokens"
 
 

@@ -8,16 +8,23 @@ import pytest
 HI = [{"role": "user", "content": "Say hello."}]
 
 
-def test_message(anthropic_client):
-    m = anthropic_client.messages.create(model="demo", max_tokens=5, messages=HI)
+def no_end(tokenizer) -> dict:
+    """A request body's logit bias that bans the end of the turn: a sampled reply of the
+    random-weight demo model may otherwise end within a test's few tokens."""
+    return {"logit_bias": {str(t): -100 for t in tokenizer.eos_token_ids}}
+
+
+def test_message(anthropic_client, demo_tokenizer):
+    m = anthropic_client.messages.create(model="demo", max_tokens=5, messages=HI, extra_body=no_end(demo_tokenizer))
     assert m.type == "message" and m.role == "assistant" and m.model == "demo"
     assert m.content[0].type == "text" and isinstance(m.content[0].text, str)
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
     assert m.usage.output_tokens == 5 and m.usage.input_tokens > 0
 
 
-def test_stream_events_in_order(anthropic_client):
-    with anthropic_client.messages.stream(model="demo", max_tokens=4, messages=HI) as stream:
+def test_stream_events_in_order(anthropic_client, demo_tokenizer):
+    with anthropic_client.messages.stream(model="demo", max_tokens=4, messages=HI,
+                                          extra_body=no_end(demo_tokenizer)) as stream:
         kinds = [e.type for e in stream if e.type != "text"]
         final = stream.get_final_message()
     ordered = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]

@@ -13,8 +13,9 @@ def token(tokenizer, text: str) -> int:
     return tid
 
 
-def test_chat_completion(openai_client):
-    r = openai_client.chat.completions.create(model="demo", messages=HI, max_tokens=6)
+def test_chat_completion(openai_client, demo_tokenizer):
+    no_eos = {str(t): -100 for t in demo_tokenizer.eos_token_ids}  # a sampled reply may otherwise end early
+    r = openai_client.chat.completions.create(model="demo", messages=HI, max_tokens=6, logit_bias=no_eos)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     assert r.model == "demo"
     choice = r.choices[0]
