@@ -13,9 +13,14 @@ def token(tokenizer, text: str) -> int:
     return tid
 
 
+def no_eos(tokenizer) -> dict[str, int]:
+    """A logit bias that bans the end of the turn: a sampled reply of the random-weight
+    demo model may otherwise end within a test's few tokens."""
+    return {str(t): -100 for t in tokenizer.eos_token_ids}
+
+
 def test_chat_completion(openai_client, demo_tokenizer):
-    no_eos = {str(t): -100 for t in demo_tokenizer.eos_token_ids}  # a sampled reply may otherwise end early
-    r = openai_client.chat.completions.create(model="demo", messages=HI, max_tokens=6, logit_bias=no_eos)
+    r = openai_client.chat.completions.create(model="demo", messages=HI, max_tokens=6, logit_bias=no_eos(demo_tokenizer))
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     assert r.model == "demo"
     choice = r.choices[0]
@@ -25,11 +30,12 @@ def test_chat_completion(openai_client, demo_tokenizer):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 6
 
 
-def test_chat_stream_role_first_and_usage_last(openai_client):
+def test_chat_stream_role_first_and_usage_last(openai_client, demo_tokenizer):
     stream = openai_client.chat.completions.create(
         model="demo",
         messages=HI,
         max_tokens=5,
+        logit_bias=no_eos(demo_tokenizer),
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -70,9 +76,9 @@ def test_logit_bias_and_stop(openai_client, demo_tokenizer):
     assert stopped.choices[0].finish_reason == "stop"
 
 
-def test_max_completion_tokens_wins(openai_client):
+def test_max_completion_tokens_wins(openai_client, demo_tokenizer):
     r = openai_client.chat.completions.create(
-        model="demo", messages=HI, max_tokens=9, max_completion_tokens=3
+        model="demo", messages=HI, max_tokens=9, max_completion_tokens=3, logit_bias=no_eos(demo_tokenizer)
     )
     assert r.usage.completion_tokens == 3
 
@@ -130,6 +136,7 @@ def test_completions(openai_client, demo_tokenizer):
             model="demo",
             prompt="Once upon",
             max_tokens=4,
+            logit_bias=no_eos(demo_tokenizer),
             stream=True,
             stream_options={"include_usage": True},
         )
