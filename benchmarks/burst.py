@@ -28,13 +28,9 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_throughput import SHAPES, build, prompts
+from benchmarks.throughput import percentile
 
 WIDTH = 64  # streams that may decode together, on both sides
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_peer(loaded, decoding: int, burst: int, prompt_len: int) -> list[float]:
