@@ -42,7 +42,7 @@ from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
 COLD_BYTES = 256 << 20  # weights a product's timing passes through (past the GPU's L2 cache)
-GEMV_ROWS = 2  # the CUDA-core kernel's buckets: past them the tensor-core one won every time on the H200
+GEMV_ROWS = 2  # the CUDA-core kernels' buckets (products and step kernels): past them tensor cores won on the H200
 MAX_KEPT_ROWS = 64  # decode steps of at most this many streams keep their worked-out call
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
 log = logging.getLogger(__name__)

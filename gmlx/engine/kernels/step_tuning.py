@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_ROWS = BUCKETS[-1]
-FEW_ROWS = 2  # the buckets the CUDA-core sources (qgemv_cuda) take; tensor cores (qmmw_cuda) past them
 
 
 def bucket(rows: int) -> int:
@@ -30,12 +29,13 @@ def bucket(rows: int) -> int:
 
 def tensor_cores(layer: Any, rows: int) -> bool:
     """Whether a step kernel standing in for ``layer``'s product (and its neighbours')
-    takes the tensor-core source at the bucket ``rows``: past ``FEW_ROWS``, or where the
-    load's tuner gave ``layer`` itself the tensor-core kernel there (its ``paths``)."""
-    from gmlx.engine.kernels.fast_linear import KERNEL
+    takes the tensor-core source at the bucket ``rows``: past the CUDA-core kernels'
+    buckets (``fast_linear.GEMV_ROWS``), or where the load's tuner gave ``layer`` itself
+    the tensor-core kernel there (its ``paths``)."""
+    from gmlx.engine.kernels.fast_linear import GEMV_ROWS, KERNEL
 
     chosen = (getattr(layer, "paths", None) or {}).get(rows)
-    return rows > FEW_ROWS or (chosen is not None and chosen[0] == KERNEL)
+    return rows > GEMV_ROWS or (chosen is not None and chosen[0] == KERNEL)
 
 
 def tune(model: Any, env: str, what: str, members: Sequence[Any], keys: Sequence[str],
