@@ -63,23 +63,22 @@ def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
     tensor-core kernel does not take the layers' input width.
     (The module is passed in, not kept: the function lives on it.)"""
     group_size, bits = layout(mlp)
-    runs: dict[int, Callable[[Any], Any]] = {}
+    runs: dict[int, Callable[[Any], Any] | None] = {}  # None: the bucket takes MLX's products
 
     def gated(mlp: Any, x: Any, rows: int) -> Any:
         b = bucket(rows)
-        run = runs.get(b)
-        if run is None:
+        if b not in runs:
             gate, up = mlp.gate_proj, mlp.up_proj
             q = (gate.weight, gate.scales, gate.biases, group_size, bits)
-            k = gate.weight.shape[1] * 32 // bits
+            weights = (up.weight, up.scales, up.biases)
             if not step_tuning.tensor_cores(gate, b):
-                run = qgemv_cuda.bound(*q, qgemv_cuda.gated_configs(b)[0], up=(up.weight, up.scales, up.biases))
-            elif qmmw_cuda.supports(b, k, group_size, bits):
-                run = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=(up.weight, up.scales, up.biases))
+                runs[b] = qgemv_cuda.bound(*q, qgemv_cuda.gated_configs(b)[0], up=weights)
+            elif qmmw_cuda.supports(b, gate.weight.shape[1] * 32 // bits, group_size, bits):
+                runs[b] = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=weights)
             else:
-                return _mlx_gated(mlp, x, rows)
-            runs[b] = run
-        return run(x)
+                runs[b] = None
+        run = runs[b]
+        return _mlx_gated(mlp, x, rows) if run is None else run(x)
 
     return gated
 

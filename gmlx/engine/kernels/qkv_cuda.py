@@ -57,25 +57,25 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
     :func:`step_tuning.tensor_cores` names; their own products where the tensor-core
     kernel does not take the layers."""
     names = joined(attention)
-    runs: dict[int, Callable[[Any], Any]] = {}
+    runs: dict[int, Callable[[Any], Any] | None] = {}  # None: the bucket takes the layers' own products
 
     def project(attention: Any, x: Any, rows: int) -> tuple[Any, Any, Any]:
         b = step_tuning.bucket(rows)
-        run = runs.get(b)
-        if run is None:
-            first, *others = (attention[name] for name in names)
+        if b not in runs:
+            first, *others = layers = [attention[name] for name in names]
             q = (first.weight, first.scales, first.biases, first.group_size, first.bits)
             more = tuple((m.weight, m.scales, m.biases) for m in others)
-            sizes = tuple(attention[name].weight.shape[0] for name in names)
-            k = first.weight.shape[1] * 32 // first.bits
             config = qmmw_cuda.configs(b)[0]
             if not step_tuning.tensor_cores(first, b):
-                run = qgemv_cuda.bound(*q, qgemv_cuda.configs(b)[0], more=more)
-            elif qmmw_cuda.supports(b, k, first.group_size, first.bits) and qmmw_cuda.parts_fit(sizes, config):
-                run = qmmw_cuda.bound(*q, config, more=more)
+                runs[b] = qgemv_cuda.bound(*q, qgemv_cuda.configs(b)[0], more=more)
+            elif (qmmw_cuda.supports(b, first.weight.shape[1] * 32 // first.bits, first.group_size, first.bits)
+                  and qmmw_cuda.parts_fit(tuple(m.weight.shape[0] for m in layers), config)):
+                runs[b] = qmmw_cuda.bound(*q, config, more=more)
             else:
-                return _mlx_project(attention, x, rows)
-            runs[b] = run
+                runs[b] = None
+        run = runs[b]
+        if run is None:
+            return _mlx_project(attention, x, rows)
         outs = run(x)
         return outs if len(outs) == 3 else (*outs, attention.v_proj(x))
 
