@@ -220,10 +220,16 @@ class BatchBias:
     def apply(self, logits: mx.array, biases: list[LogitBias | None]) -> mx.array:
         key = tuple(biases)  # held, so no id is reused while it is the key
         if key != self._key:
+            # joined from each bias's own arrays: a client's bias may hold thousands of
+            # ids (every special and partial token), and the rows change at every step a
+            # stream joins or leaves (lists of 32 such biases took ~6.5 ms a rebuild)
             present = [(row, b) for row, b in enumerate(biases) if b is not None]
-            self._rows = mx.array([row for row, b in present for _ in b.ids], dtype=mx.int32)
-            self._ids = mx.array([t for _, b in present for t in b.ids], dtype=mx.int32)
-            self._values = mx.array([v for _, b in present for v in b.values], dtype=mx.float32)
+            if present:
+                self._rows = mx.concatenate([mx.full((len(b.ids),), row, dtype=mx.int32) for row, b in present])
+                self._ids = mx.concatenate([b._ids for _, b in present])
+                self._values = mx.concatenate([b._values for _, b in present])
+            else:
+                self._rows = self._ids = self._values = mx.array([])
             self._key = key
         if not self._ids.size:
             return logits
