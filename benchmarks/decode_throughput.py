@@ -24,6 +24,10 @@ SHAPES = {
     # does on an accelerator at an 8B's step rate
     "micro": {"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 8192},
+    # an 8B's 32 blocks at a toy width: a step's host work (its graph built and handed
+    # over, block by block) with little arithmetic, as a few streams' step on a GPU
+    "narrow32": {"hidden_size": 128, "num_hidden_layers": 32, "intermediate_size": 256,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192},
     "tiny": {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 704,
              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 8192},
     "llama3-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,

@@ -5,7 +5,10 @@ gmlx's worker on the same weights, with the quantized layers as MLX leaves them
 empties MLX's buffer cache between modes; ``one-token`` gives the attention layers the
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
 operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``qkv`` and
-``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``model-layers`` gives mlx-lm's own
+``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
+``step-compiled`` run the one-token blocks in two compiled pieces each
+(``gmlx.engine.kernels.compiled_blocks``, anywhere; the bare step then runs over a batch
+cache, and mlx-lm's generator, on the same model, takes them too), ``model-layers`` gives mlx-lm's own
 back, each for the modes after.
 A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
@@ -43,9 +46,11 @@ def bare_step(model, rows: int, context: int = 128, steps: int = 16) -> tuple[fl
     """Seconds per decode step of ``rows`` streams (each step waited for), of the step's
     graph building alone (the Python side of a step) and of handing it to the GPU
     (``mx.async_eval``: the kernels' launches)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    # compiled blocks run over a batch's cache only (its position an array), as a server's do
+    compiled = any(vars(type(m)).get("compiled_block") for _, m in model.named_modules())
+    cache = [BatchKVCache([0] * rows) for _ in model.layers] if compiled else make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
     token = mx.zeros((rows, 1), mx.int32)
     for _ in range(3):
@@ -128,13 +133,21 @@ def load(ref: str, dtype: str, quantize: bool = True):
 
 # the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
-           "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv")}
+           "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv"),
+           "compiled": ("compiled",), "step compiled": ("glu", "qkv", "compiled")}
 
 
 @contextlib.contextmanager
 def layered(model, mode: str):
     """``model`` with ``mode``'s one-token layers (``LAYERED``) for the block's length."""
-    from gmlx.engine.kernels import add_norm_cuda, glu_cuda, one_token, qkv_cuda, rope_cuda
+    from gmlx.engine.kernels import (
+        add_norm_cuda,
+        compiled_blocks,
+        glu_cuda,
+        one_token,
+        qkv_cuda,
+        rope_cuda,
+    )
 
     kernels = LAYERED.get(mode)
     if kernels is not None:
@@ -145,9 +158,12 @@ def layered(model, mode: str):
             glu_cuda.attach(model)
         if "qkv" in kernels:
             qkv_cuda.attach(model)
+        if "compiled" in kernels:
+            compiled_blocks.attach(model)
     try:
         yield
     finally:
+        compiled_blocks.detach(model)
         one_token.detach(model)
         add_norm_cuda.detach(model)
         glu_cuda.detach(model)
@@ -155,7 +171,8 @@ def layered(model, mode: str):
 
 # served_step's layer modes -> LAYERED's loops (``model-layers``: none)
 LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
-          "glu": "glu", "qkv": "qkv", "step-kernels": "step kernels", "model-layers": "gmlx cache"}
+          "glu": "glu", "qkv": "qkv", "step-kernels": "step kernels", "compiled": "compiled",
+          "step-compiled": "step compiled", "model-layers": "gmlx cache"}
 
 
 def main() -> None:
@@ -216,7 +233,7 @@ def main() -> None:
                 layers.__enter__()
             kernels = LAYERED.get(LAYERS[mode])
             what = "mlx-lm's own layers" if kernels is None else "one-token attention" + "".join(
-                f" + the {k} kernel" for k in kernels)
+                " + compiled blocks" if k == "compiled" else f" + the {k} kernel" for k in kernels)
             print(f"  {mode}: the modes after run {what}", flush=True)
             continue
         os.environ["GMLX_QMV_KERNEL"] = {"plain": "0", "flat": "flat", "tuned": "1"}[mode]

@@ -20,9 +20,18 @@ def prepare_layers(model: Any) -> list[str]:
     (unless ``GMLX_GLU_KERNEL=0``) an MLP's gate and up projections and swiglu in one
     kernel (:mod:`glu_cuda`) and (unless ``GMLX_QKV_KERNEL=0``) an attention's queries,
     keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
-    measures faster. Returns the load notes."""
+    measures faster; last, with ``GMLX_COMPILE_BLOCKS=1``, the one-token steps of
+    llama-pattern blocks in two compiled pieces each (:mod:`compiled_blocks`, logged),
+    traced after the tuner chose the paths they keep. Returns the load notes."""
     from gmlx.engine import mlxlm
-    from gmlx.engine.kernels import add_norm_cuda, attention_cuda, glu_cuda, one_token, qkv_cuda
+    from gmlx.engine.kernels import (
+        add_norm_cuda,
+        attention_cuda,
+        compiled_blocks,
+        glu_cuda,
+        one_token,
+        qkv_cuda,
+    )
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 
@@ -47,4 +56,6 @@ def prepare_layers(model: Any) -> list[str]:
             decided = None
         if decided is not None:
             notes.append(decided)
+    if compiled_blocks.enabled() and (compiled := compiled_blocks.attach(model)):
+        log.info("one-token steps of %d block(s) in two compiled pieces each", compiled)
     return notes

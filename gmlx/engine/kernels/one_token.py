@@ -24,6 +24,9 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.models import base
+
 from gmlx.engine.kernels import rope_cuda, swaps
 from gmlx.engine.kernels.step_tuning import MAX_ROWS as MAX_PROJECTED
 from gmlx.engine.kernels.step_tuning import bucket
@@ -74,40 +77,54 @@ def _classes() -> frozenset[type]:
     return swaps.family_classes(FAMILIES, "Attention")
 
 
+def queries_keys_values(attention: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
+    """A one-token step's queries, keys and values from ``x`` (``(B, 1, hidden)``) at the
+    cache position ``offset``, each shaped ``(B, heads, 1, D)`` for the cache and the
+    attention: projected (in one product where qkv_cuda gave the layer one for ``B``
+    streams), the queries and keys normed per head where the family does and rotated (in
+    one kernel where the layer has one and the offset is a batch's ``int32`` array).
+    ``attention`` is a layer :func:`attach` changed."""
+    B = x.shape[0]
+    project = attention._project
+    if project is not None and B <= MAX_PROJECTED and bucket(B) in attention._project_buckets:
+        queries, keys, values = project(attention, x, B)  # one product (qkv_cuda)
+    elif "qkv_proj" in attention:  # phi3
+        q_end = attention.n_heads * attention.head_dim
+        queries, keys, values = mx.split(attention.qkv_proj(x),
+                                         [q_end, q_end + attention.n_kv_heads * attention.head_dim], axis=-1)
+    else:
+        queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    values = values.reshape(B, attention.n_kv_heads, 1, -1)
+    rotate = attention._rotate
+    if rotate is not None and isinstance(offset, mx.array) and offset.dtype == mx.int32:
+        queries, keys = rotate(queries, keys, offset)  # one kernel: reshaped and rotated
+    else:
+        queries = queries.reshape(B, attention.n_heads, 1, -1)
+        keys = keys.reshape(B, attention.n_kv_heads, 1, -1)
+        if "q_norm" in attention:
+            queries, keys = attention.q_norm(queries), attention.k_norm(keys)
+        queries = attention.rope(queries, offset=offset)
+        keys = attention.rope(keys, offset=offset)
+    return queries, keys, values
+
+
+def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cache: Any) -> Any:
+    """The keys and values into ``cache``, and the queries' attention over all it holds,
+    shaped ``(B, 1, heads * D)`` for the output projection."""
+    keys, values = cache.update_and_fetch(keys, values)
+    # through the module, so a routed attention (attention_cuda) is the one called
+    out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
+    return out.reshape(out.shape[0], 1, -1)
+
+
 @cache
 def _one_token(cls: type) -> type:
     """``cls`` with a one-token step in fewer operations."""
-    import mlx.core as mx
-    from mlx_lm.models import base
 
     def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
-        B, L, _ = x.shape
-        if L != 1 or cache is None:
+        if x.shape[1] != 1 or cache is None:
             return cls.__call__(self, x, mask, cache)
-        project = self._project
-        if project is not None and B <= MAX_PROJECTED and bucket(B) in self._project_buckets:
-            queries, keys, values = project(self, x, B)  # one product (qkv_cuda)
-        elif "qkv_proj" in self:  # phi3
-            q_end = self.n_heads * self.head_dim
-            queries, keys, values = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim],
-                                             axis=-1)
-        else:
-            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        values = values.reshape(B, self.n_kv_heads, 1, -1)
-        offset = cache.offset
-        rotate = self._rotate
-        if rotate is not None and isinstance(offset, mx.array) and offset.dtype == mx.int32:
-            queries, keys = rotate(queries, keys, offset)  # one kernel: reshaped and rotated
-        else:
-            queries = queries.reshape(B, self.n_heads, 1, -1)
-            keys = keys.reshape(B, self.n_kv_heads, 1, -1)
-            if "q_norm" in self:
-                queries, keys = self.q_norm(queries), self.k_norm(keys)
-            queries = self.rope(queries, offset=offset)
-            keys = self.rope(keys, offset=offset)
-        keys, values = cache.update_and_fetch(keys, values)
-        # through the module, so a routed attention (attention_cuda) is the one called
-        out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(out.reshape(B, 1, -1))
+        queries, keys, values = queries_keys_values(self, x, cache.offset)
+        return self.o_proj(attend(self, queries, keys, values, mask, cache))
 
     return swaps.subclass(cls, "one_token", __call__)

@@ -1,0 +1,97 @@
+"""A one-token step's block in two compiled pieces, for mlx-lm's llama-pattern models.
+
+A decode step of a few streams on a GPU is bound by the host: building the step's graph
+in Python took 1.7-3.2 ms of an 8B's 7-10 ms step on the H200 (``served_step.py``'s build
+column), a few microseconds for each of the ~20 module calls and operations of each of
+its 32 blocks. ``mx.compile`` traces a function once per input shape and replays it from
+C++ after: a block's work before the KV cache (its norm, the queries, keys and values,
+their rotation) and after the attention (the output projection, both residual adds, the
+second norm, the MLP) are each one compiled call, and only the cache update and the
+attention stay Python (they read the cache, whose length grows every step). Here, on
+the CPU, an element-wise chain of 20 operations took 17 us to build and 1.9 us as a
+compiled call, a quantized block's MLP half 13.4 and 4.5.
+
+Each piece is traced per decode width (its inputs' shapes: the hidden state, the
+batch's positions, the attention's output; not the context length), the first time a
+width runs (the warm-up runs every width), after the load's tuner has chosen the
+products' paths the trace then keeps. Only one-token steps over a batch cache (whose
+position is an ``int32`` array, as the engine's generator uses) take it; prompt steps
+and anything else run the block as it was. Only the block classes of :data:`FAMILIES`
+whose attention has :mod:`one_token`'s path, and not where another swap (the fused adds
+and norms of :mod:`add_norm_cuda`) changed the block. The same operations in the same
+order: the tests compare the logits bit for bit against the block uncompiled. Off
+unless ``GMLX_COMPILE_BLOCKS=1`` until it is measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+from gmlx.engine.kernels import one_token, swaps
+
+ENV = "GMLX_COMPILE_BLOCKS"
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3")  # h = x + attn(norm(x)); h + mlp(norm(h))
+
+
+def enabled() -> bool:
+    """Whether ``GMLX_COMPILE_BLOCKS=1``."""
+    return os.environ.get(ENV, "0") == "1"
+
+
+def attach(model: Any) -> int:
+    """Give ``model``'s llama-pattern blocks whose attention has the one-token path the
+    compiled one-token step; returns how many changed."""
+    blocks = _block_classes()
+    changed = 0
+    for _, module in model.named_modules():
+        if type(module) in blocks and vars(type(module.get("self_attn"))).get("one_token"):
+            module.__class__ = _compiled_block(type(module))
+            object.__setattr__(module, "_pieces", None)
+            changed += 1
+    return changed
+
+
+def detach(model: Any) -> None:
+    """Give the blocks their own classes back."""
+    swaps.restore(model, "compiled_block")
+
+
+@cache
+def _block_classes() -> frozenset[type]:
+    return swaps.family_classes(FAMILIES, "TransformerBlock")
+
+
+def pieces(block: Any) -> tuple[Any, Any]:
+    """``block``'s compiled pieces: ``before(x, offset) -> (queries, keys, values)`` and
+    ``after(x, attended) -> the block's output``."""
+    attention = block.self_attn
+
+    def before(x: Any, offset: Any) -> tuple[Any, Any, Any]:
+        return one_token.queries_keys_values(attention, block.input_layernorm(x), offset)
+
+    def after(x: Any, attended: Any) -> Any:
+        h = x + attention.o_proj(attended)
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    return mx.compile(before), mx.compile(after)
+
+
+@cache
+def _compiled_block(cls: type) -> type:
+    """``cls`` whose one-token steps over a batch cache run in two compiled pieces."""
+
+    def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
+        offset = None if cache is None else cache.offset
+        if x.shape[1] != 1 or not isinstance(offset, mx.array) or offset.dtype != mx.int32:
+            return cls.__call__(self, x, mask, cache)
+        if self._pieces is None:
+            object.__setattr__(self, "_pieces", pieces(self))
+        before, after = self._pieces
+        queries, keys, values = before(x, offset)
+        return after(x, one_token.attend(self.self_attn, queries, keys, values, mask, cache))
+
+    return swaps.subclass(cls, "compiled_block", __call__)

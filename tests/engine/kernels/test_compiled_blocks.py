@@ -1,0 +1,122 @@
+"""One-token steps of llama-pattern blocks in two compiled pieces (``compiled_blocks``):
+the same logits bit for bit as the blocks uncompiled on padded batch caches (float and
+quantized weights, float32 and bfloat16), the same tokens through mlx-lm's generator and
+gmlx's worker, prompt steps and single-sequence caches left to the model's own code, one
+trace per decode width. Real MLX on the CPU; tiny mlx-lm models."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from gmlx.engine.kernels import compiled_blocks, one_token
+from tests.engine.decoding import decode_together
+from tests.engine.kernels.models import steps, tiny
+
+LAYERS = 3
+PADDED = mx.array([[3, 1, 4, 1, 5, 9, 2, 6], [0, 0, 0, 7, 7, 8, 8, 9], [0, 0, 0, 0, 0, 2, 4, 6]])
+
+
+def _padded() -> list[BatchKVCache]:
+    return [BatchKVCache([0, 3, 5]) for _ in range(LAYERS)]
+
+
+def _prepared(family: str, quantized: bool = False, dtype=None) -> nn.Module:
+    model = tiny(family, LAYERS, quantized=quantized, dtype=dtype)
+    assert one_token.attach(model) == LAYERS
+    return model
+
+
+@pytest.mark.parametrize("family", compiled_blocks.FAMILIES)
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("dtype", [None, mx.bfloat16])
+def test_the_same_logits_bit_for_bit(family: str, quantized: bool, dtype) -> None:
+    model = _prepared(family, quantized, dtype)
+    want = steps(model, _padded(), PADDED, n=5)
+    assert compiled_blocks.attach(model) == LAYERS
+    got = steps(model, _padded(), PADDED, n=5)
+    assert all(block._pieces is not None for block in model.layers)  # the compiled path ran
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert mx.array_equal(a, b).item(), f"{family}: step {step} differs"
+
+
+def test_prompt_steps_and_single_sequence_caches_run_the_models_own_code() -> None:
+    model = _prepared("llama")
+    compiled_blocks.attach(model)
+    steps(model, [KVCache() for _ in range(LAYERS)], PADDED[:1])  # a plain cache's offset is a number
+    assert all(block._pieces is None for block in model.layers)
+
+
+def test_one_trace_per_decode_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece is traced once per width, not once per step (the cache's length grows)."""
+    model = _prepared("llama")
+    compiled_blocks.attach(model)
+    traced: list[tuple[int, ...]] = []
+    queries_keys_values = one_token.queries_keys_values
+
+    def counting(attention, x, offset):
+        traced.append(x.shape)
+        return queries_keys_values(attention, x, offset)
+
+    monkeypatch.setattr(one_token, "queries_keys_values", counting)
+    steps(model, _padded(), PADDED, n=6)
+    steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=6)
+    assert sorted(traced) == [(1, 1, 128)] * LAYERS + [(3, 1, 128)] * LAYERS
+
+
+def test_detach_and_what_is_left_alone() -> None:
+    from mlx_lm.models import gemma3_text, llama
+
+    model = _prepared("llama")
+    assert compiled_blocks.attach(model) == LAYERS
+    compiled_blocks.detach(model)
+    assert {type(block) for block in model.layers} == {llama.TransformerBlock}
+    plain = tiny("llama", LAYERS)  # no one-token attention: its blocks are left as they are
+    assert compiled_blocks.attach(plain) == 0
+    gemma = tiny("gemma3_text", LAYERS)  # not the pattern (norms around each half)
+    one_token.attach(gemma)
+    assert compiled_blocks.attach(gemma) == 0
+    assert {type(block) for block in gemma.layers} == {gemma3_text.TransformerBlock}
+
+
+@pytest.mark.parametrize("family", compiled_blocks.FAMILIES)
+def test_the_same_tokens_through_mlx_lm_generator(family: str) -> None:
+    model = _prepared(family, quantized=True)
+    want = decode_together(model, 10_000)
+    compiled_blocks.attach(model)
+    assert decode_together(model, 10_000) == want
+
+
+def test_the_same_tokens_through_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's load with ``GMLX_COMPILE_BLOCKS=1``: the worker's greedy streams, joined
+    at different steps, give the tokens they give without it."""
+    from gmlx.engine.kernels import prepare_layers
+    from gmlx.engine.loading import load_model
+    from gmlx.engine.types import GenerateRequest, SamplingParams
+    from gmlx.engine.worker import ModelWorker
+
+    def tokens(compiled: bool) -> list[list[int]]:
+        monkeypatch.setenv(compiled_blocks.ENV, "1" if compiled else "0")
+        loaded = load_model("demo")
+        model = tiny("qwen2", LAYERS, quantized=True)
+        prepare_layers(model)
+        assert all(vars(type(block)).get("compiled_block") for block in model.layers) == compiled
+        loaded = replace(loaded, model=model, config={**loaded.config, "vocab_size": 256})
+        worker = ModelWorker(loaded, decode_batch=4, prompt_cache_bytes=0)
+        try:
+            greedy = SamplingParams(temperature=0.0, logit_bias={t: -100.0 for t in (0, 1, 2)})
+            handles = [worker.submit(GenerateRequest(tuple(range(3 + i, 9 + 2 * i)), max_tokens=12 + i,
+                                                     sampling=greedy)) for i in range(3)]
+            out = [[t for ev in handle for t in (ev.token_ids or ())] for handle in handles]
+            assert all((getattr(block, "_pieces", None) is not None) == compiled for block in model.layers)
+            return out
+        finally:
+            worker.close()
+
+    want = tokens(False)
+    assert [len(t) for t in want] == [12, 13, 14]
+    assert tokens(True) == want
