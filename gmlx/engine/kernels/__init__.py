@@ -20,7 +20,7 @@ def prepare_layers(model: Any) -> list[str]:
     (unless ``GMLX_GLU_KERNEL=0``) an MLP's gate and up projections and swiglu in one
     kernel (:mod:`glu_cuda`) and (unless ``GMLX_QKV_KERNEL=0``) an attention's queries,
     keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
-    measures faster; last, with ``GMLX_COMPILE_BLOCKS=1``, the one-token steps of
+    measures faster; last (on the CPU, or with ``GMLX_COMPILE_BLOCKS=1``) the one-token steps of
     llama-pattern blocks in two compiled pieces each (:mod:`compiled_blocks`, logged),
     traced after the tuner chose the paths they keep. Returns the load notes."""
     from gmlx.engine import mlxlm

@@ -120,3 +120,15 @@ def test_the_same_tokens_through_the_worker(monkeypatch: pytest.MonkeyPatch) -> 
     want = tokens(False)
     assert [len(t) for t in want] == [12, 13, 14]
     assert tokens(True) == want
+
+
+def test_on_by_default_on_the_cpu_and_turned_off_with_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(compiled_blocks.ENV, raising=False)
+    assert compiled_blocks.enabled()  # this suite runs on MLX's CPU backend
+    monkeypatch.setenv(compiled_blocks.ENV, "0")
+    assert not compiled_blocks.enabled()
+    monkeypatch.setattr("gmlx.engine.capacity.backend", lambda: "cuda")
+    monkeypatch.delenv(compiled_blocks.ENV)
+    assert not compiled_blocks.enabled()  # a GPU: not until measured there
+    monkeypatch.setenv(compiled_blocks.ENV, "1")
+    assert compiled_blocks.enabled()
