@@ -6,7 +6,9 @@ balancer moves on) and gives the requests in flight a grace period to finish. Th
 still running when it ends are cut with that typed error: a stream ends with its
 protocol's error event, never with a normal finish, so no client takes a truncated
 answer for a complete one. Then uvicorn stops as usual (the port is released) and the
-process exits 0. A second Ctrl-C stops at once.
+process exits 0. A second signal cuts the requests in flight at once, the same way
+(their streams still end with the error event, and the log says so in one line, not
+with a traceback per cancelled task); a third stops without waiting for anything.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class GracefulServer(uvicorn.Server):
         self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Task[None] | None = None
+        self._cutting: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -101,23 +104,35 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._stopping is not None or self._loop is None:  # a second signal: stop now
+        name = signal.Signals(sig).name
+        if self._loop is None or self._cutting is not None:  # not serving yet, or a third signal
             self.should_exit = self.force_exit = True
-            return
-        self._stopping = self._loop.create_task(self._drain(signal.Signals(sig).name))
+        elif self._stopping is None:
+            self._stopping = self._loop.create_task(self._drain(name))
+        else:  # a second signal: the grace period ends now
+            self._cutting = self._loop.create_task(self._cut(
+                f"a second {name}: stopping now", "The server was stopped before this request finished."))
 
     async def _drain(self, why: str) -> None:
         drain = self.drain
         drain.draining = True
         log.info("%s: shutting down; %d requests in flight get up to %g s to finish",
                  why, drain.in_flight, self.timeout)
-        if not await drain.idle(self.timeout):
-            log.warning("shutting down: cutting %d requests still in flight", drain.in_flight)
-            error = ShuttingDownError(
-                f"The server shut down before this request finished (grace period {self.timeout:g} s).")
-            for worker in self.workers():
-                worker.abort(error)
-            await drain.idle(CUT_WAIT_S)
+        if not await drain.idle(self.timeout) and self._cutting is None:
+            await self._cut("shutting down", "The server shut down before this request finished "
+                                             f"(grace period {self.timeout:g} s).")
+        self.should_exit = True
+
+    async def _cut(self, why: str, message: str) -> None:
+        """End every request in flight with a typed error saying ``message`` (a stream
+        with its protocol's error event), give the responses ``CUT_WAIT_S`` to send it,
+        then stop."""
+        if self.drain.in_flight:
+            log.warning("%s: cutting %d requests still in flight", why, self.drain.in_flight)
+        error = ShuttingDownError(message)
+        for worker in self.workers():
+            worker.abort(error)
+        await self.drain.idle(CUT_WAIT_S)
         self.should_exit = True
 
 

@@ -121,3 +121,28 @@ def test_ctrl_c_refuses_new_requests_lets_streams_finish_and_exits_0(gmlx_home):
         # the long stream's client leaves: nothing is in flight, the server stops
         assert proc.wait(timeout=60) == 0
     assert port_is_free(url)
+
+
+def test_a_second_sigterm_cuts_the_grace_period_short_without_tracebacks(gmlx_home):
+    """The first SIGTERM drains (a long grace period); the second cuts the stream in
+    flight at once with the protocol's error event, and the log says so in one line."""
+    with serving("--shutdown-timeout", "120") as (proc, url), httpx.Client(timeout=60) as client:
+        with openai_stream(client, url, 8000) as oa:
+            lines = oa.iter_lines()
+            until_text(lines, '"content":')
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{url}/health", timeout=10).status_code != 503:  # draining
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            rest = "\n".join(lines)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stdout.read() if proc.stdout else ""
+    error = json.loads(next(line for line in rest.splitlines() if '"error"' in line)[len("data: "):])
+    assert error["error"]["type"] == "server_shutting_down"
+    assert "stopped before this request finished" in error["error"]["message"]
+    assert '"finish_reason":"stop"' not in rest and '"finish_reason":"length"' not in rest
+    assert "a second SIGTERM: stopping now: cutting 1 requests still in flight" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert port_is_free(url)
