@@ -84,7 +84,7 @@ from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
            "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-noqkv",
-           "gmlx-nostep", "gmlx-mlx",
+           "gmlx-nostep", "gmlx-compiled", "gmlx-nocompile", "gmlx-allkernels", "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -118,6 +118,13 @@ GMLX_VARIANTS = {
     "gmlx-nostep": {"GMLX_GLU_KERNEL": "0", "GMLX_QKV_KERNEL": "0"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
+    # each llama-pattern block's one-token step in two compiled pieces
+    # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU, off on a GPU), or never
+    "gmlx-compiled": {"GMLX_COMPILE_BLOCKS": "1"},
+    "gmlx-nocompile": {"GMLX_COMPILE_BLOCKS": "0"},
+    # the compiled blocks with the rope kernel inside them (the fused adds and norms change
+    # the blocks themselves, which compiled_blocks then leaves alone)
+    "gmlx-allkernels": {"GMLX_COMPILE_BLOCKS": "1", "GMLX_ROPE_KERNEL": "1"},
 }
 # mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the
 # same engine settings on both sides, so the difference is the server (issue 19, point 4)
