@@ -7,7 +7,10 @@ gmlx does on the CPU backend where memory allows), in one run.
 
 Random weights of the given shape, quantized with MLX's affine quantization (the layout
 GGUF Q4_0/Q4_K/Q8_0 tensors load into). Prints tokens/s at widths 1 and 4 for both and
-the ratio (float / quantized).
+the ratio (float / quantized). ``--dtypes float32,float16,bfloat16`` instead compares the
+float types the layers could be dequantized to (the whole model cast): tokens/s at
+widths 1, 4 and 16 and a 256-token prefill, for the choice ``gmlx.engine.loading.cpu_float``
+makes.
 """
 
 from __future__ import annotations
@@ -54,13 +57,39 @@ def decode_tok_s(model, width: int, tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
+def compare_dtypes(quantized, names: list[str], tokens: int) -> None:
+    from mlx.utils import tree_unflatten
+
+    from gmlx.engine.loading.cpu_float import _as_float, quantized_modules
+
+    mx.set_default_device(mx.cpu)
+    print(f"{'dtype':>9} {'prefill 256 ms':>15} {'w1 tok/s':>9} {'w4 tok/s':>9} {'w16 tok/s':>10}")
+    for name in names:
+        dtype = getattr(mx, name)
+        model = copy.deepcopy(quantized)
+        model.update_modules(tree_unflatten([(p, _as_float(m, dtype)) for p, m in quantized_modules(model)]))
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+        prompt = mx.array([[(7 * j) % 1000 + 3 for j in range(256)]])
+        mx.eval(model(prompt))
+        start = time.perf_counter()
+        mx.eval(model(prompt))
+        prefill = time.perf_counter() - start
+        rates = [decode_tok_s(model, width, tokens) for width in (1, 4, 16)]
+        print(f"{name:>9} {prefill * 1e3:>15.0f} " + " ".join(f"{r:>9.1f}" for r in rates), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=10)
+    parser.add_argument("--dtypes", help="compare these float types instead (e.g. float32,float16,bfloat16)")
     args = parser.parse_args()
+    if args.dtypes:
+        compare_dtypes(build(args.hidden, args.layers, args.bits), args.dtypes.split(","), args.tokens)
+        return
 
     from gmlx.engine.loading.cpu_float import dequantize_for_cpu
 
