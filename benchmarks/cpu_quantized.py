@@ -58,18 +58,14 @@ def decode_tok_s(model, width: int, tokens: int) -> float:
 
 
 def compare_dtypes(quantized, names: list[str], tokens: int) -> None:
-    from mlx.utils import tree_unflatten
-
-    from gmlx.engine.loading.cpu_float import _as_float, quantized_modules
+    from gmlx.engine.loading.cpu_float import to_float
 
     mx.set_default_device(mx.cpu)
     print(f"{'dtype':>9} {'prefill 256 ms':>15} {'w1 tok/s':>9} {'w4 tok/s':>9} {'w16 tok/s':>10}")
     for name in names:
         dtype = getattr(mx, name)
         model = copy.deepcopy(quantized)
-        model.update_modules(tree_unflatten([(p, _as_float(m, dtype)) for p, m in quantized_modules(model)]))
-        model.set_dtype(dtype)
-        mx.eval(model.parameters())
+        to_float(model, dtype)
         prompt = mx.array([[(7 * j) % 1000 + 3 for j in range(256)]])
         mx.eval(model(prompt))
         start = time.perf_counter()

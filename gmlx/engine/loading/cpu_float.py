@@ -55,7 +55,7 @@ def dequantize_for_cpu(model: nn.Module, free_bytes: int | None) -> str | None:
     quantized layers nor float16 weights)."""
     import mlx.core as mx
 
-    from gmlx.engine.capacity import backend, human
+    from gmlx.engine.capacity import backend, human, weight_bytes
 
     if backend() != "cpu":
         return None
@@ -69,12 +69,23 @@ def dequantize_for_cpu(model: nn.Module, free_bytes: int | None) -> str | None:
         if need > budget:
             return (f"cpu: kept {len(layers)} quantized layer(s): as bfloat16 the weights would need "
                     f"{human(need)}, over half the free memory ({human(budget * 2)}); expect slow decoding")
-        model.update_modules(tree_unflatten([(path, _as_float(m, mx.bfloat16)) for path, m in layers]))
-    model.set_dtype(mx.bfloat16)  # every float: a float32 norm would turn the activations float32
-    mx.eval(model.parameters())  # here, on the loading thread: a worker cannot evaluate another thread's graph
+    to_float(model, mx.bfloat16)
     done = f"dequantized {len(layers)} quantized layer(s) to bfloat16" if layers else "float16 weights as bfloat16"
-    return (f"cpu: {done} at load ({human(float_bytes(model, mx.bfloat16.size))} of weights; on MLX's CPU "
+    return (f"cpu: {done} at load ({human(weight_bytes(model))} of weights; on MLX's CPU "
             "backend bfloat16 products run fastest, quantized ones 25-50x slower)")
+
+
+def to_float(model: nn.Module, dtype: Any) -> None:
+    """``model`` computing in ``dtype``: its quantized layers dequantized in place and
+    every float parameter cast (a float32 norm left as it is would turn the activations
+    float32), evaluated on the calling thread (a worker cannot evaluate a graph another
+    thread built)."""
+    import mlx.core as mx
+
+    if layers := quantized_modules(model):
+        model.update_modules(tree_unflatten([(path, _as_float(m, dtype)) for path, m in layers]))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
 
 
 def _as_float(layer: Any, dtype: Any) -> nn.Module:
