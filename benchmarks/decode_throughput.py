@@ -135,8 +135,13 @@ def run_gmlx(loaded, width: int, prompt_len: int, tokens: int, bias: dict[int, f
     finally:
         worker.close()
     # Count only what was decoded while every stream was decoding: prefill admits
-    # prompts over several steps, so the streams start (and end) a few steps apart.
-    start = max(s[0] for s in stamps)
+    # prompts over several steps, so the streams start (and end) a few steps apart. The
+    # last stream's first token is handed out by the step that ended its prompt; the
+    # step after merges it into the decoding batch (its caches copied into new arrays:
+    # 44-66 ms on an H200 where a step takes ~10), so the window opens at its second
+    # token, as the peer's opens after its one merge. With 64 tokens a request at 32
+    # streams that one step was a seventh of the window.
+    start = max(s[1] for s in stamps)
     end = min(s[-1] for s in stamps)
     return sum(start < t <= end for s in stamps for t in s) / (end - start)
 
