@@ -50,7 +50,8 @@ datasheet figure; a device-to-device copy measured ~4.3 TB/s here). At width 1 t
 measured tok/s over the single-stream floor BW / B.
 
 Results accumulate as JSON in ``--results`` (one file per variant and server), so calls
-can be split; every table is rebuilt from all of them after each server and written to
+can be split; a server named twice in one call (``--servers gmlx,gmlx-compiled,gmlx,gmlx-compiled``:
+alternating pairs) keeps each run, the second as ``gmlx#2``; every table is rebuilt from all of them after each server and written to
 ``--out`` (markdown; all the JSON results beside it, same name, .json) as well as printed.
 """
 
@@ -355,6 +356,13 @@ def fmt_ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1000:.0f}"
 
 
+def run_order(label: str) -> tuple[int, int]:
+    """Where a run's column goes: its server's place in ``SERVERS``, then its run
+    (``gmlx#2`` after ``gmlx``)."""
+    kind, _, run = label.partition("#")
+    return SERVERS.index(kind), int(run or 1)
+
+
 def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[str, str]) -> str:
     bw = args.bandwidth
     lines: list[str] = []
@@ -368,7 +376,7 @@ def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[
         f"excluded unless tied; KV reads ignored), BW = {bw / 1e12:.1f} TB/s.")
     by_variant: dict[str, dict[str, dict[str, Any]]] = {}
     for r in results:
-        by_variant.setdefault(r["variant"], {})[r["server"]] = r
+        by_variant.setdefault(r["variant"], {})[r.get("label", r["server"])] = r
     shapes: dict[str, list[str]] = {}
     for v in by_variant:
         shapes.setdefault(v.split(":")[0], []).append(v)
@@ -377,7 +385,7 @@ def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[
         out(f"## {shape}")
         for v in sorted(variants):
             rs = by_variant[v]
-            present = [k for k in SERVERS if k in rs]
+            present = sorted(rs, key=run_order)
             out("")
             out(f"### {v}")
             out("")
@@ -530,7 +538,10 @@ def main() -> None:
             folder = args.models_dir / shape
             tok = folder / "tokenizer" if (folder / "tokenizer").exists() else folder / "mlx-bf16"
             prompts = tp.Prompts(tok)
+            runs: dict[str, int] = {}
             for kind in servers:
+                runs[kind] = runs.get(kind, 0) + 1
+                label = kind if runs[kind] == 1 else f"{kind}#{runs[kind]}"
                 name = FILES[quant][kind]
                 if name is None:
                     continue
@@ -543,7 +554,8 @@ def main() -> None:
                     result = {"variant": variant, "server": kind, "model": str(model), "skipped": skipped}
                 else:
                     result = bench_one(variant, kind, model, prompts, args, workdir)
-                (args.results / f"{shape}_{quant}_{kind}.json").write_text(json.dumps(result, indent=1))
+                result["label"] = label
+                (args.results / f"{shape}_{quant}_{label}.json").write_text(json.dumps(result, indent=1))
                 publish()
         print()
         print(publish())
