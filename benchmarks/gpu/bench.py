@@ -50,7 +50,7 @@ datasheet figure; a device-to-device copy measured ~4.3 TB/s here). At width 1 t
 measured tok/s over the single-stream floor BW / B.
 
 Results accumulate as JSON in ``--results`` (one file per variant and server), so calls
-can be split; a server named twice in one call (``--servers gmlx,gmlx-compiled,gmlx,gmlx-compiled``:
+can be split; a server named twice in one call (``--servers gmlx,gmlx-nocompile,gmlx,gmlx-nocompile``:
 alternating pairs) keeps each run, the second as ``gmlx#2``; every table is rebuilt from all of them after each server and written to
 ``--out`` (markdown; all the JSON results beside it, same name, .json) as well as printed.
 """
@@ -120,7 +120,7 @@ GMLX_VARIANTS = {
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
     # each llama-pattern block's one-token step in two compiled pieces
-    # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU, off on a GPU), or never
+    # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU and CUDA, off on Metal), or never
     "gmlx-compiled": {"GMLX_COMPILE_BLOCKS": "1"},
     "gmlx-nocompile": {"GMLX_COMPILE_BLOCKS": "0"},
     # the compiled blocks with the rope kernel inside them (the fused adds and norms change
