@@ -24,7 +24,7 @@ from mlx import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.decode_throughput import SHAPES
-from gmlx.engine.kernels import fast_linear
+from gmlx.engine.kernels import fast_linear, timing
 
 
 def build(shape: str, dtype: str = "bfloat16", quantize: bool = True) -> nn.Module:
@@ -60,7 +60,7 @@ def build(shape: str, dtype: str = "bfloat16", quantize: bool = True) -> nn.Modu
 def steps(model: nn.Module, rows: list[int]) -> dict[int, float]:
     """Milliseconds per decode step (each waited for) at each row count; past 64 rows,
     per prefill of a prompt that long."""
-    return {r: fast_linear._step_time(model, r, context=128, steps=16) * 1e3 for r in rows}
+    return {r: timing.step_time(model, r, context=128, steps=16) * 1e3 for r in rows}
 
 
 def main() -> None:

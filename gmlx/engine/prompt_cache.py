@@ -100,6 +100,19 @@ class _AlignedBatchKVCache(BatchKVCache):
         return self._any_padding
 
 
+def batch_cache(model: Any, rows: int) -> list[Any] | None:
+    """The cache a decode batch of ``rows`` streams holds in the worker's generator,
+    empty, for a model whose every layer is a plain KV cache (None otherwise): what a
+    load's tuner times whole steps over, so they run as served (unmasked while no stream
+    is padded, the position an array: the compiled blocks' path)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    layers = make_prompt_cache(model)
+    if not all(type(c) is KVCache for c in layers):
+        return None
+    return [_AlignedBatchKVCache([0] * rows) for _ in layers]
+
+
 class _RoomyKVCache(KVCache):
     """A request's KV layer (cached history, or empty on a miss) that a batch merges
     into whole-step arrays with room for the ``room`` prompt tokens still to prefill.

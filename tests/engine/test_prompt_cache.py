@@ -402,6 +402,28 @@ def test_a_decode_step_is_unmasked_only_while_no_stream_is_padded():
     assert cache.make_mask(1) is not None
 
 
+def test_the_batch_cache_a_tuner_times_is_the_workers(demo_model):
+    """``batch_cache``: a layer each, as the worker's generator holds them for ``rows``
+    empty streams (unmasked one-token steps, the position an array); None for a model
+    whose layers are not all plain KV caches (a sliding window, a recurrent state)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from gmlx.engine.prompt_cache import _AlignedBatchKVCache, batch_cache
+
+    model = demo_model.model
+    layers = batch_cache(model, 3)
+    assert len(layers) == len(model.layers) and all(type(c) is _AlignedBatchKVCache for c in layers)
+    assert layers[0].offset.tolist() == [0, 0, 0] and layers[0].make_mask(1) is None
+
+    class Windowed:
+        layers = model.layers
+
+        def make_cache(self):
+            return [RotatingKVCache(max_size=16) for _ in self.layers]
+
+    assert batch_cache(Windowed(), 3) is None
+
+
 def test_unmasked_decode_steps_generate_what_each_prompt_generates_alone(demo_model, monkeypatch):
     """Prompts of one length decode as a batch without masks and generate exactly what
     each generates alone; with a longer prompt among them the steps are masked again."""

@@ -20,9 +20,11 @@ def prepare_layers(model: Any) -> list[str]:
     (unless ``GMLX_GLU_KERNEL=0``) an MLP's gate and up projections and swiglu in one
     kernel (:mod:`glu_cuda`) and (unless ``GMLX_QKV_KERNEL=0``) an attention's queries,
     keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
-    measures faster; last (on the CPU, or with ``GMLX_COMPILE_BLOCKS=1``) the one-token steps of
-    llama-pattern blocks in two compiled pieces each (:mod:`compiled_blocks`, logged),
-    traced after the tuner chose the paths they keep. Returns the load notes."""
+    measures faster. The one-token steps of llama-pattern blocks run in two compiled pieces
+    each (:mod:`compiled_blocks`, logged; on the CPU and CUDA unless ``GMLX_COMPILE_BLOCKS=0``),
+    attached before the tuners, so they time whole steps as they will be served (a custom
+    kernel's host cost paid at a trace, not every step), and traced again after them with
+    the paths they chose. Returns the load notes."""
     from gmlx.engine import mlxlm
     from gmlx.engine.kernels import (
         add_norm_cuda,
@@ -44,6 +46,8 @@ def prepare_layers(model: Any) -> list[str]:
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")
     if add_norm_cuda.enabled() and (fused := add_norm_cuda.attach(model)):
         log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
+    if compiled_blocks.enabled() and (compiled := compiled_blocks.attach(model)):
+        log.info("one-token steps of %d block(s) in two compiled pieces each", compiled)
     # the step kernels below are taken where their tune() measures a whole step faster
     step_kernels = [k for k in (glu_cuda, qkv_cuda) if k.enabled() and k.attach(model, buckets=())]
     notes = [note] if (note := use_fast_kernels(model)) is not None else []
@@ -56,6 +60,5 @@ def prepare_layers(model: Any) -> list[str]:
             decided = None
         if decided is not None:
             notes.append(decided)
-    if compiled_blocks.enabled() and (compiled := compiled_blocks.attach(model)):
-        log.info("one-token steps of %d block(s) in two compiled pieces each", compiled)
+    compiled_blocks.retrace(model)  # the paths and kernels the tuners left in place
     return notes

@@ -64,6 +64,14 @@ def attach(model: Any) -> int:
     return changed
 
 
+def retrace(model: Any) -> None:
+    """Make ``model``'s compiled blocks trace again at their next one-token step (what
+    their layers run changed: a tuner switched a product's path or a step kernel)."""
+    for _, module in model.named_modules():
+        if vars(type(module)).get("compiled_block"):
+            object.__setattr__(module, "_pieces", None)
+
+
 def detach(model: Any) -> None:
     """Give the blocks their own classes back."""
     swaps.restore(model, "compiled_block")

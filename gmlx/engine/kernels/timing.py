@@ -26,12 +26,18 @@ def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tupl
     """Seconds per decode step of ``rows`` streams without and with what ``use(True)``
     puts in place (``use(False)`` takes it out), each timed twice (:func:`step_time`) in
     the order without, with, with, without, so a machine whose speed drifts while it is
-    timed (clocks rising, caches filling) favours neither; left with it in place."""
+    timed (clocks rising, caches filling) favours neither; left with it in place. After
+    each switch the compiled blocks trace again (:mod:`compiled_blocks`: a trace keeps the
+    products' paths it met)."""
+    from gmlx.engine.kernels import compiled_blocks
+
     times = {False: 0.0, True: 0.0}
     for taken in (False, True, True, False):
         use(taken)
+        compiled_blocks.retrace(model)
         times[taken] += step_time(model, rows)
     use(True)
+    compiled_blocks.retrace(model)
     return times[False] / 2, times[True] / 2
 
 
@@ -41,10 +47,14 @@ def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -
     built and handed to the GPU before the last one's tokens are read, so a step costs
     the larger of its host time and its GPU time. (Waiting for each step would add the
     two: a path that saves the GPU time it costs the host would time faster there and
-    serve slower; on the H200 the one-row kernels did at one stream.) Past 64 rows, per
-    prefill of one ``rows``-token prompt (the products a prefill chunk makes)."""
+    serve slower; on the H200 the one-row kernels did at one stream.) Over the batch
+    cache the worker's generator holds (``prompt_cache.batch_cache``), so the blocks run
+    as served, compiled where they are. Past 64 rows, per prefill of one ``rows``-token
+    prompt (the products a prefill chunk makes)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.engine.prompt_cache import batch_cache
 
     if rows > 64:
         prompt = mx.zeros((1, rows), mx.int32)
@@ -53,7 +63,7 @@ def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -
         for _ in range(2):
             mx.eval(model(prompt))
         return (time.perf_counter() - start) / 2
-    cache = make_prompt_cache(model)
+    cache = batch_cache(model, rows) or make_prompt_cache(model)
 
     def step(tokens: Any) -> Any:
         return mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1, keepdims=True)

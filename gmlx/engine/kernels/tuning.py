@@ -20,14 +20,16 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 10  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
+FORMAT = 11  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
 # 4: the one-row kernel (qgemv_cuda); 5: both kernels bound per layer, 4/8-bit codes by byte permutes;
 # 6: the whole step confirmed pipelined, as the worker runs it; 7: the CUDA-core kernel at 2-8 rows;
 # 8: its 4/6-bit codes as 0.5 + q/256 (an instruction fewer), x once a chunk at 2-8 rows, glu_cuda;
 # 9: whole steps timed without-with-with-without and MLX's product timed first and last
 # (a machine warming up while timed favoured what was timed later); 10: the wide-load
 # tensor-core kernel (qmmw_cuda), products timed over the weights of every layer alike
-# (one layer's repeated stayed in the L2 cache)
+# (one layer's repeated stayed in the L2 cache); 11: whole steps timed over the worker's batch
+# cache, with the blocks compiled where they are (a custom kernel's host cost is then paid at a
+# trace, not every step)
 Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 

@@ -122,6 +122,36 @@ def test_the_same_tokens_through_the_worker(monkeypatch: pytest.MonkeyPatch) -> 
     assert tokens(True) == want
 
 
+def test_the_tuners_time_the_compiled_blocks_and_trace_them_again_after_each_switch() -> None:
+    """A load's tuners time whole steps as they are served: over the worker's batch cache,
+    through the compiled pieces (the MLP runs in Python once a timing, at its trace, not
+    at each of its 15 one-token steps); a trace keeps what it met, so every switch of
+    ``use`` traces again, and the blocks end traced with what ``use(True)`` left."""
+    from gmlx.engine.kernels import timing
+
+    model = _prepared("llama", quantized=True)
+    assert compiled_blocks.attach(model) == LAYERS
+    scale = {"now": 1.0}
+    traced: list[float] = []  # the scale each one-token MLP call met
+
+    class Scaled(type(model.layers[0].mlp)):
+        def __call__(self, x: mx.array) -> mx.array:
+            if x.shape[1] == 1:
+                traced.append(scale["now"])
+            return super().__call__(x) * scale["now"]
+
+    for block in model.layers:
+        block.mlp.__class__ = Scaled
+
+    def use(taken: bool) -> None:
+        scale["now"] = 2.0 if taken else 1.0
+
+    without, with_scaled = timing.step_times(model, 2, use)
+    assert without > 0 and with_scaled > 0
+    assert traced == [s for s in (1.0, 2.0, 2.0, 1.0) for _ in range(LAYERS)]
+    assert all(block._pieces is None for block in model.layers)  # the next step traces use(True)'s
+
+
 def test_on_by_default_on_the_cpu_and_cuda_off_on_metal(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(compiled_blocks.ENV, raising=False)
     assert compiled_blocks.enabled()  # this suite runs on MLX's CPU backend
