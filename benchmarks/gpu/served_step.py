@@ -7,9 +7,9 @@ one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: f
 operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``qkv`` and
 ``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
 ``step-compiled`` run the one-token blocks in two compiled pieces each
-(``gmlx.engine.kernels.compiled_blocks``, anywhere; the bare step then runs over a batch
-cache, and mlx-lm's generator, on the same model, takes them too), ``model-layers`` gives mlx-lm's own
-back, each for the modes after.
+(``gmlx.engine.kernels.compiled_blocks``, anywhere; mlx-lm's generator, on the same model,
+takes them too), ``model-layers`` gives mlx-lm's own back, each for the modes after. The
+bare step runs over the worker's batch cache (``prompt_cache.batch_cache``) in every mode.
 A mode may come back (``plain,tuned,plain``):
 whether a width's rate depends on what the process ran before is one of the questions.
 
@@ -46,11 +46,12 @@ def bare_step(model, rows: int, context: int = 128, steps: int = 16) -> tuple[fl
     """Seconds per decode step of ``rows`` streams (each step waited for), of the step's
     graph building alone (the Python side of a step) and of handing it to the GPU
     (``mx.async_eval``: the kernels' launches)."""
-    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
-    # compiled blocks run over a batch's cache only (its position an array), as a server's do
-    compiled = any(vars(type(m)).get("compiled_block") for _, m in model.named_modules())
-    cache = [BatchKVCache([0] * rows) for _ in model.layers] if compiled else make_prompt_cache(model)
+    from gmlx.engine.prompt_cache import batch_cache
+
+    # the worker's batch cache (unmasked, its position an array: compiled blocks take it)
+    cache = batch_cache(model, rows) or make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
     token = mx.zeros((rows, 1), mx.int32)
     for _ in range(3):

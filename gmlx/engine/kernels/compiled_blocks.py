@@ -64,6 +64,11 @@ def attach(model: Any) -> int:
     return changed
 
 
+def attached(model: Any) -> bool:
+    """Whether any of ``model``'s blocks runs its one-token steps compiled."""
+    return any(vars(type(m)).get("compiled_block") for _, m in model.named_modules())
+
+
 def retrace(model: Any) -> None:
     """Make ``model``'s compiled blocks trace again at their next one-token step (what
     their layers run changed: a tuner switched a product's path or a step kernel)."""

@@ -48,10 +48,12 @@ def layer_key(dtype: Any, k: int, n: int, bits: int, group: int) -> str:
     return f"{dtype}:{k}x{n}:{bits}/{group}"
 
 
-def model_key(layer_keys: Iterable[str]) -> str:
-    """The model's set of layer shapes (with their counts), as one short key."""
+def model_key(layer_keys: Iterable[str], compiled: bool = False) -> str:
+    """The model's set of layer shapes (with their counts), as one short key; with
+    ``compiled``, for its steps with the blocks compiled (``compiled_blocks``: a whole
+    step's timing, and so the decision, differs)."""
     text = "\n".join(sorted(layer_keys))
-    return "model:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return "model:" + hashlib.sha256(text.encode()).hexdigest()[:16] + (":compiled" if compiled else "")
 
 
 class Tuning:

@@ -430,3 +430,28 @@ def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatc
     fast_linear._measure(layers[0], layers[1:], reps=4)
     mlx_timings = timed[::3]  # per bucket on this CPU: MLX, dense (no matmul of MLX's), MLX again
     assert mlx_timings and all(t == [0, 1, 2, 0] for t in mlx_timings)
+
+
+def test_steps_with_compiled_blocks_are_decided_apart(monkeypatch) -> None:
+    """A whole step's timing depends on whether its blocks run compiled (a kernel's host
+    cost is paid at a trace then, not every step), so the decision is kept under a key of
+    its own: a load with the blocks compiled does not take one made without them (here a
+    stand-in clock makes the one-row paths faster only with the blocks compiled)."""
+    from gmlx.engine.kernels import compiled_blocks, fast_linear, one_token
+
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {1: (fast_linear.DENSE, (0, 0))})
+
+    def step_time(model: nn.Module, rows: int) -> float:
+        fast = any(rows in getattr(m, "paths", {}) for _, m in model.named_modules())
+        return 0.5 if fast and compiled_blocks.attached(model) else 1.0
+
+    monkeypatch.setattr(timing, "step_time", step_time)
+    plain = _tiny_quantized_llama()
+    assert "none faster" in (use_fast_kernels(plain) or "")
+    compiled = _tiny_quantized_llama()
+    one_token.attach(compiled)
+    assert compiled_blocks.attach(compiled) == 2
+    assert "1: 2.00x" in (use_fast_kernels(compiled) or "")
+    again = _tiny_quantized_llama()
+    assert "none faster" in (use_fast_kernels(again) or "")  # each kept apart, on disk
