@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import one_token, swaps
+from gmlx.engine.kernels import one_token, swaps, traces
 
 ENV = "GMLX_COMPILE_BLOCKS"
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3")  # h = x + attn(norm(x)); h + mlp(norm(h))
@@ -59,27 +59,18 @@ def attach(model: Any) -> int:
     for _, module in model.named_modules():
         if type(module) in blocks and vars(type(module.get("self_attn"))).get("one_token"):
             module.__class__ = _compiled_block(type(module))
-            object.__setattr__(module, "_pieces", None)
+            object.__setattr__(module, traces.PIECES, None)
             changed += 1
     return changed
 
 
-def attached(model: Any) -> bool:
-    """Whether any of ``model``'s blocks runs its one-token steps compiled."""
-    return any(vars(type(m)).get("compiled_block") for _, m in model.named_modules())
-
-
-def retrace(model: Any) -> None:
-    """Make ``model``'s compiled blocks trace again at their next one-token step (what
-    their layers run changed: a tuner switched a product's path or a step kernel)."""
-    for _, module in model.named_modules():
-        if vars(type(module)).get("compiled_block"):
-            object.__setattr__(module, "_pieces", None)
+attached = traces.attached
+retrace = traces.retrace
 
 
 def detach(model: Any) -> None:
     """Give the blocks their own classes back."""
-    swaps.restore(model, "compiled_block")
+    swaps.restore(model, traces.MARKER)
 
 
 @cache
@@ -110,10 +101,12 @@ def _compiled_block(cls: type) -> type:
         offset = None if cache is None else cache.offset
         if x.shape[1] != 1 or not isinstance(offset, mx.array) or offset.dtype != mx.int32:
             return cls.__call__(self, x, mask, cache)
-        if self._pieces is None:
-            object.__setattr__(self, "_pieces", pieces(self))
-        before, after = self._pieces
+        traced = getattr(self, traces.PIECES)
+        if traced is None:
+            traced = pieces(self)
+            object.__setattr__(self, traces.PIECES, traced)
+        before, after = traced
         queries, keys, values = before(x, offset)
         return after(x, one_token.attend(self.self_attn, queries, keys, values, mask, cache))
 
-    return swaps.subclass(cls, "compiled_block", __call__)
+    return swaps.subclass(cls, traces.MARKER, __call__)

@@ -37,7 +37,7 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import compiled_blocks, cuda_source, qgemv_cuda, qmmw_cuda, timing
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, timing, traces
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
@@ -207,7 +207,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
     swapped = [m for m in layers if chosen[_key(m)]]
     for m in swapped:
         m.set_paths(dict(chosen[_key(m)]))
-    whole = model_key((keys[_key(m)] for m in layers), compiled=compiled_blocks.attached(model))
+    whole = model_key((keys[_key(m)] for m in layers), compiled=traces.attached(model))
     confirmed = tuning.confirmed(whole)
     if confirmed is None:
         confirmed = _confirm(model, swapped, sorted({r for p in chosen.values() for r in p}))

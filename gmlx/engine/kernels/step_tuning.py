@@ -43,14 +43,14 @@ def tune(model: Any, env: str, what: str, members: Sequence[Any], keys: Sequence
     """A step kernel's load decision and its load note: with ``env=1`` every bucket
     untimed, else :func:`decide`, its agreement checked on one member (of ``members``)
     per distinct layer key (``keys``, one each) and its decision kept under all of them."""
-    from gmlx.engine.kernels import compiled_blocks
+    from gmlx.engine.kernels import traces
     from gmlx.engine.kernels.tuning import model_key
 
     if os.environ.get(env) == "1":
         use(BUCKETS)
         return f"cuda: {what} at every step of 1-{MAX_ROWS} streams"
     one_each = {k: m for k, m in zip(keys, members, strict=True)}.values()
-    kept = decide(model, f"{model_key(keys, compiled=compiled_blocks.attached(model))}:{env}", lambda: all(agrees(m) for m in one_each), use)
+    kept = decide(model, f"{model_key(keys, compiled=traces.attached(model))}:{env}", lambda: all(agrees(m) for m in one_each), use)
     return f"cuda: {what}; whole-step speed-up by rows: {speedups(kept)}"
 
 

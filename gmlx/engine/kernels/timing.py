@@ -29,15 +29,15 @@ def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tupl
     timed (clocks rising, caches filling) favours neither; left with it in place. After
     each switch the compiled blocks trace again (:mod:`compiled_blocks`: a trace keeps the
     products' paths it met)."""
-    from gmlx.engine.kernels import compiled_blocks
+    from gmlx.engine.kernels import traces
 
     times = {False: 0.0, True: 0.0}
     for taken in (False, True, True, False):
         use(taken)
-        compiled_blocks.retrace(model)
+        traces.retrace(model)
         times[taken] += step_time(model, rows)
     use(True)
-    compiled_blocks.retrace(model)
+    traces.retrace(model)
     return times[False] / 2, times[True] / 2
 
 

@@ -1,0 +1,24 @@
+"""What a load's tuners need to know of the compiled blocks (:mod:`compiled_blocks`)
+without importing them (those sit above the tuners' modules): whether a model's blocks
+run their one-token steps compiled, and how to make them trace again once what their
+layers run has changed (a trace keeps the products' paths and kernels it met)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gmlx.engine.kernels import swaps
+
+MARKER = "compiled_block"  # the compiled blocks' classes carry it (swaps.subclass)
+PIECES = "_pieces"  # a compiled block's traced pieces, None until its next one-token step
+
+
+def attached(model: Any) -> bool:
+    """Whether any of ``model``'s blocks runs its one-token steps compiled."""
+    return bool(swaps.marked(model, MARKER))
+
+
+def retrace(model: Any) -> None:
+    """Make ``model``'s compiled blocks trace again at their next one-token step."""
+    for block in swaps.marked(model, MARKER):
+        object.__setattr__(block, PIECES, None)
