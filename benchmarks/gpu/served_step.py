@@ -104,13 +104,14 @@ def unswap(model) -> None:
     """The quantized layers back to MLX's own classes (a mode after another)."""
     from mlx import nn
 
-    from gmlx.engine.kernels import fast_linear
+    from gmlx.engine.kernels import compiled_blocks, fast_linear
 
     for _, m in model.named_modules():
         if isinstance(m, fast_linear.FastQuantizedLinear):
             m.__class__ = nn.QuantizedLinear
         elif isinstance(m, fast_linear.FlatQuantizedEmbedding):
             m.__class__ = nn.QuantizedEmbedding
+    compiled_blocks.retrace(model)  # their traces hold the layers' paths
 
 
 def load(ref: str, dtype: str, quantize: bool = True):

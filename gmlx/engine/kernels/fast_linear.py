@@ -170,6 +170,7 @@ def use_fast_kernels(model: nn.Module) -> str | None:
             m.set_paths({})
         elif type(m) is nn.QuantizedEmbedding:
             m.__class__ = FlatQuantizedEmbedding
+    traces.retrace(model)  # compiled blocks traced before trace these layers as they are now
     flat = sum(isinstance(m, FastQuantizedLinear | FlatQuantizedEmbedding) for m in modules)
     if not flat:
         return None
@@ -217,6 +218,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
     chosen = {key: {r: c for r, c in paths.items() if r in confirmed} for key, paths in chosen.items()}
     for m in swapped:
         m.set_paths(dict(chosen[_key(m)]))
+    traces.retrace(model)
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
         f"{k}x{n} {bits}-bit: " + (", ".join(f"{r}:{p}" + ("x".join(map(str, c)) if p in (KERNEL, GEMV) else "")

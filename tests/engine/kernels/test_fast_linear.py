@@ -436,8 +436,10 @@ def test_steps_with_compiled_blocks_are_decided_apart(monkeypatch) -> None:
     """A whole step's timing depends on whether its blocks run compiled (a kernel's host
     cost is paid at a trace then, not every step), so the decision is kept under a key of
     its own: a load with the blocks compiled does not take one made without them (here a
-    stand-in clock makes the one-row paths faster only with the blocks compiled)."""
+    stand-in clock makes the one-row paths faster only with the blocks compiled); blocks
+    traced before trace again after, with the paths chosen."""
     from gmlx.engine.kernels import compiled_blocks, fast_linear, one_token
+    from gmlx.engine.prompt_cache import batch_cache
 
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: {1: (fast_linear.DENSE, (0, 0))})
@@ -452,6 +454,10 @@ def test_steps_with_compiled_blocks_are_decided_apart(monkeypatch) -> None:
     compiled = _tiny_quantized_llama()
     one_token.attach(compiled)
     assert compiled_blocks.attach(compiled) == 2
+    cache = batch_cache(compiled, 1)
+    mx.eval(compiled(mx.array([[1, 2]]), cache=cache), compiled(mx.array([[3]]), cache=cache))
+    assert all(block._pieces is not None for block in compiled.layers)  # traced, MLX's products in them
     assert "1: 2.00x" in (use_fast_kernels(compiled) or "")
+    assert all(block._pieces is None for block in compiled.layers)  # they trace the chosen paths next
     again = _tiny_quantized_llama()
     assert "none faster" in (use_fast_kernels(again) or "")  # each kept apart, on disk
