@@ -132,6 +132,19 @@ def supports(x: Any, weight: Any) -> bool:
             and x.shape[-1] <= MAX_WIDTH and weight.dtype == x.dtype and weight.shape == (x.shape[-1],))
 
 
+def take(x: Any) -> tuple[Any, Any] | None:
+    """The two parts of ``x`` when it is the last fused block's output on this thread
+    (the note is used up either way); for :mod:`compiled_blocks`' fused blocks."""
+    return _take(x)
+
+
+def hand_on(h: Any, r: Any) -> Any:
+    """A fused block's output, built from its two parts, noted for the next block."""
+    out = _hand_on(h, r)
+    _pending.note = (out, h, r)
+    return out
+
+
 def _hand_on(h: Any, r: Any) -> Any:
     """The block's output as the model's loop expects it: built for whoever reads it,
     while the next block (or the final norm) takes ``h`` and ``r`` instead."""
@@ -195,10 +208,7 @@ def _fused_block(cls: type) -> type:
         else:
             h, n = fused(parts[0], parts[1], norm1.weight, norm1.eps)
         h, n = fused(h, self.self_attn(n, mask, cache), norm2.weight, norm2.eps)
-        r = self.mlp(n)
-        out = _hand_on(h, r)
-        _pending.note = (out, h, r)
-        return out
+        return hand_on(h, self.mlp(n))
 
     return swaps.subclass(cls, "add_norm", __call__)
 

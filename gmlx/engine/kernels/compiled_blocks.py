@@ -17,8 +17,9 @@ width runs (the warm-up runs every width), after the load's tuner has chosen the
 products' paths the trace then keeps. Only one-token steps over a batch cache (whose
 position is an ``int32`` array, as the engine's generator uses) take it; prompt steps
 and anything else run the block as it was. Only the block classes of :data:`FAMILIES`
-whose attention has :mod:`one_token`'s path, and not where another swap (the fused adds
-and norms of :mod:`add_norm_cuda`) changed the block. The same operations in the same
+whose attention has :mod:`one_token`'s path; where :mod:`add_norm_cuda` fused a block's
+adds and norms, its pieces call that kernel and hand the block's output on in two parts,
+as the fused block does (:func:`fused_pieces`). The same operations in the same
 order: the tests compare the logits bit for bit against the block uncompiled (on the
 CPU, where MLX builds a norm and a rotation from several operations, compiling fuses
 them too). On by default on the CPU backend and on CUDA, where it measured faster: on
@@ -53,11 +54,14 @@ def enabled() -> bool:
 
 def attach(model: Any) -> int:
     """Give ``model``'s llama-pattern blocks whose attention has the one-token path the
-    compiled one-token step; returns how many changed."""
+    compiled one-token step (blocks :mod:`add_norm_cuda` fused too); returns how many
+    changed."""
     blocks = _block_classes()
     changed = 0
     for _, module in model.named_modules():
-        if type(module) in blocks and vars(type(module.get("self_attn"))).get("one_token"):
+        cls = type(module)
+        plain = cls in blocks or (vars(cls).get("add_norm") and cls.__bases__[0] in blocks)
+        if plain and vars(type(module.get("self_attn"))).get("one_token"):
             module.__class__ = _compiled_block(type(module))
             object.__setattr__(module, traces.PIECES, None)
             changed += 1
@@ -93,9 +97,35 @@ def pieces(block: Any) -> tuple[Any, Any]:
     return mx.compile(before), mx.compile(after)
 
 
+def fused_pieces(block: Any) -> tuple[Any, Any, Any]:
+    """The compiled pieces of a block :mod:`add_norm_cuda` fused, whose residual adds and
+    norms are one kernel each (``block._add_norm``): ``first(x, offset) -> (queries,
+    keys, values)`` for the first block (its input the embedding), ``joined(h, r, offset)
+    -> (h, queries, keys, values)`` for the others (the last block's output as its two
+    parts, added and normed in one kernel), ``after(h, attended) -> (h, r)``: the two
+    parts of the block's output, which the next block (or the final norm) adds itself."""
+    attention, fused = block.self_attn, block._add_norm
+    norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
+
+    def first(x: Any, offset: Any) -> tuple[Any, Any, Any]:
+        return one_token.queries_keys_values(attention, norm1(x), offset)
+
+    def joined(h: Any, r: Any, offset: Any) -> tuple[Any, Any, Any, Any]:
+        h, n = fused(h, r, norm1.weight, norm1.eps)
+        return (h, *one_token.queries_keys_values(attention, n, offset))
+
+    def after(h: Any, attended: Any) -> tuple[Any, Any]:
+        h, n = fused(h, attention.o_proj(attended), norm2.weight, norm2.eps)
+        return h, block.mlp(n)
+
+    return mx.compile(first), mx.compile(joined), mx.compile(after)
+
+
 @cache
 def _compiled_block(cls: type) -> type:
     """``cls`` whose one-token steps over a batch cache run in two compiled pieces."""
+    if vars(cls).get("add_norm"):
+        return _compiled_fused_block(cls)
 
     def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
         offset = None if cache is None else cache.offset
@@ -108,5 +138,33 @@ def _compiled_block(cls: type) -> type:
         before, after = traced
         queries, keys, values = before(x, offset)
         return after(x, one_token.attend(self.self_attn, queries, keys, values, mask, cache))
+
+    return swaps.subclass(cls, traces.MARKER, __call__)
+
+
+@cache
+def _compiled_fused_block(cls: type) -> type:
+    """``cls`` (a block :mod:`add_norm_cuda` fused) whose one-token steps over a batch
+    cache run in its compiled pieces (:func:`fused_pieces`), handing its output on to the
+    next block in two parts, as the fused block does."""
+    from gmlx.engine.kernels import add_norm_cuda
+
+    def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
+        offset = None if cache is None else cache.offset
+        if (x.shape[1] != 1 or not isinstance(offset, mx.array) or offset.dtype != mx.int32
+                or not add_norm_cuda.supports(x, self.input_layernorm.weight)):
+            return cls.__call__(self, x, mask, cache)  # it takes the last block's parts itself
+        parts = add_norm_cuda.take(x)
+        traced = getattr(self, traces.PIECES)
+        if traced is None:
+            traced = fused_pieces(self)
+            object.__setattr__(self, traces.PIECES, traced)
+        first, joined, after = traced
+        if parts is None:
+            h, (queries, keys, values) = x, first(x, offset)
+        else:
+            h, queries, keys, values = joined(*parts, offset)
+        h, r = after(h, one_token.attend(self.self_attn, queries, keys, values, mask, cache))
+        return add_norm_cuda.hand_on(h, r)
 
     return swaps.subclass(cls, traces.MARKER, __call__)

@@ -122,6 +122,35 @@ def test_the_same_tokens_through_the_worker(monkeypatch: pytest.MonkeyPatch) -> 
     assert tokens(True) == want
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_blocks_with_the_fused_add_and_norm_compile_too(family: str) -> None:
+    """Blocks ``add_norm_cuda`` fused (MLX's own add and norm standing in for its CUDA
+    kernel) compile as well: the same logits bit for bit, each block past the first taking
+    the last one's output as its two parts inside its first piece, the fused add and
+    norm called at the traces only (once in the first block, twice in each other), and
+    by the final norm at every step."""
+    from gmlx.engine.kernels import add_norm_cuda
+
+    model = tiny(family, LAYERS, dtype=mx.bfloat16, seed=7)  # the kernel's activations
+    one_token.attach(model)
+    want = steps(model, _padded(), PADDED, n=5)
+    calls: list[tuple[int, ...]] = []
+
+    def fused(x, r, w, eps):
+        calls.append(tuple(x.shape))
+        return add_norm_cuda.mlx_add_norm(x, r, w, eps)
+
+    assert add_norm_cuda.attach(model, fused) == LAYERS
+    assert compiled_blocks.attach(model) == LAYERS
+    got = steps(model, _padded(), PADDED, n=5)
+    assert all(block._pieces is not None for block in model.layers)
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert mx.array_equal(a, b).item(), f"{family}: step {step} differs"
+    assert calls.count((3, 1, 128)) == (2 * LAYERS - 1) + 5
+    compiled_blocks.detach(model)
+    assert all(vars(type(block)).get("add_norm") for block in model.layers)  # the fused blocks again
+
+
 def test_the_tuners_time_the_compiled_blocks_and_trace_them_again_after_each_switch() -> None:
     """A load's tuners time whole steps as they are served: over the worker's batch cache,
     through the compiled pieces (the MLP runs in Python once a timing, at its trace, not
