@@ -123,8 +123,8 @@ GMLX_VARIANTS = {
     # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU and CUDA, off on Metal), or never
     "gmlx-compiled": {"GMLX_COMPILE_BLOCKS": "1"},
     "gmlx-nocompile": {"GMLX_COMPILE_BLOCKS": "0"},
-    # the compiled blocks with the rope kernel inside them (the fused adds and norms change
-    # the blocks themselves, which compiled_blocks then leaves alone)
+    # the compiled blocks with the rope kernel inside them ("gmlx-kernels": the rope and the
+    # add-norm kernels, inside the compiled blocks now that they are the default)
     "gmlx-allkernels": {"GMLX_COMPILE_BLOCKS": "1", "GMLX_ROPE_KERNEL": "1"},
 }
 # mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the

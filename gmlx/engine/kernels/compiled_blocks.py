@@ -13,8 +13,9 @@ compiled call, a quantized block's MLP half 13.4 and 4.5.
 
 Each piece is traced per decode width (its inputs' shapes: the hidden state, the
 batch's positions, the attention's output; not the context length), the first time a
-width runs (the warm-up runs every width), after the load's tuner has chosen the
-products' paths the trace then keeps. Only one-token steps over a batch cache (whose
+width runs (the warm-up runs every width); the load's tuners time steps with the
+pieces and have them traced again after each change, and once more with the paths
+they chose, which the traces then keep. Only one-token steps over a batch cache (whose
 position is an ``int32`` array, as the engine's generator uses) take it; prompt steps
 and anything else run the block as it was. Only the block classes of :data:`FAMILIES`
 whose attention has :mod:`one_token`'s path; where :mod:`add_norm_cuda` fused a block's
