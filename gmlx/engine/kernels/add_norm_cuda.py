@@ -132,12 +132,6 @@ def supports(x: Any, weight: Any) -> bool:
             and x.shape[-1] <= MAX_WIDTH and weight.dtype == x.dtype and weight.shape == (x.shape[-1],))
 
 
-def take(x: Any) -> tuple[Any, Any] | None:
-    """The two parts of ``x`` when it is the last fused block's output on this thread
-    (the note is used up either way); for :mod:`compiled_blocks`' fused blocks."""
-    return _take(x)
-
-
 def hand_on(h: Any, r: Any) -> Any:
     """A fused block's output, built from its two parts, noted for the next block."""
     out = _hand_on(h, r)
@@ -151,8 +145,9 @@ def _hand_on(h: Any, r: Any) -> Any:
     return h + r
 
 
-def _take(x: Any) -> tuple[Any, Any] | None:
-    """The two parts of ``x`` when it is the last block's output on this thread."""
+def take(x: Any) -> tuple[Any, Any] | None:
+    """The two parts of ``x`` when it is the last fused block's output on this thread
+    (the note is used up either way)."""
     note = getattr(_pending, "note", None)
     _pending.note = None
     if note is not None and note[0] is x:
@@ -199,7 +194,7 @@ def _fused_block(cls: type) -> type:
 
     def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        parts = _take(x)
+        parts = take(x)
         if not supports(x, norm1.weight):
             return cls.__call__(self, x, mask, cache)
         fused = self._add_norm
@@ -221,7 +216,7 @@ class _FusedFinalNorm(nn.RMSNorm):
     _add_norm: Callable[..., tuple[Any, Any]]
 
     def __call__(self, x: Any) -> Any:
-        parts = _take(x)
+        parts = take(x)
         if parts is None or not supports(x, self.weight):
             return super().__call__(x)
         return self._add_norm(parts[0], parts[1], self.weight, self.eps)[1]

@@ -61,8 +61,8 @@ def attach(model: Any) -> int:
     changed = 0
     for _, module in model.named_modules():
         cls = type(module)
-        plain = cls in blocks or (vars(cls).get("add_norm") and cls.__bases__[0] in blocks)
-        if plain and vars(type(module.get("self_attn"))).get("one_token"):
+        pattern = cls in blocks or (vars(cls).get("add_norm") and cls.__bases__[0] in blocks)
+        if pattern and vars(type(module.get("self_attn"))).get("one_token"):
             module.__class__ = _compiled_block(type(module))
             object.__setattr__(module, traces.PIECES, None)
             changed += 1
@@ -122,6 +122,25 @@ def fused_pieces(block: Any) -> tuple[Any, Any, Any]:
     return mx.compile(first), mx.compile(joined), mx.compile(after)
 
 
+def _batch_offset(x: Any, cache: Any) -> Any:
+    """The positions of a one-token step over a batch cache (an ``int32`` array), or None
+    for any other call (a prompt step, a single sequence's cache: the block's own code)."""
+    offset = None if cache is None else cache.offset
+    if x.shape[1] != 1 or not isinstance(offset, mx.array) or offset.dtype != mx.int32:
+        return None
+    return offset
+
+
+def _traced(block: Any, make: Any) -> Any:
+    """``block``'s compiled pieces, made by ``make(block)`` at the first call after
+    :func:`traces.retrace` (or :func:`attach`)."""
+    traced = getattr(block, traces.PIECES)
+    if traced is None:
+        traced = make(block)
+        object.__setattr__(block, traces.PIECES, traced)
+    return traced
+
+
 @cache
 def _compiled_block(cls: type) -> type:
     """``cls`` whose one-token steps over a batch cache run in two compiled pieces."""
@@ -129,14 +148,9 @@ def _compiled_block(cls: type) -> type:
         return _compiled_fused_block(cls)
 
     def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
-        offset = None if cache is None else cache.offset
-        if x.shape[1] != 1 or not isinstance(offset, mx.array) or offset.dtype != mx.int32:
+        if (offset := _batch_offset(x, cache)) is None:
             return cls.__call__(self, x, mask, cache)
-        traced = getattr(self, traces.PIECES)
-        if traced is None:
-            traced = pieces(self)
-            object.__setattr__(self, traces.PIECES, traced)
-        before, after = traced
+        before, after = _traced(self, pieces)
         queries, keys, values = before(x, offset)
         return after(x, one_token.attend(self.self_attn, queries, keys, values, mask, cache))
 
@@ -151,16 +165,11 @@ def _compiled_fused_block(cls: type) -> type:
     from gmlx.engine.kernels import add_norm_cuda
 
     def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
-        offset = None if cache is None else cache.offset
-        if (x.shape[1] != 1 or not isinstance(offset, mx.array) or offset.dtype != mx.int32
-                or not add_norm_cuda.supports(x, self.input_layernorm.weight)):
+        offset = _batch_offset(x, cache)
+        if offset is None or not add_norm_cuda.supports(x, self.input_layernorm.weight):
             return cls.__call__(self, x, mask, cache)  # it takes the last block's parts itself
         parts = add_norm_cuda.take(x)
-        traced = getattr(self, traces.PIECES)
-        if traced is None:
-            traced = fused_pieces(self)
-            object.__setattr__(self, traces.PIECES, traced)
-        first, joined, after = traced
+        first, joined, after = _traced(self, fused_pieces)
         if parts is None:
             h, (queries, keys, values) = x, first(x, offset)
         else:
