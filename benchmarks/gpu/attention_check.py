@@ -3,6 +3,12 @@ own masked attention (and attention in float32 from its definition), and what do
 MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention shape.
 
     python benchmarks/gpu/attention_check.py            # on the H200 (CUDA only)
+    python benchmarks/gpu/attention_check.py --cached   # the cached variant only
+
+``--cached``: the variant that writes a step's keys and values into the cache in place
+(``attention_cuda.attend_cached``) against the cache's own writes and MLX's attention:
+its largest difference, whether the cache arrays after it are the old ones with the one
+position replaced, bit for bit, and nothing else.
 
 Each row: streams, keys (the cache's arrays are longer: the keys are a view, as the
 cache hands them over), the largest difference from the float32 attention for the kernel
@@ -43,10 +49,44 @@ def reference(q, k, v, scale: float, mask):
     return mx.softmax(scores, axis=-1) @ vf
 
 
+def check_cached() -> bool:
+    """The cached variant against a cache's own writes and MLX's masked attention."""
+    print("| dtype | D | streams | write at | err vs MLX | cache as written | padding |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    good = True
+    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 8, 512, 300),
+                                          (mx.float16, 128, 32, 2304, 2100), (mx.bfloat16, 64, 4, 256, 255)):
+        heads, kv_heads = (32, 8) if d == 128 else (16, 2)
+        mx.random.seed(capacity + at)
+        q = mx.random.normal((batch, heads, 1, d)).astype(dtype)
+        k_new, v_new = (mx.random.normal((batch, kv_heads, 1, d)).astype(dtype) for _ in range(2))
+        k, v = (mx.random.normal((batch, kv_heads, capacity, d)).astype(dtype) for _ in range(2))
+        padding = mx.array([(i * 37) % max(1, at // 2) for i in range(batch)], dtype=mx.int32)
+        k_want, v_want = (mx.concatenate([a[..., :at, :], n, a[..., at + 1:, :]], axis=2)
+                          for a, n in ((k, k_new), (v, v_new)))
+        mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
+        scale = d ** -0.5
+        want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
+                                                    scale=scale, mask=mask)
+        mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
+        got = attention_cuda.attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale)
+        mx.eval(got)
+        err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
+        written = mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()
+        good &= written and err < 0.05
+        print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} | {err:.4f} | {written} "
+              f"| {padding.tolist()[:4]} |", flush=True)
+    return good
+
+
 def main() -> None:
     if not cuda_source.available():
         sys.exit("the kernel is built only on CUDA")
     print(f"device {mx.default_device()}")
+    if not check_cached():
+        print("the cached variant DISAGREES")
+    if "--cached" in sys.argv:
+        return
     print("| dtype | D | streams | keys | kernel err | MLX masked err | kernel us | MLX masked us | MLX unmasked us |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     cases = [(mx.bfloat16, 128, b, keys) for b in (2, 8, 32) for keys in (300, 2100)]

@@ -6,7 +6,9 @@ empties MLX's buffer cache between modes; ``one-token`` gives the attention laye
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
 operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``qkv`` and
 ``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
-``step-compiled`` run the one-token blocks in two compiled pieces each
+``step-compiled`` run the one-token blocks in two compiled pieces each (``cached``: that with
+each step's keys and values written in place by the attention kernel,
+``attention_cuda.attend_cached``; ``all-cached``: and the add-norm and rope kernels)
 (``gmlx.engine.kernels.compiled_blocks``, anywhere; mlx-lm's generator, on the same model,
 takes them too), ``model-layers`` gives mlx-lm's own back, each for the modes after. The
 bare step runs over the worker's batch cache (``prompt_cache.batch_cache``) in every mode.
@@ -136,7 +138,9 @@ def load(ref: str, dtype: str, quantize: bool = True):
 # the loops that run ``gmlx cache`` with gmlx's one-token layers, and which kernels each adds
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
            "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv"),
-           "compiled": ("compiled",), "step compiled": ("glu", "qkv", "compiled")}
+           "compiled": ("compiled",), "step compiled": ("glu", "qkv", "compiled"),
+           "cached": ("glu", "qkv", "compiled", "cached"), "all cached": ("glu", "qkv", "compiled", "cached",
+                                                                         "add norm", "rope")}
 
 
 @contextlib.contextmanager
@@ -153,7 +157,8 @@ def layered(model, mode: str):
 
     kernels = LAYERED.get(mode)
     if kernels is not None:
-        one_token.attach(model, rotation=rope_cuda.rotation if "rope" in kernels else (lambda attention: None))
+        one_token.attach(model, rotation=rope_cuda.rotation if "rope" in kernels else (lambda attention: None),
+                         in_place="cached" in kernels)
         if "add norm" in kernels:
             add_norm_cuda.attach(model)
         if "glu" in kernels:
@@ -174,7 +179,8 @@ def layered(model, mode: str):
 # served_step's layer modes -> LAYERED's loops (``model-layers``: none)
 LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
           "glu": "glu", "qkv": "qkv", "step-kernels": "step kernels", "compiled": "compiled",
-          "step-compiled": "step compiled", "model-layers": "gmlx cache"}
+          "step-compiled": "step compiled", "cached": "cached", "all-cached": "all cached",
+          "model-layers": "gmlx cache"}
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,12 +70,30 @@ class _AlignedBatchKVCache(BatchKVCache):
     steps carry no mask while no stream is padded (:meth:`make_mask`)."""
 
     def update_and_fetch(self, keys: Any, values: Any) -> Any:
+        self._reserve(keys.shape[2])
+        return super().update_and_fetch(keys, values)
+
+    def _reserve(self, n: int) -> None:
+        """Room for ``n`` more positions, the arrays grown to whole steps."""
         used = kv_used(self)
-        need = used + keys.shape[2]
+        need = used + n
         if self.keys is not None and need > self.keys.shape[2]:
             self.keys, self.values = (_extend_to(a, used, _whole_steps(need, self.step))
                                       for a in (self.keys, self.values))
-        return super().update_and_fetch(keys, values)
+
+    def write_and_attend(self, attend: Callable[[Any, Any, Any, Any], Any]) -> Any:
+        """A one-token step whose keys and values ``attend(keys, values, left_padding,
+        position)`` writes into this cache's arrays in place at ``position`` (an ``int32``
+        array of one) as it attends (``attention_cuda.attend_cached``); the cache then
+        counts the position as ``update_and_fetch`` would have. The arrays stay this
+        cache's own: a view another array takes of them (a finished stream's extract)
+        ends before the write position, which only grows between trims."""
+        self._reserve(1)
+        used = kv_used(self)
+        out = attend(self.keys, self.values, self.left_padding, _position(used))
+        self.offset = self.offset + 1
+        set_kv_used(self, used + 1)
+        return out
 
     @property
     def left_padding(self) -> Any:
@@ -162,6 +181,19 @@ def with_room(cache: list[Any], room: int) -> list[Any]:
         else:
             out.append(copy.copy(layer))
     return out
+
+
+_positions: dict[int, Any] = {}
+
+
+def _position(used: int) -> Any:
+    """``used`` as an ``int32`` array of one, made once a step (every layer of a step
+    writes at the same position)."""
+    array = _positions.get(used)
+    if array is None:
+        _positions.clear()
+        array = _positions[used] = mx.array([used], dtype=mx.int32)
+    return array
 
 
 def _whole_steps(n: int, step: int) -> int:

@@ -130,6 +130,114 @@ if (t < D) {
 
 _BODY = compact(_SOURCE)
 
+# The cached variant (:func:`attend_cached`): the same tiles and softmax over a batch
+# cache's own arrays, each stream's keys from its padding to the write position, the
+# step's new key and value read from their own arrays at that position and written
+# into the cache there (by one block of each key-value head's group: no block reads
+# that position from the cache, so none waits for the write).
+_CACHED_SOURCE = """
+constexpr int SPLIT = THREADS / D;
+__shared__ float qs[D];
+__shared__ float ps[THREADS];
+__shared__ float red[THREADS / 32];
+__shared__ float part[SPLIT][D];
+const int t = threadIdx.x;
+const int lane = t & 31;
+const int warp = t >> 5;
+const int heads = q_shape[1];
+const int group = heads / k_shape[1];
+const int b = blockIdx.x / heads;
+const int h = blockIdx.x % heads;
+const int kvh = h / group;
+const int at = position[0];
+const int keys = at + 1;
+const int first = padding[b * padding_strides[0]];
+if (t < D) qs[t] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[3]]) * QSCALE;
+__syncthreads();
+T* kb = const_cast<T*>(k) + b * k_strides[0] + kvh * k_strides[1];
+T* vb = const_cast<T*>(v) + b * v_strides[0] + kvh * v_strides[1];
+const T* kn = k_new + b * k_new_strides[0] + kvh * k_new_strides[1];
+const T* vn = v_new + b * v_new_strides[0] + kvh * v_new_strides[1];
+const bool dense = k_strides[3] == 1 && k_strides[2] % 8 == 0;
+const int d = t % D;
+const int g = t / D;
+float m = FLOOR;
+float total = 0.0f;
+float acc = 0.0f;
+for (int j0 = (first / THREADS) * THREADS; j0 < keys; j0 += THREADS) {
+    const int j = j0 + t;
+    const bool live = j >= first && j < keys;
+    float s = FLOOR;
+    if (live) {
+        float dot = 0.0f;
+        if (j == at) {
+            for (int e = 0; e < D; ++e) dot += qs[e] * static_cast<float>(kn[e * k_new_strides[3]]);
+        } else if (dense) {
+            const T* kr = kb + (int64_t)j * k_strides[2];
+            #pragma unroll
+            for (int e = 0; e < D; e += 8) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(kr + e);
+                const T* kv = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) dot += qs[e + i] * static_cast<float>(kv[i]);
+            }
+        } else {
+            const T* kr = kb + (int64_t)j * k_strides[2];
+            for (int e = 0; e < D; ++e) dot += qs[e] * static_cast<float>(kr[e * k_strides[3]]);
+        }
+        s = dot;
+    }
+    float w = s;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+    if (lane == 0) red[warp] = w;
+    __syncthreads();
+    float top = red[0];
+    #pragma unroll
+    for (int i = 1; i < THREADS / 32; ++i) top = fmaxf(top, red[i]);
+    const float mn = fmaxf(m, top);
+    __syncthreads();
+    const float p = live ? exp2f(s - mn) : 0.0f;
+    ps[t] = p;
+    float sum = p;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    float tile = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < THREADS / 32; ++i) tile += red[i];
+    const float corr = exp2f(m - mn);
+    total = total * corr + tile;
+    acc *= corr;
+    const int n = min(THREADS, keys - j0);
+    for (int i = g; i < n; i += SPLIT) {
+        const float pi = ps[i];
+        if (pi != 0.0f) {
+            const int jj = j0 + i;
+            const T val = jj == at ? vn[d * v_new_strides[3]] : vb[(int64_t)jj * v_strides[2] + d * v_strides[3]];
+            acc += pi * static_cast<float>(val);
+        }
+    }
+    m = mn;
+    __syncthreads();
+}
+part[g][d] = acc;
+__syncthreads();
+if (t < D) {
+    float r = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < SPLIT; ++i) r += part[i][t];
+    out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? r / total : 0.0f);
+    if (h % group == 0) {
+        kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = kn[t * k_new_strides[3]];
+        vb[(int64_t)at * v_strides[2] + t * v_strides[3]] = vn[t * v_new_strides[3]];
+    }
+}
+"""
+
+_CACHED_BODY = compact(_CACHED_SOURCE)
+
 
 def enabled() -> bool:
     """Whether a server's load routes attention to the kernel: on CUDA, unless
@@ -173,6 +281,63 @@ def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
     (out,) = _kernel(q.dtype, d, float(scale))(
         inputs=[q, k, v, mask], grid=(b * heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype])
+    return out
+
+
+def cached_enabled() -> bool:
+    """Whether one-token steps over a batch cache take :func:`attend_cached`: on CUDA with
+    ``GMLX_CACHE_ATTENTION=1`` (off by default until measured faster on a GPU)."""
+    return os.environ.get("GMLX_CACHE_ATTENTION", "0") == "1" and cuda_source.available()
+
+
+def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask: Any) -> bool:
+    """Whether a one-token step's attention may take :func:`attend_cached`: what
+    :func:`supports` asks of the queries and the cache's arrays, the step's new keys and
+    values one position each, and no mask but the batch's padding (none, or a boolean
+    one over the keys so far)."""
+    import mlx.core as mx
+
+    if q.ndim != 4 or keys.ndim != 4 or q.shape[2] != 1:
+        return False
+    b, heads, _, d = q.shape
+    shape = (b, keys.shape[1], 1, d)
+    return (q.dtype in (mx.float16, mx.bfloat16) and d in HEAD_DIMS and keys.shape[0] == b
+            and keys.shape[3] == d and values.shape == keys.shape and heads % keys.shape[1] == 0
+            and all(a.dtype == q.dtype for a in (k_new, v_new, keys, values))
+            and k_new.shape == shape and v_new.shape == shape
+            and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
+                                  and mask.shape[:3] == (b, 1, 1))))
+
+
+@cache
+def _cached_kernel(dtype: Any, head_dim: int, scale: float) -> Any:
+    t = cuda_type(dtype)
+    qscale = float(scale) * math.log2(math.e)
+    head = (f"using T = {t}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
+            f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
+    return build(f"gmlx_attend_cached_{t.strip('_')}_{head_dim}", head, _CACHED_BODY,
+                 ["q", "k_new", "v_new", "k", "v", "padding", "position"], ensure_row_contiguous=False)
+
+
+def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
+                  scale: float) -> Any:
+    """A one-token step's attention over a batch cache in one launch: ``k_new`` and
+    ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
+    ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
+    cache's write position, the same for every stream), and ``softmax(q k^T * scale) v``
+    over each stream's keys from its ``padding`` (``(B,)``) to that position ->
+    ``(B, 1, H * D)``, shaped for the output projection.
+
+    Where mlx-lm's cache takes four operations and a view each for the same (two slice
+    updates, two views of the keys so far, the attention, its reshape): each operation
+    handed to MLX costs the host several microseconds, and a one-stream step on a GPU is
+    bound by the host. MLX does not see the write: the caller keeps the cache's arrays
+    its own and the positions up to the write unchanged (:meth:`prompt_cache.
+    _AlignedBatchKVCache.write_and_attend`)."""
+    b, heads, _, d = q.shape
+    (out,) = _cached_kernel(q.dtype, d, float(scale))(
+        inputs=[q, k_new, v_new, keys, values, padding, position], grid=(b * heads * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1), output_shapes=[(b, 1, heads * d)], output_dtypes=[q.dtype])
     return out
 
 

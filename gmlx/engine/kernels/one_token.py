@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
-from gmlx.engine.kernels import rope_cuda, swaps
+from gmlx.engine.kernels import attention_cuda, rope_cuda, swaps
 from gmlx.engine.kernels.step_tuning import MAX_ROWS as MAX_PROJECTED
 from gmlx.engine.kernels.step_tuning import bucket
 
@@ -44,7 +44,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def attach(model: Any, rotation: Callable[[Any], Any] | None = None) -> int:
+def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: bool | None = None) -> int:
     """Give every attention of ``model`` whose class is one of :data:`FAMILIES`' the
     one-token path; returns how many changed (0 when turned off). ``rotation`` makes a
     layer's ``rotate(q, k, offset)`` (its queries and keys from the projections, rotated
@@ -54,6 +54,8 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None) -> int:
         return 0
     if rotation is None and rope_cuda.enabled():
         rotation = rope_cuda.rotation
+    if in_place is None:
+        in_place = attention_cuda.cached_enabled()
     classes = _classes()
     changed = 0
     for _, module in model.named_modules():
@@ -62,6 +64,7 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None) -> int:
             module.__class__ = _one_token(cls)
             object.__setattr__(module, "_rotate", None if rotation is None else rotation(module))
             object.__setattr__(module, "_project", None)  # qkv_cuda's, where it gives one
+            object.__setattr__(module, "_in_place", in_place)  # attention_cuda.attend_cached
             changed += 1
     return changed
 
@@ -110,7 +113,15 @@ def queries_keys_values(attention: Any, x: Any, offset: Any) -> tuple[Any, Any, 
 
 def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cache: Any) -> Any:
     """The keys and values into ``cache``, and the queries' attention over all it holds,
-    shaped ``(B, 1, heads * D)`` for the output projection."""
+    shaped ``(B, 1, heads * D)`` for the output projection: in one kernel that writes
+    them in place where the layer was given it (:func:`attach`'s ``in_place``) and the
+    cache is a batch's that takes it (``write_and_attend``)."""
+    if (attention._in_place and (write := getattr(cache, "write_and_attend", None)) is not None
+            and cache.keys is not None
+            and attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask)):
+        scale = attention.scale
+        return write(lambda k, v, padding, position: attention_cuda.attend_cached(
+            queries, keys, values, k, v, padding, position, scale))
     keys, values = cache.update_and_fetch(keys, values)
     # through the module, so a routed attention (attention_cuda) is the one called
     out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)

@@ -218,3 +218,184 @@ def test_the_kernel_source_itself_matches_mlx(tmp_path: Path, dtype, d: int, key
     assert mx.allclose(got, want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
     assert not mx.allclose(got, mx.fast.scaled_dot_product_attention(  # the padding was read
         *(a.astype(mx.float32) for a in (q, k, v)), scale=scale), atol=2e-2).item()
+
+
+# -- the cached variant: the step's keys and values written into the cache in place ----------
+
+
+def _cached_state(batch: int, heads: int, kv_heads: int, capacity: int, at: int, d: int, padding: list[int], dtype):
+    """Queries, the step's new keys and values, cache arrays of ``capacity`` positions
+    holding keys up to ``at`` (1e4 in each stream's padding and past ``at``: an output
+    that read either would show it), and the padding."""
+    mx.random.seed(capacity + at)
+    q = mx.random.normal((batch, heads, 1, d)).astype(dtype)
+    k_new, v_new = (mx.random.normal((batch, kv_heads, 1, d)) * s for s in (2, 1))
+    k, v = (mx.random.normal((batch, kv_heads, capacity, d)) * s for s in (2, 1))
+    cols = mx.arange(capacity)[None, None, :, None]
+    pad = mx.array(padding, dtype=mx.int32)
+    live = (cols >= pad[:, None, None, None]) & (cols < at)
+    k, v = (mx.where(live, a, 1e4) for a in (k, v))
+    return q, *(a.astype(dtype) for a in (k_new, v_new, k, v)), pad
+
+
+def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
+    """What mlx-lm's cache and MLX's attention make of the same step: the keys written,
+    then the masked attention over the keys so far (float32)."""
+    k, v = (mx.concatenate([a[..., :at, :], n, a[..., at + 1:, :]], axis=2) for a, n in ((k, k_new), (v, v_new)))
+    mask = (mx.arange(at + 1)[None] >= pad[:, None]).reshape(q.shape[0], 1, 1, at + 1)
+    out = mx.fast.scaled_dot_product_attention(*(a.astype(mx.float32) for a in (q, k[..., :at + 1, :], v[..., :at + 1, :])),
+                                               scale=scale, mask=mask)
+    return out, k, v
+
+
+def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float):
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        attention_cuda._cached_kernel.cache_clear()
+        try:
+            attention_cuda._cached_kernel(q.dtype, q.shape[-1], scale)
+        finally:
+            attention_cuda._cached_kernel.cache_clear()
+    dtype = str(q.dtype).removeprefix("mlx.core.")
+    kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], dtype)
+    main = r"""
+int main(int argc, char** argv) {
+    int a[7]; for (int i = 0; i < 7; ++i) a[i] = std::atoi(argv[i + 1]);
+    const int B = a[0], H = a[1], HK = a[2], C = a[3], D = a[4], THREADS_ = a[5], AT = a[6];
+    using E = ELEMENT;
+    auto q = load<E>("q.bin", (size_t)B * H * D);
+    auto kn = load<E>("kn.bin", (size_t)B * HK * D);
+    auto vn = load<E>("vn.bin", (size_t)B * HK * D);
+    auto k = load<E>("k.bin", (size_t)B * HK * C * D);
+    auto v = load<E>("v.bin", (size_t)B * HK * C * D);
+    auto pad = load<int32_t>("pad.bin", (size_t)B);
+    std::vector<int32_t> at{AT};
+    std::vector<E> out((size_t)B * H * D);
+    Shape qs{B, H, 1, D}, ks{B, HK, C, D};
+    Strides qt{(int64_t)H * D, D, D, 1}, nt{(int64_t)HK * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, pt{1};
+    run_blocks(B * H, THREADS_, [&] {
+        kernel(q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, pad.data(), pt,
+               at.data(), out.data());
+    });
+    save("out.bin", out); save("k.bin", k); save("v.bin", v);
+}
+""".replace("ELEMENT", emulation.HOST_TYPES[dtype])
+    for name, a in (("q", q), ("kn", k_new), ("vn", v_new), ("k", k), ("v", v)):
+        (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
+    (tmp / "pad.bin").write_bytes(np.array(pad).astype(np.int32).tobytes())
+    b, heads, _, d = q.shape
+    compile_and_run(tmp, PRELUDE + kernel + main, [b, heads, k.shape[1], k.shape[2], d, attention_cuda.THREADS, at])
+
+    def read(name: str, shape: tuple) -> mx.array:
+        raw = np.frombuffer((tmp / name).read_bytes(), dtype=np.uint16).reshape(shape)
+        return mx.array(raw).view(q.dtype)
+
+    return read("out.bin", (b, 1, heads * d)), read("k.bin", k.shape), read("v.bin", v.shape)
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
+                                                         (mx.float16, 64, 256, 40, [0, 3, 40]),
+                                                         (mx.bfloat16, 64, 512, 256, [0, 0, 255])])
+def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
+        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int]) -> None:
+    """The cached kernel's own source, emulated: its output is MLX's masked attention
+    over the keys so far with the step's written at ``at`` (a stream whose only key is
+    the new one; the new key at a tile's first position), shaped for the output
+    projection; the cache arrays after it are the old ones with position ``at`` replaced
+    and nothing else touched; neither the padding nor what lies past ``at`` was read."""
+    q, k_new, v_new, k, v, pad = _cached_state(3, 4, 2, capacity, at, d, padding, dtype)
+    scale = d ** -0.5
+    got, k_after, v_after = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale)
+    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
+    want = want.reshape(got.shape)
+    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+    assert not mx.array_equal(k_after, k).item()  # it wrote
+
+
+def test_which_steps_take_the_cached_kernel() -> None:
+    q, k_new, v_new, k, v, _ = _cached_state(2, 8, 2, 64, 10, 128, [0, 3], mx.bfloat16)
+    mask = mx.ones((2, 1, 1, 11), dtype=mx.bool_)
+    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, None)
+    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, mask)  # the batch's padding
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, "causal")
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask.astype(mx.float16))  # additive
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k.astype(mx.float16), v.astype(mx.float16), None)
+    assert not attention_cuda.supports_cached(q[..., :96], k_new[..., :96], v_new[..., :96], k[..., :96],
+                                              v[..., :96], None)  # head size 96
+    two = mx.concatenate([k_new, k_new], axis=2)
+    assert not attention_cuda.supports_cached(q, two, two, k, v, None)  # two positions a step
+    assert not attention_cuda.supports_cached(q[:, :5], k_new, v_new, k, v, None)  # 5 heads over 2
+    assert not attention_cuda.supports_cached(q.astype(mx.float32), *(a.astype(mx.float32) for a in
+                                                                      (k_new, v_new, k, v)), None)
+
+
+def _cached_replaying(calls: list[int]):
+    """``attend_cached``'s place taken by numpy (no CUDA here): the write into the cache's
+    own buffers (``np.array(copy=False)`` is a view of an evaluated MLX array on the CPU),
+    then the kernel's arithmetic replayed over the keys so far."""
+
+    def attend_cached(q, k_new, v_new, k, v, padding, position, scale):
+        mx.eval(q, k_new, v_new, k, v, padding, position)
+        at = position.item()
+        calls.append(at)
+        keys, values = np.array(k, copy=False), np.array(v, copy=False)
+        keys[:, :, at] = np.array(k_new)[:, :, 0]
+        values[:, :, at] = np.array(v_new)[:, :, 0]
+        b, heads, _, d = q.shape
+        mask = (np.arange(at + 1)[None] >= np.array(padding)[:, None]).reshape(b, 1, 1, at + 1)
+        out = attention_cuda.replay(np.array(q.astype(mx.float32)), keys[:, :, :at + 1].astype(np.float32),
+                                    values[:, :, :at + 1].astype(np.float32), scale, mask)
+        return mx.array(out).astype(q.dtype).reshape(b, 1, heads * d)
+
+    return attend_cached
+
+
+def test_a_padded_batch_decodes_through_the_cached_kernel_as_through_the_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A padded batch's decode steps over gmlx's batch cache, with the cached kernel
+    (its numpy stand-in) writing in place: the logits of every step, and the cache's
+    arrays, positions and offsets after, are those of mlx-lm's writes and MLX's
+    attention; the arrays grow past a whole step on the way; prompt steps keep the
+    cache's own writes."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from gmlx.engine.kernels import one_token
+    from gmlx.engine.prompt_cache import _AlignedBatchKVCache
+
+    mx.random.seed(5)
+    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    model.set_dtype(mx.float16)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 16, 17, 18]]
+
+    def decode(in_place: bool):
+        one_token.attach(model, rotation=lambda attention: None, in_place=in_place)
+        try:
+            cache = [_AlignedBatchKVCache([0, 4]) for _ in model.layers]
+            for c in cache:
+                c.step = 4  # the arrays grow every few steps
+            model(mx.array(prompts), cache=cache)
+            steps = [model(mx.array([[20 + i], [30 + i]]), cache=cache)[:, -1, :].astype(mx.float32)
+                     for i in range(6)]
+            return steps, cache
+        finally:
+            one_token.detach(model)
+
+    want, cache_want = decode(False)
+    calls: list[int] = []
+    monkeypatch.setattr(attention_cuda, "attend_cached", _cached_replaying(calls))
+    got, cache_got = decode(True)
+    assert calls == [at for at in range(7, 13) for _ in model.layers]
+    for g, w in zip(got, want, strict=True):
+        assert mx.allclose(g, w, atol=2e-2).item()
+    for layer, (g, w) in enumerate(zip(cache_got, cache_want, strict=True)):
+        assert g._idx == w._idx == 13 and g.keys.shape == w.keys.shape
+        assert mx.array_equal(g.offset, w.offset).item()
+        # the first layer's keys and values come from the tokens alone: the same bits;
+        # the second's from the first's attention, whose rounding the replay's is not
+        same = mx.array_equal if layer == 0 else (lambda a, b: mx.allclose(a, b, atol=2e-2))
+        assert same(g.keys[..., :13, :], w.keys[..., :13, :]).item()
+        assert same(g.values[..., :13, :], w.values[..., :13, :]).item()

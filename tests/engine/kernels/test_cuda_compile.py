@@ -55,6 +55,7 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
     for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
+    attention_cuda._cached_kernel.cache_clear()
     return made
 
 
@@ -89,6 +90,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
             for d in attention_cuda.HEAD_DIMS:
                 attention_cuda._kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
+                attention_cuda._cached_kernel(dtype, d, d ** -0.5)
+                kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
             for d in (2048, 4096):
                 add_norm_cuda._kernel(dtype, d, 1e-5)
                 kernels.append((made[-1], [dtype, dtype, dtype]))
@@ -98,6 +101,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
     finally:
         for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
+        attention_cuda._cached_kernel.cache_clear()
     names = [m["name"] for m, _ in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source
     source = _HEADER + "\n".join(_wrapped(m, types) for m, types in kernels) + "} // namespace\n"
