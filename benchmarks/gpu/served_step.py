@@ -8,7 +8,7 @@ operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``q
 ``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
 ``step-compiled`` run the one-token blocks in two compiled pieces each (``cached``: that with
 each step's keys and values written in place by the attention kernel,
-``attention_cuda.attend_cached``; ``all-cached``: and the add-norm and rope kernels)
+``attention_cuda.attend_cached``)
 (``gmlx.engine.kernels.compiled_blocks``, anywhere; mlx-lm's generator, on the same model,
 takes them too), ``model-layers`` gives mlx-lm's own back, each for the modes after. The
 bare step runs over the worker's batch cache (``prompt_cache.batch_cache``) in every mode.
@@ -139,8 +139,7 @@ def load(ref: str, dtype: str, quantize: bool = True):
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
            "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv"),
            "compiled": ("compiled",), "step compiled": ("glu", "qkv", "compiled"),
-           "cached": ("glu", "qkv", "compiled", "cached"), "all cached": ("glu", "qkv", "compiled", "cached",
-                                                                         "add norm", "rope")}
+           "cached": ("glu", "qkv", "compiled", "cached")}
 
 
 @contextlib.contextmanager
@@ -179,8 +178,7 @@ def layered(model, mode: str):
 # served_step's layer modes -> LAYERED's loops (``model-layers``: none)
 LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
           "glu": "glu", "qkv": "qkv", "step-kernels": "step kernels", "compiled": "compiled",
-          "step-compiled": "step compiled", "cached": "cached", "all-cached": "all cached",
-          "model-layers": "gmlx cache"}
+          "step-compiled": "step compiled", "cached": "cached", "model-layers": "gmlx cache"}
 
 
 def main() -> None:
