@@ -42,6 +42,33 @@ THREADS = 256
 HEAD_DIMS = (64, 128, 256)
 _FLOOR = -3.0e38  # the score of a masked key (finite: no inf - inf)
 
+# A tile's softmax step, shared by both kernels: each thread's score ``s`` (``FLOOR`` where
+# its key is not ``live``), the block's running maximum ``m`` and total, and each
+# thread's weight ``ps[t]`` for the values; ``corr`` rescales what was summed before.
+_TILE = """    float w = s;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+    if (lane == 0) red[warp] = w;
+    __syncthreads();
+    float top = red[0];
+    #pragma unroll
+    for (int i = 1; i < THREADS / 32; ++i) top = fmaxf(top, red[i]);
+    const float mn = fmaxf(m, top);
+    __syncthreads();
+    const float p = live ? exp2f(s - mn) : 0.0f;
+    ps[t] = p;
+    float sum = p;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    float tile = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < THREADS / 32; ++i) tile += red[i];
+    const float corr = exp2f(m - mn);
+    total = total * corr + tile;
+"""
+
 _SOURCE = """
 constexpr int SPLIT = THREADS / D;
 __shared__ float qs[D];
@@ -87,29 +114,7 @@ for (int j0 = 0; j0 < keys; j0 += THREADS) {
         }
         s = dot;
     }
-    float w = s;
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-    if (lane == 0) red[warp] = w;
-    __syncthreads();
-    float top = red[0];
-    #pragma unroll
-    for (int i = 1; i < THREADS / 32; ++i) top = fmaxf(top, red[i]);
-    const float mn = fmaxf(m, top);
-    __syncthreads();
-    const float p = live ? exp2f(s - mn) : 0.0f;
-    ps[t] = p;
-    float sum = p;
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    float tile = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < THREADS / 32; ++i) tile += red[i];
-    const float corr = exp2f(m - mn);
-    total = total * corr + tile;
-    acc *= corr;
+""" + _TILE + """    acc *= corr;
     const int n = min(THREADS, keys - j0);
     for (int i = g; i < n; i += SPLIT) {
         const float pi = ps[i];
@@ -191,29 +196,7 @@ for (int j0 = (first / THREADS) * THREADS; j0 < keys; j0 += THREADS) {
         }
         s = dot;
     }
-    float w = s;
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-    if (lane == 0) red[warp] = w;
-    __syncthreads();
-    float top = red[0];
-    #pragma unroll
-    for (int i = 1; i < THREADS / 32; ++i) top = fmaxf(top, red[i]);
-    const float mn = fmaxf(m, top);
-    __syncthreads();
-    const float p = live ? exp2f(s - mn) : 0.0f;
-    ps[t] = p;
-    float sum = p;
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    float tile = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < THREADS / 32; ++i) tile += red[i];
-    const float corr = exp2f(m - mn);
-    total = total * corr + tile;
-    #pragma unroll
+""" + _TILE + """    #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[e] *= corr;
     const int n = min(THREADS, keys - j0);
     #pragma unroll 4
@@ -274,12 +257,15 @@ def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float) -> Any:
     """One kernel per float type, head size and scale (:mod:`cuda_source` says why)."""
-    t = cuda_type(dtype)
+    return build(f"gmlx_attend_{cuda_type(dtype).strip('_')}_{head_dim}", _head(dtype, head_dim, scale), _BODY,
+                 ["q", "k", "v", "mask"], ensure_row_contiguous=False)
+
+
+def _head(dtype: Any, head_dim: int, scale: float) -> str:
+    """Both kernels' constants: the float type, head size, block size, the scale in base 2."""
     qscale = float(scale) * math.log2(math.e)
-    head = (f"using T = {t}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
+    return (f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
             f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
-    return build(f"gmlx_attend_{t.strip('_')}_{head_dim}", head, _BODY, ["q", "k", "v", "mask"],
-                 ensure_row_contiguous=False)
 
 
 def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
@@ -320,12 +306,8 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 @cache
 def _cached_kernel(dtype: Any, head_dim: int, scale: float) -> Any:
-    t = cuda_type(dtype)
-    qscale = float(scale) * math.log2(math.e)
-    head = (f"using T = {t}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
-            f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
-    return build(f"gmlx_attend_cached_{t.strip('_')}_{head_dim}", head, _CACHED_BODY,
-                 ["q", "k_new", "v_new", "k", "v", "padding", "position"], ensure_row_contiguous=False)
+    return build(f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}", _head(dtype, head_dim, scale),
+                 _CACHED_BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"], ensure_row_contiguous=False)
 
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,

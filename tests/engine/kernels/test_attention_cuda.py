@@ -175,19 +175,26 @@ int main(int argc, char** argv) {
 """
 
 
+def _made(factory, *args) -> list[dict]:
+    """What ``factory(*args)`` handed ``mx.fast.cuda_kernel`` (its source, names), made
+    afresh through a stand-in (no CUDA here) and forgotten after."""
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        factory.cache_clear()
+        try:
+            factory(*args)
+        finally:
+            factory.cache_clear()
+    return made
+
+
 def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
     """The kernel's source for ``q``'s dtype and head size, compiled with the emulation
     above and run over ``k`` and ``v`` held as the first positions of cache arrays of
     ``capacity`` positions (read through their strides, as the cache's views are; the
     positions past them hold 1e4, which would show in any output that read them)."""
-    made: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-        attention_cuda._kernel.cache_clear()
-        try:
-            attention_cuda._kernel(q.dtype, q.shape[-1], scale)
-        finally:
-            attention_cuda._kernel.cache_clear()
+    made = _made(attention_cuda._kernel, q.dtype, q.shape[-1], scale)
     element = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}[q.dtype]
     source = _EMULATION.replace("ELEMENT", element).replace("BODY", made[0]["source"])
     beyond = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
@@ -249,14 +256,7 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
 
 
 def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float):
-    made: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-        attention_cuda._cached_kernel.cache_clear()
-        try:
-            attention_cuda._cached_kernel(q.dtype, q.shape[-1], scale)
-        finally:
-            attention_cuda._cached_kernel.cache_clear()
+    made = _made(attention_cuda._cached_kernel, q.dtype, q.shape[-1], scale)
     dtype = str(q.dtype).removeprefix("mlx.core.")
     kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], dtype)
     main = r"""
