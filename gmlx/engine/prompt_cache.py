@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -183,17 +184,11 @@ def with_room(cache: list[Any], room: int) -> list[Any]:
     return out
 
 
-_positions: dict[int, Any] = {}
-
-
+@lru_cache(maxsize=1)
 def _position(used: int) -> Any:
     """``used`` as an ``int32`` array of one, made once a step (every layer of a step
     writes at the same position)."""
-    array = _positions.get(used)
-    if array is None:
-        _positions.clear()
-        array = _positions[used] = mx.array([used], dtype=mx.int32)
-    return array
+    return mx.array([used], dtype=mx.int32)
 
 
 def _whole_steps(n: int, step: int) -> int:
