@@ -4,11 +4,15 @@ MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention sha
 
     python benchmarks/gpu/attention_check.py            # on the H200 (CUDA only)
     python benchmarks/gpu/attention_check.py --cached   # the cached variant only
+    python benchmarks/gpu/attention_check.py --whole    # the whole step compiled, only
 
 ``--cached``: the variant that writes a step's keys and values into the cache in place
 (``attention_cuda.attend_cached``) against the cache's own writes and MLX's attention:
 its largest difference, whether the cache arrays after it are the old ones with the one
-position replaced, bit for bit, and nothing else.
+position replaced, bit for bit, and nothing else. ``--whole``: a small float16 llama
+(head size 128) decoding a padded batch through the cached variant with the whole
+one-token step one compiled call (``whole_step``) against the same without it: the
+largest logit difference, the greedy tokens and the caches, over a growth of the cache.
 
 Each row: streams, keys (the cache's arrays are longer: the keys are a view, as the
 cache hands them over), the largest difference from the float32 attention for the kernel
@@ -79,10 +83,57 @@ def check_cached() -> bool:
     return good
 
 
+def check_whole() -> bool:
+    """A padded batch decoding through the whole compiled step against the blocks alone."""
+    from mlx_lm.models import llama
+
+    from gmlx.engine.kernels import compiled_blocks, one_token, whole_step
+    from gmlx.engine.prompt_cache import _AlignedBatchKVCache
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=1024, num_hidden_layers=4, intermediate_size=2048,
+                           num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
+                           rope_theta=5e5, tie_word_embeddings=False)
+    mx.random.seed(3)
+    model = llama.Model(args)
+    model.set_dtype(mx.float16)
+    mx.eval(model.parameters())
+    one_token.attach(model, rotation=lambda attention: None, in_place=True)
+    compiled_blocks.attach(model)
+    prompts = mx.array([[5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [0, 0, 0, 7, 7, 8, 8, 9, 3, 2], [0] * 6 + [2, 4, 6, 8]])
+
+    def decode(n: int = 24):
+        cache = [_AlignedBatchKVCache([0, 3, 6]) for _ in model.layers]
+        for c in cache:
+            c.step = 8  # grows three times in the steps below: traced again each time
+        out = [model(prompts, cache=cache)[:, -1:]]
+        for _ in range(n):
+            out.append(model(mx.argmax(out[-1], axis=-1), cache=cache))
+        mx.eval(out)
+        return out, cache
+
+    want, want_cache = decode()
+    assert whole_step.attach(model)
+    got, got_cache = decode()
+    took = model._whole_step is not None and not model._whole_off
+    err = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() for a, b in zip(want, got))
+    tokens = all(mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item() for a, b in zip(want, got))
+    used = want_cache[0]._idx
+    same = all(mx.array_equal(a.keys[..., :used, :], b.keys[..., :used, :]).item()
+               and mx.array_equal(a.values[..., :used, :], b.values[..., :used, :]).item()
+               for a, b in zip(want_cache, got_cache))
+    print(f"whole step: taken {took}, largest logit difference {err:.5f}, the same greedy tokens {tokens}, "
+          f"the same caches {same} ({used} positions)")
+    return took and tokens and err < 0.05
+
+
 def main() -> None:
     if not cuda_source.available():
         sys.exit("the kernel is built only on CUDA")
     print(f"device {mx.default_device()}")
+    if "--whole" in sys.argv:
+        if not check_whole():
+            print("the whole step DISAGREES")
+        return
     if not check_cached():
         print("the cached variant DISAGREES")
     if "--cached" in sys.argv:

@@ -19,7 +19,8 @@ thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs
 into one product each; ``gmlx-mlxattend`` with a padded batch's attention in MLX's general path (gmlx's kernel off);
 ``gmlx-handover8`` handing each forward over every 8 layers on a second thread; ``gmlx-kernels`` with
 the fused adds and norms and the rope kernel (both off by default); ``gmlx-cached`` with a
-one-token step's keys and values written in place by its attention kernel; ``mlx_lm-gmlxenv`` is
+one-token step's keys and values written in place by its attention kernel; ``gmlx-whole`` that with the
+whole one-token step one compiled call; ``mlx_lm-gmlxenv`` is
 mlx_lm.server with the MLX settings gmlx makes, so only the server differs). One server
 runs at a time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
@@ -86,7 +87,7 @@ from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
            "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-noqkv",
-           "gmlx-nostep", "gmlx-compiled", "gmlx-nocompile", "gmlx-allkernels", "gmlx-cached", "gmlx-mlx",
+           "gmlx-nostep", "gmlx-compiled", "gmlx-nocompile", "gmlx-allkernels", "gmlx-cached", "gmlx-whole", "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -131,6 +132,9 @@ GMLX_VARIANTS = {
     # attention kernel (attention_cuda.attend_cached: five operations fewer a layer; off by
     # default until measured served)
     "gmlx-cached": {"GMLX_CACHE_ATTENTION": "1"},
+    # that with the whole one-token step one compiled call (gmlx.engine.kernels.whole_step;
+    # off by default until measured served)
+    "gmlx-whole": {"GMLX_CACHE_ATTENTION": "1", "GMLX_WHOLE_STEP": "1"},
 }
 # mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the
 # same engine settings on both sides, so the difference is the server (issue 19, point 4)

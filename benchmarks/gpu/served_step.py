@@ -8,7 +8,8 @@ operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``q
 ``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
 ``step-compiled`` run the one-token blocks in two compiled pieces each (``cached``: that with
 each step's keys and values written in place by the attention kernel,
-``attention_cuda.attend_cached``)
+``attention_cuda.attend_cached``; ``whole``: that with the whole one-token step one
+compiled call, ``whole_step``)
 (``gmlx.engine.kernels.compiled_blocks``, anywhere; mlx-lm's generator, on the same model,
 takes them too), ``model-layers`` gives mlx-lm's own back, each for the modes after. The
 bare step runs over the worker's batch cache (``prompt_cache.batch_cache``) in every mode.
@@ -139,7 +140,7 @@ def load(ref: str, dtype: str, quantize: bool = True):
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
            "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv"),
            "compiled": ("compiled",), "step compiled": ("glu", "qkv", "compiled"),
-           "cached": ("glu", "qkv", "compiled", "cached")}
+           "cached": ("glu", "qkv", "compiled", "cached"), "whole": ("glu", "qkv", "compiled", "cached", "whole")}
 
 
 @contextlib.contextmanager
@@ -152,6 +153,7 @@ def layered(model, mode: str):
         one_token,
         qkv_cuda,
         rope_cuda,
+        whole_step,
     )
 
     kernels = LAYERED.get(mode)
@@ -166,9 +168,12 @@ def layered(model, mode: str):
             qkv_cuda.attach(model)
         if "compiled" in kernels:
             compiled_blocks.attach(model)
+        if "whole" in kernels:
+            whole_step.attach(model)
     try:
         yield
     finally:
+        whole_step.detach(model)
         compiled_blocks.detach(model)
         one_token.detach(model)
         add_norm_cuda.detach(model)
@@ -178,7 +183,7 @@ def layered(model, mode: str):
 # served_step's layer modes -> LAYERED's loops (``model-layers``: none)
 LAYERS = {"one-token": "one token", "add-norm": "add norm", "rope": "rope", "all-kernels": "all kernels",
           "glu": "glu", "qkv": "qkv", "step-kernels": "step kernels", "compiled": "compiled",
-          "step-compiled": "step compiled", "cached": "cached", "model-layers": "gmlx cache"}
+          "step-compiled": "step compiled", "cached": "cached", "whole": "whole", "model-layers": "gmlx cache"}
 
 
 def main() -> None:
@@ -239,7 +244,8 @@ def main() -> None:
                 layers.__enter__()
             kernels = LAYERED.get(LAYERS[mode])
             what = "mlx-lm's own layers" if kernels is None else "one-token attention" + "".join(
-                " + compiled blocks" if k == "compiled" else f" + the {k} kernel" for k in kernels)
+                " + compiled blocks" if k == "compiled" else " + the whole step compiled" if k == "whole"
+                else f" + the {k} kernel" for k in kernels)
             print(f"  {mode}: the modes after run {what}", flush=True)
             continue
         os.environ["GMLX_QMV_KERNEL"] = {"plain": "0", "flat": "flat", "tuned": "1"}[mode]

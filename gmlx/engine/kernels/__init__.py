@@ -24,7 +24,8 @@ def prepare_layers(model: Any) -> list[str]:
     each (:mod:`compiled_blocks`, logged; on the CPU and CUDA unless ``GMLX_COMPILE_BLOCKS=0``),
     attached before the tuners, so they time whole steps as they will be served (a custom
     kernel's host cost paid at a trace, not every step), and traced again after them with
-    the paths they chose. Returns the load notes."""
+    the paths they chose; with ``GMLX_WHOLE_STEP=1`` (and ``GMLX_CACHE_ATTENTION=1``) on
+    CUDA the whole one-token step is one compiled call (:mod:`whole_step`), likewise. Returns the load notes."""
     from gmlx.engine import mlxlm
     from gmlx.engine.kernels import (
         add_norm_cuda,
@@ -33,6 +34,7 @@ def prepare_layers(model: Any) -> list[str]:
         glu_cuda,
         one_token,
         qkv_cuda,
+        whole_step,
     )
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
@@ -48,6 +50,8 @@ def prepare_layers(model: Any) -> list[str]:
         log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
     if compiled_blocks.enabled() and (compiled := compiled_blocks.attach(model)):
         log.info("one-token steps of %d block(s) in two compiled pieces each", compiled)
+    if whole_step.enabled() and whole_step.attach(model):
+        log.info("cuda: one-token steps over a batch cache in one compiled call")
     # the step kernels below are taken where their tune() measures a whole step faster
     step_kernels = [k for k in (glu_cuda, qkv_cuda) if k.enabled() and k.attach(model, buckets=())]
     notes = [note] if (note := use_fast_kernels(model)) is not None else []

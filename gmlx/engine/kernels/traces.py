@@ -1,7 +1,7 @@
 """What a load's tuners need to know of the compiled blocks (:mod:`compiled_blocks`)
 without importing them (those sit above the tuners' modules): whether a model's blocks
-run their one-token steps compiled, and how to make them trace again once what their
-layers run has changed (a trace keeps the products' paths and kernels it met)."""
+run their one-token steps compiled, and how to make them (and a whole compiled step)
+trace again once what their layers run has changed (a trace keeps the products' paths and kernels it met)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from gmlx.engine.kernels import swaps
 
 MARKER = "compiled_block"  # the compiled blocks' classes carry it (swaps.subclass)
 PIECES = "_pieces"  # a compiled block's traced pieces, None until its next one-token step
+WHOLE_MARKER = "whole_step"  # a model whose one-token step is one compiled call (whole_step)
+WHOLE_TRACED = "_whole_step"  # its traced step, None until its next one-token step
 
 
 def attached(model: Any) -> bool:
@@ -19,6 +21,9 @@ def attached(model: Any) -> bool:
 
 
 def retrace(model: Any) -> None:
-    """Make ``model``'s compiled blocks trace again at their next one-token step."""
+    """Make ``model``'s compiled blocks, and its whole compiled step where it has one
+    (:mod:`whole_step`), trace again at their next one-token step."""
     for block in swaps.marked(model, MARKER):
         object.__setattr__(block, PIECES, None)
+    if vars(type(model)).get(WHOLE_MARKER):
+        object.__setattr__(model, WHOLE_TRACED, None)

@@ -1,0 +1,186 @@
+"""A one-token decode step over a batch cache as one compiled call, for CUDA.
+
+A one-stream step of an 8B on the H200 is bound by the host: with the blocks compiled
+in pieces (:mod:`compiled_blocks`) and the step's keys written in place by the attention
+(:func:`attention_cuda.attend_cached`), Python still builds ~100 calls a step (two
+compiled pieces, an attention and the cache's bookkeeping for each of 32 blocks) in
+1.4-2.0 ms, and MLX takes ~600 operations from them in 2.8-4.1 ms more, while the GPU
+needs ~3 ms for the step. Here the model's whole one-token step is traced once, through
+the model's own code, the layers' caches standing in as arrays (:class:`_Layer`), and
+replayed from C++ after: one call a step, whose graph MLX's compiler simplifies and
+fuses as a whole. What stays in Python is the cache's bookkeeping, once a step: room for
+the step (the arrays grow by whole steps, :meth:`prompt_cache._AlignedBatchKVCache.
+_reserve`), the write position as an array, and one ``offset + 1`` every layer shares.
+
+The trace keys on its inputs' shapes: the width and the cache's length, which grows by
+whole steps of 256 positions, so a step that grows it traces again (each trace is kept
+until :func:`traces.retrace`: a load's tuners time steps through it after each change).
+A layer's keys and values are written where MLX does not see it (in place, by the
+attention kernel), so the step returns only the logits; with ``copying`` (the form this
+CPU tests: no CUDA kernel runs here) each layer's cache takes the step's keys and values
+as MLX's ``slice_update`` and attends over its whole length under a mask of each
+stream's positions, and the step returns the arrays, which the caches keep. That form
+copies every layer's cache each step: never a default. A layer whose attention does not
+write in place (a shape the kernel does not take) makes the trace fail; the model then
+runs its own code from that step on (logged).
+
+Only one-token steps (``(B, 1)`` token ids, no embeddings) over a list of gmlx's batch
+caches (every layer's a plain KV cache at the same position) take it; prompt steps, other
+caches and other arguments run the model as it was. ``GMLX_WHOLE_STEP=1`` turns it on
+where the attention writes in place (CUDA with ``GMLX_CACHE_ATTENTION=1``); off by
+default until a served pair on a GPU says it is faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+from gmlx.engine.kernels import attention_cuda, swaps
+from gmlx.engine.kernels.traces import WHOLE_MARKER as MARKER
+from gmlx.engine.kernels.traces import WHOLE_TRACED as TRACED
+
+log = logging.getLogger(__name__)
+
+ENV = "GMLX_WHOLE_STEP"
+
+
+class NotWhole(Exception):
+    """A layer of the traced step did not write its keys in place."""
+
+
+def enabled() -> bool:
+    """``GMLX_WHOLE_STEP=1`` where one-token attention writes the cache in place
+    (:func:`attention_cuda.cached_enabled`); off by default."""
+    return os.environ.get(ENV, "0") == "1" and attention_cuda.cached_enabled()
+
+
+def attach(model: Any, copying: bool = False) -> bool:
+    """Give ``model`` (an mlx-lm ``Model``: token ids and a cache in, logits out) the
+    compiled one-token step; ``copying`` for the form that updates the caches through
+    MLX (the tests on the CPU). Whether it changed."""
+    if vars(type(model)).get(MARKER):
+        return False
+    model.__class__ = _whole(type(model))
+    object.__setattr__(model, TRACED, None)
+    object.__setattr__(model, "_whole_copying", copying)
+    object.__setattr__(model, "_whole_off", False)
+    return True
+
+
+def attached(model: Any) -> bool:
+    return bool(vars(type(model)).get(MARKER))
+
+
+def detach(model: Any) -> None:
+    """Give ``model`` its own class back."""
+    if attached(model):
+        model.__class__ = type(model).__bases__[0]
+
+
+def _batch(caches: Any) -> bool:
+    """Whether ``caches`` are gmlx's batch caches, one a layer, holding keys."""
+    return (isinstance(caches, list) and bool(caches)
+            and all(getattr(c, "write_and_attend", None) is not None and c.keys is not None for c in caches))
+
+
+class _Layer:
+    """A layer's batch cache inside the traced step: its arrays, the batch's positions
+    (``offset``) and padding, and the step's write position, each an input of the trace.
+    The attention writes the step's keys and values in place (``write_and_attend``)."""
+
+    def __init__(self, keys: Any, values: Any, offset: Any, padding: Any, position: Any) -> None:
+        self.keys, self.values, self.offset, self.left_padding = keys, values, offset, padding
+        self.position = position
+
+    def write_and_attend(self, attend: Any) -> Any:
+        return attend(self.keys, self.values, self.left_padding, self.position)
+
+    def update_and_fetch(self, keys: Any, values: Any) -> Any:
+        raise NotWhole("a layer's attention does not write its keys in place")
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        return None  # the attention skips each stream's padding itself
+
+
+class _Copying(_Layer):
+    """A layer's batch cache inside the traced step in the copying form: the step's keys
+    and values go in through ``slice_update`` (new arrays, which the step returns), and
+    the attention reads the whole length under a mask of each stream's live positions."""
+
+    write_and_attend = None  # type: ignore[assignment]
+
+    def update_and_fetch(self, keys: Any, values: Any) -> Any:
+        self.keys = mx.slice_update(self.keys, keys, self.position, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.position, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        j = mx.arange(self.keys.shape[2])
+        live = (j[None] >= self.left_padding[:, None]) & (j[None] <= self.position)
+        return live[:, None, None, :]
+
+
+def _trace(model: Any, call: Any, copying: bool) -> Any:
+    """``model``'s one-token step (``call``: its class's own ``__call__``) compiled:
+    ``(tokens, offset, padding, position, keys, values) -> logits`` (and the layers'
+    new keys and values with ``copying``)."""
+    layer = _Copying if copying else _Layer
+
+    def step(tokens: Any, offset: Any, padding: Any, position: Any, keys: list[Any], values: list[Any]) -> Any:
+        layers = [layer(k, v, offset, padding, position) for k, v in zip(keys, values, strict=True)]
+        logits = call(model, tokens, cache=layers)
+        if copying:
+            return logits, [c.keys for c in layers], [c.values for c in layers]
+        return logits
+
+    return mx.compile(step)
+
+
+def _step(model: Any, call: Any, tokens: Any, caches: list[Any]) -> Any:
+    """One step through the trace; the caches' bookkeeping (room, positions) here."""
+    from gmlx.engine.mlxlm import kv_used, set_kv_used
+
+    first = caches[0]
+    used = kv_used(first)
+    for c in caches:
+        c._reserve(1)
+    traced = getattr(model, TRACED)
+    if traced is None:
+        traced = _trace(model, call, model._whole_copying)
+        object.__setattr__(model, TRACED, traced)
+    position = mx.array([used], dtype=mx.int32)
+    out = traced(tokens, first.offset, first.left_padding, position,
+                 [c.keys for c in caches], [c.values for c in caches])
+    if model._whole_copying:
+        out, keys, values = out
+        for c, k, v in zip(caches, keys, values, strict=True):
+            c.keys, c.values = k, v
+    offset = first.offset + 1  # one for every layer: a batch's layers advance together
+    for c in caches:
+        c.offset = offset
+        set_kv_used(c, used + 1)
+    return out
+
+
+@cache
+def _whole(cls: type) -> type:
+    """``cls`` whose one-token steps over gmlx's batch caches run as one compiled call."""
+
+    def __call__(self: Any, inputs: Any, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if (args or kwargs or self._whole_off or inputs.ndim != 2 or inputs.shape[1] != 1
+                or not _batch(cache)):
+            return cls.__call__(self, inputs, cache, *args, **kwargs)
+        try:
+            return _step(self, cls.__call__, inputs, cache)
+        except NotWhole as error:
+            object.__setattr__(self, "_whole_off", True)
+            object.__setattr__(self, TRACED, None)
+            log.warning("the one-token step runs uncompiled: %s", error)
+            return cls.__call__(self, inputs, cache)
+
+    return swaps.subclass(cls, MARKER, __call__)
