@@ -208,7 +208,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
     swapped = [m for m in layers if chosen[_key(m)]]
     for m in swapped:
         m.set_paths(dict(chosen[_key(m)]))
-    whole = model_key((keys[_key(m)] for m in layers), compiled=traces.attached(model))
+    whole = model_key((keys[_key(m)] for m in layers), form=traces.step_form(model))
     confirmed = tuning.confirmed(whole)
     if confirmed is None:
         confirmed = _confirm(model, swapped, sorted({r for p in chosen.values() for r in p}))

@@ -50,7 +50,7 @@ def tune(model: Any, env: str, what: str, members: Sequence[Any], keys: Sequence
         use(BUCKETS)
         return f"cuda: {what} at every step of 1-{MAX_ROWS} streams"
     one_each = {k: m for k, m in zip(keys, members, strict=True)}.values()
-    key = f"{model_key(keys, compiled=traces.attached(model))}:{env}"
+    key = f"{model_key(keys, form=traces.step_form(model))}:{env}"
     kept = decide(model, key, lambda: all(agrees(m) for m in one_each), use)
     return f"cuda: {what}; whole-step speed-up by rows: {speedups(kept)}"
 

@@ -20,10 +20,24 @@ def attached(model: Any) -> bool:
     return bool(swaps.marked(model, MARKER))
 
 
+def whole(model: Any) -> bool:
+    """Whether ``model``'s one-token steps are one compiled call (:mod:`whole_step`; its
+    class may have been wrapped again since, by ``handover``)."""
+    return any(vars(k).get(WHOLE_MARKER) for k in type(model).__mro__)
+
+
+def step_form(model: Any) -> str:
+    """How ``model``'s one-token steps run, for the tuners' keys: ``"whole"`` (one
+    compiled call), ``"compiled"`` (compiled blocks) or ``""`` (as written)."""
+    if whole(model):
+        return "whole"
+    return "compiled" if attached(model) else ""
+
+
 def retrace(model: Any) -> None:
     """Make ``model``'s compiled blocks, and its whole compiled step where it has one
     (:mod:`whole_step`), trace again at their next one-token step."""
     for block in swaps.marked(model, MARKER):
         object.__setattr__(block, PIECES, None)
-    if vars(type(model)).get(WHOLE_MARKER):
+    if whole(model):
         object.__setattr__(model, WHOLE_TRACED, None)

@@ -48,12 +48,12 @@ def layer_key(dtype: Any, k: int, n: int, bits: int, group: int) -> str:
     return f"{dtype}:{k}x{n}:{bits}/{group}"
 
 
-def model_key(layer_keys: Iterable[str], compiled: bool = False) -> str:
-    """The model's set of layer shapes (with their counts), as one short key; with
-    ``compiled``, for its steps with the blocks compiled (``compiled_blocks``: a whole
-    step's timing, and so the decision, differs)."""
+def model_key(layer_keys: Iterable[str], form: str = "") -> str:
+    """The model's set of layer shapes (with their counts), as one short key; with a
+    ``form`` (``traces.step_form``: its blocks compiled, or its whole step), for its
+    steps in that form (a whole step's timing, and so the decision, differs)."""
     text = "\n".join(sorted(layer_keys))
-    return "model:" + hashlib.sha256(text.encode()).hexdigest()[:16] + (":compiled" if compiled else "")
+    return "model:" + hashlib.sha256(text.encode()).hexdigest()[:16] + (f":{form}" if form else "")
 
 
 class Tuning:

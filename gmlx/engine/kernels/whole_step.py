@@ -21,8 +21,9 @@ CPU tests: no CUDA kernel runs here) each layer's cache takes the step's keys an
 as MLX's ``slice_update`` and attends over its whole length under a mask of each
 stream's positions, and the step returns the arrays, which the caches keep. That form
 copies every layer's cache each step: never a default. A layer whose attention does not
-write in place (a shape the kernel does not take) makes the trace fail; the model then
-runs its own code from that step on (logged).
+write in place (a shape the kernel does not take, a window) makes the trace fail, as
+does anything else a trace meets (a kernel MLX refused): the model then runs its own
+code from that step on (logged); the caches are changed only after the traced call.
 
 Only one-token steps (``(B, 1)`` token ids, no embeddings) over a list of gmlx's batch
 caches (every layer's a plain KV cache at the same position) take it; prompt steps, other
@@ -43,6 +44,7 @@ import mlx.core as mx
 from gmlx.engine.kernels import attention_cuda, swaps
 from gmlx.engine.kernels.traces import WHOLE_MARKER as MARKER
 from gmlx.engine.kernels.traces import WHOLE_TRACED as TRACED
+from gmlx.engine.kernels.traces import whole as attached
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +57,20 @@ class NotWhole(Exception):
 
 def enabled() -> bool:
     """``GMLX_WHOLE_STEP=1`` where one-token attention writes the cache in place
-    (:func:`attention_cuda.cached_enabled`); off by default."""
-    return os.environ.get(ENV, "0") == "1" and attention_cuda.cached_enabled()
+    (:func:`attention_cuda.cached_enabled`) and no forward is handed over in chunks
+    (``GMLX_HANDOVER_LAYERS``: it evaluates each chunk's output as the step is built,
+    which a traced step cannot); off by default."""
+    from gmlx.engine import handover
+
+    return (os.environ.get(ENV, "0") == "1" and attention_cuda.cached_enabled()
+            and not handover.layers_per_chunk())
 
 
 def attach(model: Any, copying: bool = False) -> bool:
     """Give ``model`` (an mlx-lm ``Model``: token ids and a cache in, logits out) the
     compiled one-token step; ``copying`` for the form that updates the caches through
     MLX (the tests on the CPU). Whether it changed."""
-    if vars(type(model)).get(MARKER):
+    if attached(model):
         return False
     model.__class__ = _whole(type(model))
     object.__setattr__(model, TRACED, None)
@@ -72,14 +79,11 @@ def attach(model: Any, copying: bool = False) -> bool:
     return True
 
 
-def attached(model: Any) -> bool:
-    return bool(vars(type(model)).get(MARKER))
-
-
 def detach(model: Any) -> None:
-    """Give ``model`` its own class back."""
-    if attached(model):
+    """Give ``model`` its own class back (and drop its traces)."""
+    if vars(type(model)).get(MARKER):
         model.__class__ = type(model).__bases__[0]
+        object.__setattr__(model, TRACED, None)
 
 
 def _batch(caches: Any) -> bool:
@@ -103,7 +107,9 @@ class _Layer:
     def update_and_fetch(self, keys: Any, values: Any) -> Any:
         raise NotWhole("a layer's attention does not write its keys in place")
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+    def make_mask(self, N: int, return_array: bool = False, window_size: Any = None, **kwargs: Any) -> Any:
+        if window_size is not None:
+            raise NotWhole("a layer attends over a window")
         return None  # the attention skips each stream's padding itself
 
 
@@ -119,7 +125,9 @@ class _Copying(_Layer):
         self.values = mx.slice_update(self.values, values, self.position, axes=(2,))
         return self.keys, self.values
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+    def make_mask(self, N: int, return_array: bool = False, window_size: Any = None, **kwargs: Any) -> Any:
+        if window_size is not None:
+            raise NotWhole("a layer attends over a window")
         j = mx.arange(self.keys.shape[2])
         live = (j[None] >= self.left_padding[:, None]) & (j[None] <= self.position)
         return live[:, None, None, :]
@@ -177,7 +185,7 @@ def _whole(cls: type) -> type:
             return cls.__call__(self, inputs, cache, *args, **kwargs)
         try:
             return _step(self, cls.__call__, inputs, cache)
-        except NotWhole as error:
+        except Exception as error:  # noqa: BLE001 - NotWhole, or what a trace met (a kernel MLX refused)
             object.__setattr__(self, "_whole_off", True)
             object.__setattr__(self, TRACED, None)
             log.warning("the one-token step runs uncompiled: %s", error)

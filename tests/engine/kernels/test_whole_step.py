@@ -1,0 +1,244 @@
+"""A one-token decode step over gmlx's batch caches as one compiled call (``whole_step``),
+in the copying form (this CPU runs no CUDA kernel to write the caches in place): the same
+logits bit for bit, and the same caches, as the model's own code on padded batches whose
+arrays grow during the steps, one trace per width and cache length, other calls (prompt
+steps, mlx-lm's caches) left to the model's own code, the in-place form falling back to
+it here, traced again after a retrace, and the same tokens through gmlx's worker. Real
+MLX on the CPU; tiny mlx-lm models."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from gmlx.engine.kernels import compiled_blocks, one_token, timing, traces, whole_step
+from gmlx.engine.prompt_cache import _AlignedBatchKVCache
+from tests.engine.kernels.models import steps, tiny
+
+LAYERS = 3
+PADDED = mx.array([[3, 1, 4, 1, 5, 9, 2, 6], [0, 0, 0, 7, 7, 8, 8, 9], [0, 0, 0, 0, 0, 2, 4, 6]])
+
+
+def _padded(padding: tuple[int, ...] = (0, 3, 5)) -> list[_AlignedBatchKVCache]:
+    """The worker's batch caches, growing by 4 positions (the prompt's 8 keys, then 12, 16)."""
+    caches = [_AlignedBatchKVCache(list(padding)) for _ in range(LAYERS)]
+    for c in caches:
+        c.step = 4
+    return caches
+
+
+def _served(family: str = "llama", quantized: bool = False, blocks: bool = True) -> nn.Module:
+    model = tiny(family, LAYERS, quantized=quantized)
+    assert one_token.attach(model) == LAYERS
+    if blocks:
+        assert compiled_blocks.attach(model) == LAYERS
+    return model
+
+
+def _traces(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> list[tuple[int, int]]:
+    """Each one-token call of the model's own ``__call__`` (the whole step's traces):
+    the width and the cache's length it met."""
+    cls = type(model).__bases__[0]
+    own = cls.__call__
+    seen: list[tuple[int, int]] = []
+
+    def counting(self, inputs, cache=None, *args, **kwargs):
+        if inputs.shape[1] == 1:
+            seen.append((inputs.shape[0], cache[0].keys.shape[2]))
+        return own(self, inputs, cache, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", counting)
+    return seen
+
+
+def _same(want: list[mx.array], got: list[mx.array]) -> None:
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+
+
+# each family with the compiled blocks; llama without them, and unpadded (no mask in the
+# model's own step, one over the whole array in the compiled one)
+CASES = [(family, True, (0, 3, 5)) for family in compiled_blocks.FAMILIES]
+CASES += [("llama", False, (0, 3, 5)), ("llama", True, (0, 0, 0))]
+
+
+@pytest.mark.parametrize(("family", "blocks", "padding"), CASES,
+                         ids=lambda v: "pad" + "".join(map(str, v)) if isinstance(v, tuple) else None)
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_same_logits_and_caches_bit_for_bit(family: str, blocks: bool, padding, quantized: bool) -> None:
+    model = _served(family, quantized, blocks)
+    want_caches, got_caches = _padded(padding), _padded(padding)
+    want = steps(model, want_caches, PADDED, n=8)
+    assert whole_step.attach(model, copying=True)
+    got = steps(model, got_caches, PADDED, n=8)
+    assert model._whole_step is not None  # the compiled step ran
+    _same(want, got)
+    for a, b in zip(want_caches, got_caches, strict=True):
+        assert a._idx == b._idx == 16 and b.keys.shape[2] == 16  # grown past the prompt's 8
+        held = [(c.offset, c.left_padding, c.keys[..., :16, :], c.values[..., :16, :]) for c in (a, b)]
+        assert all(mx.array_equal(x, y).item() for x, y in zip(*held, strict=True))
+
+
+def test_one_trace_per_width_and_cache_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not one per step: the steps of one cache length replay the trace, and each trace is
+    kept (a second batch of the same shapes traces nothing)."""
+    model = _served()
+    whole_step.attach(model, copying=True)
+    traced = _traces(monkeypatch, model)
+    steps(model, _padded(), PADDED, n=8)
+    assert traced == [(3, 12), (3, 16)]
+    steps(model, _padded((0,)), PADDED[:1], n=3)
+    steps(model, _padded(), PADDED, n=8)
+    assert traced == [(3, 12), (3, 16), (1, 12)]
+
+
+def test_other_calls_run_the_models_own_code() -> None:
+    """Prompt steps, mlx-lm's plain and batch caches (no ``write_and_attend``)."""
+    model = _served()
+
+    def run() -> list[list[mx.array]]:
+        plain = [KVCache() for _ in range(LAYERS)]
+        batch = [BatchKVCache([0, 3, 5]) for _ in range(LAYERS)]
+        return [steps(model, plain, PADDED[:1]), steps(model, batch, PADDED)]
+
+    want = run()
+    whole_step.attach(model, copying=True)
+    model(PADDED, cache=_padded())
+    got = run()
+    assert model._whole_step is None
+    for a, b in zip(want, got, strict=True):
+        _same(a, b)
+
+
+def test_the_in_place_form_falls_back_to_the_models_own_code_here(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """This CPU's attention does not write the cache in place: the trace fails once,
+    logged, and the model runs its own code from then on, with the same logits."""
+    model = _served()
+    want = steps(model, _padded(), PADDED, n=8)
+    whole_step.attach(model)
+    tried = []
+    step = whole_step._step
+    monkeypatch.setattr(whole_step, "_step", lambda *a: tried.append(1) or step(*a))
+    with caplog.at_level(logging.WARNING, logger=whole_step.__name__):
+        got = steps(model, _padded(), PADDED, n=8)
+    _same(want, got)
+    assert model._whole_off and model._whole_step is None and len(tried) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "the one-token step runs uncompiled: a layer's attention does not write its keys in place"]
+
+
+def test_a_retrace_traces_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _served()
+    whole_step.attach(model, copying=True)
+    traced = _traces(monkeypatch, model)
+    caches = _padded()
+    steps(model, caches, PADDED, n=2)
+    assert traced == [(3, 12)] and model._whole_step is not None
+    traces.retrace(model)
+    assert model._whole_step is None
+    steps(model, caches, PADDED[:, :1], n=0)  # a decode step over the same caches
+    assert traced == [(3, 12)] * 2
+    compiled_blocks.retrace(model)  # the tuners' hook: the same function
+    steps(model, caches, PADDED[:, :1], n=0)
+    assert traced == [(3, 12)] * 3
+
+
+def test_the_tuners_trace_the_whole_step_again_after_each_switch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timing.step_times`` times steps over the worker's batch cache, through the whole
+    step, and has it traced again after each switch of ``use``."""
+    model = _served(quantized=True)
+    whole_step.attach(model, copying=True)
+    traced = _traces(monkeypatch, model)
+    timing.step_times(model, 2, lambda taken: None)
+    # two traces a timing of 14 steps: its first step's tokens are int32 zeros, the rest
+    # argmax's uint32 (a trace keys on its inputs' dtypes too)
+    assert traced == [(2, 256)] * 8
+    assert model._whole_step is None  # the next step traces with what the tuners left
+
+
+def test_attach_and_detach() -> None:
+    from mlx_lm.models import llama
+
+    model = _served()
+    assert whole_step.attach(model, copying=True) and whole_step.attached(model)
+    assert not whole_step.attach(model)
+    whole_step.detach(model)
+    assert type(model) is llama.Model and not whole_step.attached(model)
+    assert whole_step.attach(model)
+
+
+def test_off_by_default_and_on_only_with_the_in_place_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gmlx.engine.kernels import attention_cuda
+
+    monkeypatch.delenv(whole_step.ENV, raising=False)
+    assert not whole_step.enabled()
+    monkeypatch.setenv(whole_step.ENV, "1")
+    monkeypatch.setenv("GMLX_CACHE_ATTENTION", "1")
+    assert not attention_cuda.cached_enabled() and not whole_step.enabled()  # no CUDA here
+    monkeypatch.setattr(attention_cuda, "cached_enabled", lambda: True)
+    assert whole_step.enabled()
+    monkeypatch.setenv("GMLX_HANDOVER_LAYERS", "8")  # evaluates a forward's chunks as it is built
+    assert not whole_step.enabled()
+    monkeypatch.delenv("GMLX_HANDOVER_LAYERS")
+    monkeypatch.setenv(whole_step.ENV, "0")
+    assert not whole_step.enabled()
+
+
+def test_a_window_or_any_error_at_the_trace_falls_back(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A layer asking for a window's mask cannot be traced (its attention would read past
+    the window); anything else a trace meets (a kernel MLX refused) falls back likewise:
+    the model's own code from then on, the caches changed only by it."""
+    with pytest.raises(whole_step.NotWhole):
+        whole_step._Copying(*(mx.zeros((1, 1, 4, 8)),) * 2, mx.array([0]), mx.array([0]),
+                            mx.array([3])).make_mask(1, window_size=2)
+    model = _served()
+    want = steps(model, _padded(), PADDED, n=4)
+    whole_step.attach(model, copying=True)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("a kernel MLX refused")
+
+    monkeypatch.setattr(whole_step, "_trace", lambda *args: mx.compile(refused))
+    with caplog.at_level(logging.WARNING, logger="gmlx.engine.kernels.whole_step"):
+        got = steps(model, _padded(), PADDED, n=4)
+    assert model._whole_off and "a kernel MLX refused" in caplog.text
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
+
+
+def test_the_same_tokens_through_the_worker() -> None:
+    """The worker's greedy streams, joined at different steps, over its batch caches
+    (``_AlignedBatchKVCache``, merged through ``with_room``'s layers)."""
+    from gmlx.engine.kernels import prepare_layers
+    from gmlx.engine.loading import load_model
+    from gmlx.engine.types import GenerateRequest, SamplingParams
+    from gmlx.engine.worker import ModelWorker
+
+    def tokens(whole: bool) -> list[list[int]]:
+        loaded = load_model("demo")
+        model = tiny("qwen2", LAYERS, quantized=True)
+        prepare_layers(model)
+        if whole:
+            assert whole_step.attach(model, copying=True)
+        loaded = replace(loaded, model=model, config={**loaded.config, "vocab_size": 256})
+        worker = ModelWorker(loaded, decode_batch=4, prompt_cache_bytes=0)
+        try:
+            greedy = SamplingParams(temperature=0.0, logit_bias={t: -100.0 for t in (0, 1, 2)})
+            handles = [worker.submit(GenerateRequest(tuple(range(3 + i, 9 + 2 * i)), max_tokens=12 + i,
+                                                     sampling=greedy)) for i in range(3)]
+            out = [[t for ev in handle for t in (ev.token_ids or ())] for handle in handles]
+            # the worker's generator stepped through it
+            assert (getattr(model, "_whole_step", None) is not None) == whole
+            return out
+        finally:
+            worker.close()
+
+    want = tokens(False)
+    assert [len(t) for t in want] == [12, 13, 14]
+    assert tokens(True) == want
