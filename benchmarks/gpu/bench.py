@@ -47,8 +47,9 @@ number of streams in the step, so
     floor fraction = (tok/s / width) x B / BW
 
 with B = the weight bytes of the file/folder the server loads (as stored: F16, Q4_K_M,
-MLX 4-bit, ...; KV-cache reads ignored) and BW = ``--bandwidth`` (4.8 TB/s, the H200's
-datasheet figure; a device-to-device copy measured ~4.3 TB/s here). At width 1 that is
+MLX 4-bit, ...; KV-cache reads ignored) and BW = ``--bandwidth``, by default the card's
+datasheet figure from ``nvidia-smi``'s name (H200 4.8 TB/s, where a device-to-device copy
+measured ~4.3; H100 SXM 3.35 TB/s). At width 1 that is
 measured tok/s over the single-stream floor BW / B.
 
 Results accumulate as JSON in ``--results`` (one file per variant and server), so calls
@@ -372,8 +373,22 @@ def run_order(label: str) -> tuple[int, int]:
     return SERVERS.index(kind), int(run or 1)
 
 
+DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12}
+
+
+def card_bandwidth() -> float:
+    """The first GPU's datasheet memory bandwidth, by ``nvidia-smi``'s name (the H200's
+    where the name is unknown or there is no ``nvidia-smi``)."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        name = ""
+    return next((bw for card, bw in DATASHEET_BANDWIDTH.items() if card in name), 4.8e12)
+
+
 def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[str, str]) -> str:
-    bw = args.bandwidth
+    bw = args.bandwidth or card_bandwidth()
     lines: list[str] = []
     out = lines.append
     out(f"# Served speed, {time.strftime('%Y-%m-%d %H:%M')}; device: {notes.get('device', '?')}")
@@ -483,7 +498,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prefix", type=int, default=2048, help="shared system-prompt tokens (prefix reuse)")
     p.add_argument("--prefix-reps", type=int, default=2, help="0 skips the prefix-reuse case")
-    p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s for the floor (H200: 4.8e12)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="bytes/s for the floor (default: the card's datasheet figure; H200 4.8e12, H100 SXM 3.35e12)")
     p.add_argument("--server-timeout", type=float, default=480.0, help="seconds per server, after ready")
     p.add_argument("--start-timeout", type=float, default=420.0, help="seconds until a server is ready")
     p.add_argument("--gmlx-args", type=lambda s: s.split(), default=[])

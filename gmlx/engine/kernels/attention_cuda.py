@@ -285,11 +285,12 @@ def cached_enabled() -> bool:
     return os.environ.get("GMLX_CACHE_ATTENTION", "0") == "1" and cuda_source.available()
 
 
-def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask: Any) -> bool:
+def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask: Any, length: int) -> bool:
     """Whether a one-token step's attention may take :func:`attend_cached`: what
     :func:`supports` asks of the queries and the cache's arrays, the step's new keys and
     values one position each, and no mask but the batch's padding (none, or a boolean
-    one over the keys so far)."""
+    one over all ``length`` keys so far, the step's own included: a shorter one is a
+    window the kernel would not apply)."""
     import mlx.core as mx
 
     if q.ndim != 4 or keys.ndim != 4 or q.shape[2] != 1:
@@ -301,7 +302,7 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
             and all(a.dtype == q.dtype for a in (k_new, v_new, keys, values))
             and k_new.shape == shape and v_new.shape == shape
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
-                                  and mask.shape[:3] == (b, 1, 1))))
+                                  and mask.shape == (b, 1, 1, length))))
 
 
 @cache

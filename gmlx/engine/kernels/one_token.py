@@ -30,6 +30,7 @@ from mlx_lm.models import base
 from gmlx.engine.kernels import attention_cuda, rope_cuda, swaps
 from gmlx.engine.kernels.step_tuning import MAX_ROWS as MAX_PROJECTED
 from gmlx.engine.kernels.step_tuning import bucket
+from gmlx.engine.mlxlm import kv_used
 
 ENV = "GMLX_ONE_TOKEN_ATTENTION"
 # mlx-lm modules whose ``Attention.__call__`` is the pattern above: qwen3 and gemma3 add a
@@ -118,7 +119,8 @@ def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cach
     cache is a batch's that takes it (``write_and_attend``)."""
     if (attention._in_place and (write := getattr(cache, "write_and_attend", None)) is not None
             and cache.keys is not None
-            and attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask)):
+            and attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask,
+                                               kv_used(cache) + 1)):
         scale = attention.scale
         return write(lambda k, v, padding, position: attention_cuda.attend_cached(
             queries, keys, values, k, v, padding, position, scale))

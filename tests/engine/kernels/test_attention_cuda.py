@@ -318,18 +318,20 @@ def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
 def test_which_steps_take_the_cached_kernel() -> None:
     q, k_new, v_new, k, v, _ = _cached_state(2, 8, 2, 64, 10, 128, [0, 3], mx.bfloat16)
     mask = mx.ones((2, 1, 1, 11), dtype=mx.bool_)
-    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, None)
-    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, mask)  # the batch's padding
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, "causal")
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask.astype(mx.float16))  # additive
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k.astype(mx.float16), v.astype(mx.float16), None)
+    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, None, 11)
+    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, mask, 11)  # the batch's padding
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask[..., 3:], 11)  # a window: 8 of 11 keys
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask, 12)
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, "causal", 11)
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask.astype(mx.float16), 11)  # additive
+    assert not attention_cuda.supports_cached(q, k_new, v_new, k.astype(mx.float16), v.astype(mx.float16), None, 11)
     assert not attention_cuda.supports_cached(q[..., :96], k_new[..., :96], v_new[..., :96], k[..., :96],
-                                              v[..., :96], None)  # head size 96
+                                              v[..., :96], None, 11)  # head size 96
     two = mx.concatenate([k_new, k_new], axis=2)
-    assert not attention_cuda.supports_cached(q, two, two, k, v, None)  # two positions a step
-    assert not attention_cuda.supports_cached(q[:, :5], k_new, v_new, k, v, None)  # 5 heads over 2
+    assert not attention_cuda.supports_cached(q, two, two, k, v, None, 11)  # two positions a step
+    assert not attention_cuda.supports_cached(q[:, :5], k_new, v_new, k, v, None, 11)  # 5 heads over 2
     assert not attention_cuda.supports_cached(q.astype(mx.float32), *(a.astype(mx.float32) for a in
-                                                                      (k_new, v_new, k, v)), None)
+                                                                      (k_new, v_new, k, v)), None, 11)
 
 
 def _cached_replaying(calls: list[int]):
