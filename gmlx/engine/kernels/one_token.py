@@ -120,7 +120,7 @@ def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cach
     if (attention._in_place and (write := getattr(cache, "write_and_attend", None)) is not None
             and cache.keys is not None
             and attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask,
-                                               kv_used(cache) + 1)):
+                                               0 if mask is None else kv_used(cache) + 1)):
         scale = attention.scale
         return write(lambda k, v, padding, position: attention_cuda.attend_cached(
             queries, keys, values, k, v, padding, position, scale))

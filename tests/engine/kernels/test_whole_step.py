@@ -133,6 +133,63 @@ def test_the_in_place_form_falls_back_to_the_models_own_code_here(
         "the one-token step runs uncompiled: a layer's attention does not write its keys in place"]
 
 
+def _attend_functional(calls: list[int]):
+    """``attend_cached``'s place taken by MLX operations that a trace can hold (no CUDA
+    here): the step's keys and values put at ``position`` of copies of the cache's arrays
+    (not written in place), then attention over the keys so far, each stream's padding
+    masked. The logits of one step are the kernel's; the cache is left as it was."""
+
+    def attend_cached(q, k_new, v_new, k, v, padding, position, scale):
+        calls.append(1)
+        k = mx.slice_update(k, k_new, position, axes=(2,))
+        v = mx.slice_update(v, v_new, position, axes=(2,))
+        at = mx.arange(k.shape[2])
+        live = (at[None] >= padding[:, None]) & (at[None] <= position)
+        b, heads, _, d = q.shape
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=live.reshape(b, 1, 1, -1))
+        return out.reshape(b, 1, heads * d)
+
+    return attend_cached
+
+
+def test_the_in_place_form_is_traced_through_the_attention_that_writes_the_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The form a GPU runs: every layer's attention reaches ``attend_cached`` through the
+    stand-in caches (what it reads of them, padding and position, are the trace's
+    inputs), the step is one trace, and its logits are the model's own step's; then the
+    cache counts the position. Float16 with 64-wide heads, as the kernel takes them."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from gmlx.engine.kernels import attention_cuda
+
+    mx.random.seed(7)
+    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    model.set_dtype(mx.float16)
+    one_token.attach(model, in_place=True)
+    cache = _padded()
+    model(PADDED, cache=cache)
+    calls: list[int] = []
+    monkeypatch.setattr(attention_cuda, "attend_cached", _attend_functional(calls))
+    want = model(mx.array([[1], [2], [3]]), cache=[replace_cache(c) for c in cache])  # the model's own step
+    assert len(calls) == LAYERS
+    calls.clear()
+    whole_step.attach(model)
+    traced = _traces(monkeypatch, model)
+    got = model(mx.array([[1], [2], [3]]), cache=cache)
+    assert not getattr(model, "_whole_off", False) and model._whole_step is not None
+    assert traced == [(3, cache[0].keys.shape[2])] and len(calls) == LAYERS
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=2e-2).item()
+    assert all(c._idx == 9 for c in cache)
+
+
+def replace_cache(c: _AlignedBatchKVCache) -> _AlignedBatchKVCache:
+    """A copy of a batch cache the model's own step may write to."""
+    copy = _AlignedBatchKVCache(c.left_padding.tolist())
+    copy.keys, copy.values, copy.offset, copy._idx = mx.array(c.keys), mx.array(c.values), c.offset, c._idx
+    return copy
+
+
 def test_a_retrace_traces_again(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _served()
     whole_step.attach(model, copying=True)
