@@ -18,9 +18,11 @@ thrashing fuse on, where gmlx sets 4000 and off; ``gmlx-ops80`` with CUDA graphs
 80 kernels instead of MLX's 20; ``gmlx-cudnn`` with cuDNN's attention; ``gmlx-stacked`` with q/k/v and gate/up stacked
 into one product each; ``gmlx-mlxattend`` with a padded batch's attention in MLX's general path (gmlx's kernel off);
 ``gmlx-handover8`` handing each forward over every 8 layers on a second thread; ``gmlx-kernels`` with
-the fused adds and norms and the rope kernel (both off by default); ``gmlx-cached`` with a
-one-token step's keys and values written in place by its attention kernel; ``gmlx-whole`` that with the
-whole one-token step one compiled call; ``mlx_lm-gmlxenv`` is
+the fused adds and norms and the rope kernel (both off by default); ``gmlx-cached`` / ``gmlx-whole``
+set what is now the default explicitly (a one-token step's keys and values written in place by its
+attention kernel; the whole one-token step one compiled call); ``gmlx-nowhole`` is the default
+without the whole step, ``gmlx-nocached`` without the in-place attention either (the default
+until 12-05); ``mlx_lm-gmlxenv`` is
 mlx_lm.server with the MLX settings gmlx makes, so only the server differs). One server
 runs at a time (memory), started in its own session on a free 127.0.0.1 port and always killed.
 Each is driven by benchmarks/throughput.py's client (imported, not copied): streaming
@@ -88,7 +90,8 @@ from gmlx.engine import MLX_CUDA_DEFAULTS
 
 SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
            "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-noqkv",
-           "gmlx-nostep", "gmlx-compiled", "gmlx-nocompile", "gmlx-allkernels", "gmlx-cached", "gmlx-whole", "gmlx-mlx",
+           "gmlx-nostep", "gmlx-compiled", "gmlx-nocompile", "gmlx-allkernels", "gmlx-cached", "gmlx-whole", "gmlx-nowhole", "gmlx-nocached",
+           "gmlx-mlx",
            "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
@@ -130,12 +133,14 @@ GMLX_VARIANTS = {
     # add-norm kernels, inside the compiled blocks now that they are the default)
     "gmlx-allkernels": {"GMLX_COMPILE_BLOCKS": "1", "GMLX_ROPE_KERNEL": "1"},
     # a one-token step's keys and values written into the batch cache in place by its
-    # attention kernel (attention_cuda.attend_cached: five operations fewer a layer; off by
-    # default until measured served)
-    "gmlx-cached": {"GMLX_CACHE_ATTENTION": "1"},
-    # that with the whole one-token step one compiled call (gmlx.engine.kernels.whole_step;
-    # off by default until measured served)
+    # attention kernel (attention_cuda.attend_cached: five operations fewer a layer) without
+    # the whole step, and that with the whole one-token step one compiled call
+    # (gmlx.engine.kernels.whole_step): both on by default since 12-05, so "gmlx-whole" is
+    # "gmlx" and "gmlx-nowhole" the same as "gmlx-cached"
+    "gmlx-cached": {"GMLX_CACHE_ATTENTION": "1", "GMLX_WHOLE_STEP": "0"},
     "gmlx-whole": {"GMLX_CACHE_ATTENTION": "1", "GMLX_WHOLE_STEP": "1"},
+    "gmlx-nowhole": {"GMLX_WHOLE_STEP": "0"},
+    "gmlx-nocached": {"GMLX_CACHE_ATTENTION": "0"},
 }
 # mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the
 # same engine settings on both sides, so the difference is the server (issue 19, point 4)

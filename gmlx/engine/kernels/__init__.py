@@ -24,8 +24,8 @@ def prepare_layers(model: Any) -> list[str]:
     each (:mod:`compiled_blocks`, logged; on the CPU and CUDA unless ``GMLX_COMPILE_BLOCKS=0``),
     attached before the tuners, so they time whole steps as they will be served (a custom
     kernel's host cost paid at a trace, not every step), and traced again after them with
-    the paths they chose; with ``GMLX_WHOLE_STEP=1`` (and ``GMLX_CACHE_ATTENTION=1``) on
-    CUDA the whole one-token step is one compiled call (:mod:`whole_step`), likewise. Returns the load notes."""
+    the paths they chose; on CUDA (unless ``GMLX_WHOLE_STEP=0`` or
+    ``GMLX_CACHE_ATTENTION=0``) the whole one-token step is one compiled call (:mod:`whole_step`), likewise. Returns the load notes."""
     from gmlx.engine import mlxlm
     from gmlx.engine.kernels import (
         add_norm_cuda,

@@ -231,15 +231,18 @@ def test_attach_and_detach() -> None:
     assert whole_step.attach(model)
 
 
-def test_off_by_default_and_on_only_with_the_in_place_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_by_default_only_with_the_in_place_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     from gmlx.engine.kernels import attention_cuda
 
     monkeypatch.delenv(whole_step.ENV, raising=False)
-    assert not whole_step.enabled()
-    monkeypatch.setenv(whole_step.ENV, "1")
-    monkeypatch.setenv("GMLX_CACHE_ATTENTION", "1")
+    monkeypatch.delenv("GMLX_CACHE_ATTENTION", raising=False)
+    monkeypatch.delenv("GMLX_HANDOVER_LAYERS", raising=False)
     assert not attention_cuda.cached_enabled() and not whole_step.enabled()  # no CUDA here
-    monkeypatch.setattr(attention_cuda, "cached_enabled", lambda: True)
+    monkeypatch.setattr(attention_cuda.cuda_source, "available", lambda: True)
+    assert attention_cuda.cached_enabled() and whole_step.enabled()  # CUDA: on by default
+    monkeypatch.setenv("GMLX_CACHE_ATTENTION", "0")
+    assert not attention_cuda.cached_enabled() and not whole_step.enabled()
+    monkeypatch.setenv("GMLX_CACHE_ATTENTION", "1")
     assert whole_step.enabled()
     monkeypatch.setenv("GMLX_HANDOVER_LAYERS", "8")  # evaluates a forward's chunks as it is built
     assert not whole_step.enabled()
