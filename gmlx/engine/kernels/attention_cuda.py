@@ -142,11 +142,17 @@ _BODY = compact(_SOURCE)
 # that position from the cache, so none waits for the write). Its values go by a key a
 # warp, each lane a few dimensions (the first form, the kernel above's groups of D
 # threads, each thread a long chain of dependent loads, took 1.5 ms more of an 8B's
-# one-stream step on the H200 than MLX's one-query kernel).
+# one-stream step on the H200 than MLX's one-query kernel). The new key and value are
+# staged in shared memory by the block's first D threads, one coalesced load each: the
+# second form had the one thread whose key is the new one read all D of it from global
+# memory in a loop, while the block waited for its score (19.5 us a call on an H100 at
+# ~130 keys, where MLX's one-query kernel took 7 us at 300).
 _CACHED_SOURCE = """
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = D / 32;
 __shared__ float qs[D];
+__shared__ float kns[D];
+__shared__ float vns[D];
 __shared__ float ps[THREADS];
 __shared__ float red[WARPS];
 __shared__ float part[WARPS][D];
@@ -161,12 +167,16 @@ const int kvh = h / group;
 const int at = position[0];
 const int keys = at + 1;
 const int first = padding[b * padding_strides[0]];
-if (t < D) qs[t] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[3]]) * QSCALE;
-__syncthreads();
 T* kb = const_cast<T*>(k) + b * k_strides[0] + kvh * k_strides[1];
 T* vb = const_cast<T*>(v) + b * v_strides[0] + kvh * v_strides[1];
 const T* kn = k_new + b * k_new_strides[0] + kvh * k_new_strides[1];
 const T* vn = v_new + b * v_new_strides[0] + kvh * v_new_strides[1];
+if (t < D) {
+    qs[t] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[3]]) * QSCALE;
+    kns[t] = static_cast<float>(kn[t * k_new_strides[3]]);
+    vns[t] = static_cast<float>(vn[t * v_new_strides[3]]);
+}
+__syncthreads();
 const bool dense = k_strides[3] == 1 && k_strides[2] % 8 == 0;
 float m = FLOOR;
 float total = 0.0f;
@@ -180,7 +190,8 @@ for (int j0 = (first / THREADS) * THREADS; j0 < keys; j0 += THREADS) {
     if (live) {
         float dot = 0.0f;
         if (j == at) {
-            for (int e = 0; e < D; ++e) dot += qs[e] * static_cast<float>(kn[e * k_new_strides[3]]);
+            #pragma unroll
+            for (int e = 0; e < D; ++e) dot += qs[e] * kns[e];
         } else if (dense) {
             const T* kr = kb + (int64_t)j * k_strides[2];
             #pragma unroll
@@ -202,12 +213,14 @@ for (int j0 = (first / THREADS) * THREADS; j0 < keys; j0 += THREADS) {
     #pragma unroll 4
     for (int i = warp; i < n; i += WARPS) {
         const float pi = ps[i];
-        if (pi != 0.0f) {
-            const int jj = j0 + i;
-            const T* vr = jj == at ? vn : vb + (int64_t)jj * v_strides[2];
-            const int64_t vs = jj == at ? v_new_strides[3] : v_strides[3];
+        const int jj = j0 + i;
+        if (pi != 0.0f && jj == at) {
             #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] += pi * static_cast<float>(vr[(lane * VEC + e) * vs]);
+            for (int e = 0; e < VEC; ++e) acc[e] += pi * vns[lane * VEC + e];
+        } else if (pi != 0.0f) {
+            const T* vr = vb + (int64_t)jj * v_strides[2];
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] += pi * static_cast<float>(vr[(lane * VEC + e) * v_strides[3]]);
         }
     }
     m = mn;
