@@ -189,7 +189,10 @@ def _whole(cls: type) -> type:
         except Exception as error:  # noqa: BLE001 - NotWhole, or what a trace met (a kernel MLX refused)
             object.__setattr__(self, "_whole_off", True)
             object.__setattr__(self, TRACED, None)
-            log.warning("the one-token step runs uncompiled: %s", error)
+            # a model whose layers do not all take the in-place step is expected (info); a
+            # trace that failed otherwise is not (warning)
+            level = logging.INFO if isinstance(error, NotWhole) else logging.WARNING
+            log.log(level, "the one-token step runs uncompiled: %s", error)
             return cls.__call__(self, inputs, cache)
 
     return swaps.subclass(cls, MARKER, __call__)
