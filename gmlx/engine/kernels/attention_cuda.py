@@ -161,8 +161,9 @@ const int lane = t & 31;
 const int warp = t >> 5;
 const int heads = q_shape[1];
 const int group = heads / k_shape[1];
-const int b = blockIdx.x / heads;
-const int h = blockIdx.x % heads;
+const int split = blockIdx.x % SPLITS;
+const int b = blockIdx.x / SPLITS / heads;
+const int h = blockIdx.x / SPLITS % heads;
 const int kvh = h / group;
 const int at = position[0];
 const int keys = at + 1;
@@ -183,7 +184,7 @@ float total = 0.0f;
 float acc[VEC];
 #pragma unroll
 for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-for (int j0 = (first / THREADS) * THREADS; j0 < keys; j0 += THREADS) {
+for (int j0 = (first / THREADS + split) * THREADS; j0 < keys; j0 += THREADS * SPLITS) {
     const int j = j0 + t;
     const bool live = j >= first && j < keys;
     float s = FLOOR;
@@ -233,8 +234,8 @@ if (t < D) {
     float r = 0.0f;
     #pragma unroll
     for (int i = 0; i < WARPS; ++i) r += part[i][t];
-    out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? r / total : 0.0f);
-    if (h % group == 0) {
+    FINISH(r);
+    if (h % group == 0 && split == 0) {
         kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = kn[t * k_new_strides[3]];
         vb[(int64_t)at * v_strides[2] + t * v_strides[3]] = vn[t * v_new_strides[3]];
     }
@@ -242,6 +243,32 @@ if (t < D) {
 """
 
 _CACHED_BODY = compact(_CACHED_SOURCE)
+
+# How a block of the cached kernel ends: with the keys in one block, its output; split
+# over ``SPLITS`` blocks (each every ``SPLITS``-th tile), its share (the values' sum
+# ``pacc`` unscaled, its running maximum ``pm`` and total ``pl``) for the combine below.
+_FINISH_ONE = "#define FINISH(r) out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? (r) / total : 0.0f)\n"
+_FINISH_SPLIT = ("#define FINISH(r) { pacc[(size_t)blockIdx.x * D + t] = (r); "
+                 "if (t == 0) { pm[blockIdx.x] = m; pl[blockIdx.x] = total; } }\n")
+
+# The shares of a stream's head from its ``SPLITS`` blocks, rescaled to their common
+# maximum (base-2 scores, as the tiles keep them) and summed: one thread a dimension.
+_COMBINE_SOURCE = """
+const int t = threadIdx.x;
+const int base = blockIdx.x * SPLITS;
+float top = FLOOR;
+for (int i = 0; i < SPLITS; ++i) top = fmaxf(top, pm[base + i]);
+float total = 0.0f;
+float r = 0.0f;
+for (int i = 0; i < SPLITS; ++i) {
+    const float w = exp2f(pm[base + i] - top);
+    total += pl[base + i] * w;
+    r += pacc[(size_t)(base + i) * D + t] * w;
+}
+out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? r / total : 0.0f);
+"""
+_COMBINE_BODY = compact(_COMBINE_SOURCE)
+TARGET_BLOCKS = 1024  # blocks a long one-token attention is split into, about (the H100 and H200: 132 SMs)
 
 
 def enabled() -> bool:
@@ -320,9 +347,30 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 
 @cache
-def _cached_kernel(dtype: Any, head_dim: int, scale: float) -> Any:
-    return build(f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}", _head(dtype, head_dim, scale),
-                 _CACHED_BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"], ensure_row_contiguous=False)
+def _cached_kernel(dtype: Any, head_dim: int, scale: float, splits: int = 1) -> Any:
+    head = _head(dtype, head_dim, scale) + f"constexpr int SPLITS = {splits};\n"
+    head += _FINISH_ONE if splits == 1 else _FINISH_SPLIT
+    return build(f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_{splits}", head,
+                 _CACHED_BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"],
+                 outputs=("out",) if splits == 1 else ("pacc", "pm", "pl"), ensure_row_contiguous=False)
+
+
+@cache
+def _combine_kernel(dtype: Any, head_dim: int, splits: int) -> Any:
+    head = (f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr int SPLITS = {splits}; "
+            f"constexpr float FLOOR = {_FLOOR!r}f;\n")
+    return build(f"gmlx_attend_combine_{cuda_type(dtype).strip('_')}_{head_dim}_{splits}", head, _COMBINE_BODY,
+                 ["pacc", "pm", "pl"])
+
+
+def splits(blocks: int, capacity: int) -> int:
+    """Blocks each of ``blocks`` (streams x query heads) one-token attentions over a cache
+    of ``capacity`` positions is split into: toward ``TARGET_BLOCKS`` in all, each split
+    at least two tiles of the capacity. A block's tiles run one after another, so one
+    block a head over a long cache leaves most of the GPU idle (32 blocks at one stream
+    of an 8B); short caches (the capacity of two tiles or less) stay in one block, one
+    launch."""
+    return max(1, min(-(-TARGET_BLOCKS // max(blocks, 1)), capacity // (2 * THREADS)))
 
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
@@ -332,7 +380,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
     cache's write position, the same for every stream), and ``softmax(q k^T * scale) v``
     over each stream's keys from its ``padding`` (``(B,)``) to that position ->
-    ``(B, 1, H * D)``, shaped for the output projection.
+    ``(B, 1, H * D)``, shaped for the output projection. Over a long cache the keys are
+    split over several blocks a head (:func:`splits`) and a second launch combines
+    their shares.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -340,10 +390,22 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     bound by the host. MLX does not see the write: the caller keeps the cache's arrays
     its own and the positions up to the write unchanged (:meth:`prompt_cache.
     _AlignedBatchKVCache.write_and_attend`)."""
+    import mlx.core as mx
+
     b, heads, _, d = q.shape
-    (out,) = _cached_kernel(q.dtype, d, float(scale))(
-        inputs=[q, k_new, v_new, keys, values, padding, position], grid=(b * heads * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1), output_shapes=[(b, 1, heads * d)], output_dtypes=[q.dtype])
+    n = splits(b * heads, keys.shape[2])
+    inputs = [q, k_new, v_new, keys, values, padding, position]
+    grid, threadgroup = (b * heads * n * THREADS, 1, 1), (THREADS, 1, 1)
+    if n == 1:
+        (out,) = _cached_kernel(q.dtype, d, float(scale))(
+            inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=[(b, 1, heads * d)],
+            output_dtypes=[q.dtype])
+        return out
+    shares = _cached_kernel(q.dtype, d, float(scale), n)(
+        inputs=inputs, grid=grid, threadgroup=threadgroup,
+        output_shapes=[(b * heads * n, d), (b * heads * n,), (b * heads * n,)], output_dtypes=[mx.float32] * 3)
+    (out,) = _combine_kernel(q.dtype, d, n)(inputs=list(shares), grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
+                                            output_shapes=[(b, 1, heads * d)], output_dtypes=[q.dtype])
     return out
 
 

@@ -91,11 +91,12 @@ HOST_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "floa
               "bool": "bool"}
 
 
-def function(made: dict, input_types: list[str], output_type: str, device: bool = False) -> str:
+def function(made: dict, input_types: list[str], output_type: str | list[str], device: bool = False) -> str:
     """A custom kernel (the keywords ``mx.fast.cuda_kernel`` was given) as MLX wraps it:
     each input, then its shape, strides and rank where the source names them, then the
     outputs. A host function ``kernel`` for the emulation, or with ``device`` the
-    ``__global__`` one MLX compiles (``mlx/backend/cuda/custom_kernel.cpp``)."""
+    ``__global__`` one MLX compiles (``mlx/backend/cuda/custom_kernel.cpp``). The
+    outputs are all of ``output_type``, or one type each where it is a list."""
     source = made["source"]
     constant = "const __grid_constant__" if device else "const"
     params = []
@@ -107,7 +108,8 @@ def function(made: dict, input_types: list[str], output_type: str, device: bool 
             params.append(f"{constant} Strides {name}_strides")
         if f"{name}_ndim" in source:
             params.append(f"{constant} int {name}_ndim")
-    params += [f"{HOST_TYPES[output_type]}* {name}" for name in made["output_names"]]
+    outputs = [output_type] * len(made["output_names"]) if isinstance(output_type, str) else output_type
+    params += [f"{HOST_TYPES[t]}* {name}" for name, t in zip(made["output_names"], outputs, strict=True)]
     head = f"__global__ void {made['name']}(" if device else "void kernel("
     return head + ", ".join(params) + ") {\n" + source + "\n}\n"
 

@@ -255,14 +255,22 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
     return out, k, v
 
 
-def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float):
-    made = _made(attention_cuda._cached_kernel, q.dtype, q.shape[-1], scale)
+def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1):
+    """The cached kernel's own source run here (emulated); with ``splits``, the split
+    form (each head's keys over that many blocks) and then the combine kernel's source
+    over the shares it wrote."""
+    d = q.shape[-1]
+    made = _made(attention_cuda._cached_kernel, q.dtype, d, scale, splits)
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], dtype)
+    outputs = dtype if splits == 1 else ["float32"] * 3
+    kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], outputs)
+    if splits > 1:
+        combine = _made(attention_cuda._combine_kernel, q.dtype, d, splits)
+        kernel += emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1)
     main = r"""
 int main(int argc, char** argv) {
-    int a[7]; for (int i = 0; i < 7; ++i) a[i] = std::atoi(argv[i + 1]);
-    const int B = a[0], H = a[1], HK = a[2], C = a[3], D = a[4], THREADS_ = a[5], AT = a[6];
+    int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
+    const int B = a[0], H = a[1], HK = a[2], C = a[3], D = a[4], THREADS_ = a[5], AT = a[6], S = a[7];
     using E = ELEMENT;
     auto q = load<E>("q.bin", (size_t)B * H * D);
     auto kn = load<E>("kn.bin", (size_t)B * HK * D);
@@ -274,18 +282,24 @@ int main(int argc, char** argv) {
     std::vector<E> out((size_t)B * H * D);
     Shape qs{B, H, 1, D}, ks{B, HK, C, D};
     Strides qt{(int64_t)H * D, D, D, 1}, nt{(int64_t)HK * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, pt{1};
-    run_blocks(B * H, THREADS_, [&] {
-        kernel(q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, pad.data(), pt,
-               at.data(), out.data());
-    });
+    SPLIT_RUN
     save("out.bin", out); save("k.bin", k); save("v.bin", v);
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
+    args = "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, pad.data(), pt, at.data()"
+    if splits == 1:
+        run = f"run_blocks(B * H, THREADS_, [&] {{ kernel({args}, out.data()); }});"
+    else:
+        run = (f"std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);\n"
+               f"    run_blocks(B * H * S, THREADS_, [&] {{ kernel({args}, pacc.data(), pm.data(), pl.data()); }});\n"
+               "    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), pl.data(), out.data()); });")
+    main = main.replace("SPLIT_RUN", run)
     for name, a in (("q", q), ("kn", k_new), ("vn", v_new), ("k", k), ("v", v)):
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
     (tmp / "pad.bin").write_bytes(np.array(pad).astype(np.int32).tobytes())
     b, heads, _, d = q.shape
-    compile_and_run(tmp, PRELUDE + kernel + main, [b, heads, k.shape[1], k.shape[2], d, attention_cuda.THREADS, at])
+    compile_and_run(tmp, PRELUDE + kernel + main,
+                    [b, heads, k.shape[1], k.shape[2], d, attention_cuda.THREADS, at, splits])
 
     def read(name: str, shape: tuple) -> mx.array:
         raw = np.frombuffer((tmp / name).read_bytes(), dtype=np.uint16).reshape(shape)
@@ -313,6 +327,34 @@ def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
     assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
     assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
     assert not mx.array_equal(k_after, k).item()  # it wrote
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,capacity,at,padding,splits", [(mx.bfloat16, 128, 1536, 1300, [0, 17, 600], 3),
+                                                                (mx.float16, 64, 1024, 700, [0, 300, 513], 4),
+                                                                (mx.bfloat16, 64, 1024, 100, [0, 5, 90], 2)])
+def test_the_split_cached_kernel_and_its_combine_attend_as_mlx_does(tmp_path: Path, dtype, d: int, capacity: int,
+                                                                     at: int, padding: list[int], splits: int) -> None:
+    """A long cache's keys split over several blocks a head (every ``splits``-th tile
+    each), their shares combined by the second kernel: the same attention as mlx-lm's
+    cache and MLX's, the step's position written in place once; a stream padded past
+    whole tiles (blocks with no live key), and more splits than the keys have tiles."""
+    q, k_new, v_new, k, v, pad = _cached_state(3, 4, 2, capacity, at, d, padding, dtype)
+    scale = d ** -0.5
+    got, k_after, v_after = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale, splits)
+    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
+    want = want.reshape(got.shape)
+    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+
+
+def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
+    assert attention_cuda.splits(32, 512) == 1  # one stream of an 8B, a short cache: one launch
+    assert attention_cuda.splits(32, 1024) == 2
+    assert attention_cuda.splits(32, 32768) == 32  # 1,024 blocks
+    assert attention_cuda.splits(8 * 32, 32768) == 4
+    assert attention_cuda.splits(32 * 32, 32768) == 1  # enough blocks already
+    assert attention_cuda.splits(1, 300) == 1
 
 
 def test_which_steps_take_the_cached_kernel() -> None:

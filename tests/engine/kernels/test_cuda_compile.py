@@ -44,10 +44,12 @@ using Strides = cuda::std::array<int64_t, 10>;
 namespace cg = cooperative_groups;
 """
 
-def _wrapped(made: dict, input_types: list) -> str:
-    """The kernel as MLX's ``build_kernel`` writes it (its outputs of the first input's type)."""
+def _wrapped(made: dict, input_types: list, output_types: list | None = None) -> str:
+    """The kernel as MLX's ``build_kernel`` writes it (its outputs of the first input's
+    type, unless ``output_types`` says)."""
     names = [str(t).removeprefix("mlx.core.") for t in input_types]
-    return emulation.function(made, names, names[0], device=True)
+    outputs = [str(t).removeprefix("mlx.core.") for t in output_types] if output_types else names[0]
+    return emulation.function(made, names, outputs, device=True)
 
 
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
@@ -56,13 +58,14 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     attention_cuda._cached_kernel.cache_clear()
+    attention_cuda._combine_kernel.cache_clear()
     return made
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc here (the CUDA toolkit) to compile the kernels with")
 def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     made = _capture(monkeypatch)
-    kernels: list[tuple[dict, list]] = []
+    kernels: list[tuple] = []  # (what was made, input types[, output types])
     try:
         for dtype in (mx.float16, mx.bfloat16):
             for bits in qgemv_cuda.BITS:
@@ -92,6 +95,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
                 attention_cuda._cached_kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
+                attention_cuda._cached_kernel(dtype, d, d ** -0.5, 4)  # split: float shares out
+                kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
+                attention_cuda._combine_kernel(dtype, d, 4)
+                kernels.append((made[-1], [mx.float32] * 3, [dtype]))
             for d in (2048, 4096):
                 add_norm_cuda._kernel(dtype, d, 1e-5)
                 kernels.append((made[-1], [dtype, dtype, dtype]))
@@ -102,9 +109,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
         for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
         attention_cuda._cached_kernel.cache_clear()
-    names = [m["name"] for m, _ in kernels]
+        attention_cuda._combine_kernel.cache_clear()
+    names = [kernel[0]["name"] for kernel in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source
-    source = _HEADER + "\n".join(_wrapped(m, types) for m, types in kernels) + "} // namespace\n"
+    source = _HEADER + "\n".join(_wrapped(*kernel) for kernel in kernels) + "} // namespace\n"
     (tmp_path / "kernels.cu").write_text(source)
     done = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "--ptx", "-o", str(tmp_path / "kernels.ptx"),
                            str(tmp_path / "kernels.cu")], check=False, capture_output=True, text=True, timeout=600)
