@@ -12,7 +12,7 @@ from gmlx.engine.kernels import swaps
 MARKER = "compiled_block"  # the compiled blocks' classes carry it (swaps.subclass)
 PIECES = "_pieces"  # a compiled block's traced pieces, None until its next one-token step
 WHOLE_MARKER = "whole_step"  # a model whose one-token step is one compiled call (whole_step)
-WHOLE_TRACED = "_whole_step"  # its traced step, None until its next one-token step
+WHOLE_TRACED = "_whole_step"  # its traced steps by (width, cache length), None until its next one-token step
 
 
 def attached(model: Any) -> bool:

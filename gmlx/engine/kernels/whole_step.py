@@ -12,9 +12,13 @@ fuses as a whole. What stays in Python is the cache's bookkeeping, once a step: 
 the step (the arrays grow by whole steps, :meth:`prompt_cache._AlignedBatchKVCache.
 _reserve`), the write position as an array, and one ``offset + 1`` every layer shares.
 
-The trace keys on its inputs' shapes: the width and the cache's length, which grows by
-whole steps of 256 positions, so a step that grows it traces again (each trace is kept
-until :func:`traces.retrace`: a load's tuners time steps through it after each change).
+A trace holds for one width and one cache length, which grows by whole steps of 256
+positions, so a step that grows it traces again. Each (width, length) has its own
+compiled function, and only the ``KEPT`` used last are kept: a trace holds its whole
+graph (~2.9 MB each on this CPU for a 32-layer model), and a long-running server would
+otherwise keep one for every width and length it ever met (dropping the function frees
+it; :func:`traces.retrace` drops them all: a load's tuners time steps through them after
+each change).
 A layer's keys and values are written where MLX does not see it (in place, by the
 attention kernel), so the step returns only the logits; with ``copying`` (the form this
 CPU tests: no CUDA kernel runs here) each layer's cache takes the step's keys and values
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from functools import cache
 from typing import Any
 
@@ -50,6 +55,7 @@ from gmlx.engine.kernels.traces import whole as attached
 log = logging.getLogger(__name__)
 
 ENV = "GMLX_WHOLE_STEP"
+KEPT = 32  # traces kept a model, the least recently used dropped past it
 
 
 class NotWhole(Exception):
@@ -158,10 +164,18 @@ def _step(model: Any, call: Any, tokens: Any, caches: list[Any]) -> Any:
     used = kv_used(first)
     for c in caches:
         c._reserve(1)
-    traced = getattr(model, TRACED)
+    kept = getattr(model, TRACED)
+    if kept is None:
+        kept = OrderedDict()
+        object.__setattr__(model, TRACED, kept)
+    key = (tokens.shape[0], first.keys.shape[2])
+    traced = kept.get(key)
     if traced is None:
-        traced = _trace(model, call, model._whole_copying)
-        object.__setattr__(model, TRACED, traced)
+        traced = kept[key] = _trace(model, call, model._whole_copying)
+        if len(kept) > KEPT:
+            kept.popitem(last=False)
+    else:
+        kept.move_to_end(key)
     position = mx.array([used], dtype=mx.int32)
     out = traced(tokens, first.offset, first.left_padding, position,
                  [c.keys for c in caches], [c.values for c in caches])

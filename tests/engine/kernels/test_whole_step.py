@@ -207,6 +207,27 @@ def test_a_retrace_traces_again(monkeypatch: pytest.MonkeyPatch) -> None:
     assert traced == [(3, 12)] * 3
 
 
+def test_only_the_traces_used_last_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One trace per (width, cache length), the least recently used dropped past
+    ``KEPT``: met again, it is traced again; the ones kept are not."""
+    monkeypatch.setattr(whole_step, "KEPT", 2)
+    model = _served()
+    whole_step.attach(model, copying=True)
+    next_ = PADDED[:, :1].astype(mx.uint32)  # a decode step's tokens, as steps() makes them (argmax)
+    traced = _traces(monkeypatch, model)
+    three, two = _padded(), _padded((0, 3))
+    steps(model, three, PADDED, n=1)  # (3, 12)
+    steps(model, two, PADDED[:2], n=1)  # (2, 12)
+    steps(model, three, next_, n=0)  # (3, 12) again: kept, now the last used
+    assert traced == [(3, 12), (2, 12)] and list(model._whole_step) == [(2, 12), (3, 12)]
+    one = _padded((0,))
+    steps(model, one, PADDED[:1], n=1)  # (1, 12): (2, 12) dropped
+    assert list(model._whole_step) == [(3, 12), (1, 12)]
+    steps(model, two, next_[:2], n=0)  # traced again
+    steps(model, three, next_, n=0)  # (3, 12) was dropped by it in turn
+    assert traced == [(3, 12), (2, 12), (1, 12), (2, 12), (3, 12)]
+
+
 def test_the_tuners_trace_the_whole_step_again_after_each_switch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``timing.step_times`` times steps over the worker's batch cache, through the whole
