@@ -9,7 +9,9 @@ MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention sha
 ``--cached``: the variant that writes a step's keys and values into the cache in place
 (``attention_cuda.attend_cached``) against the cache's own writes and MLX's attention:
 its largest difference, whether the cache arrays after it are the old ones with the one
-position replaced, bit for bit, and nothing else. ``--whole``: a small float16 llama
+position replaced, bit for bit, and nothing else; and its us per call beside MLX's
+one-query attention, up to a 32k-position cache at one stream (each head's keys split
+over several blocks there). ``--whole``: a small float16 llama
 (head size 128) decoding a padded batch through the cached variant with the whole
 one-token step one compiled call (``whole_step``) against the same without it: the
 largest logit difference, the greedy tokens and the caches, over a growth of the cache.
@@ -54,12 +56,19 @@ def reference(q, k, v, scale: float, mask):
 
 
 def check_cached() -> bool:
-    """The cached variant against a cache's own writes and MLX's masked attention."""
-    print("| dtype | D | streams | write at | err vs MLX | cache as written | padding |")
-    print("|---|---:|---:|---:|---:|---|---|")
+    """The cached variant against a cache's own writes and MLX's masked attention, and
+    us per call against MLX's unmasked one-query attention over the same keys (what
+    mlx-lm runs for one unpadded stream) and its masked one; long caches split each
+    head's keys over several blocks (``splits``)."""
+    print("| dtype | D | streams | write at | splits | err vs MLX | cache as written | padding "
+          "| kernel us | MLX unmasked us | MLX masked us |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|")
     good = True
-    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 8, 512, 300),
-                                          (mx.float16, 128, 32, 2304, 2100), (mx.bfloat16, 64, 4, 256, 255)):
+    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130),
+                                          (mx.bfloat16, 128, 8, 512, 300), (mx.float16, 128, 32, 2304, 2100),
+                                          (mx.bfloat16, 64, 4, 256, 255), (mx.bfloat16, 128, 1, 2304, 2100),
+                                          (mx.bfloat16, 128, 1, 8192, 8000), (mx.bfloat16, 128, 1, 32768, 32000),
+                                          (mx.bfloat16, 128, 8, 8192, 8000)):
         heads, kv_heads = (32, 8) if d == 128 else (16, 2)
         mx.random.seed(capacity + at)
         q = mx.random.normal((batch, heads, 1, d)).astype(dtype)
@@ -78,8 +87,16 @@ def check_cached() -> bool:
         err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
         written = mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()
         good &= written and err < 0.05
-        print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} | {err:.4f} | {written} "
-              f"| {padding.tolist()[:4]} |", flush=True)
+        position = mx.array([at], dtype=mx.int32)
+        t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
+                          attention_cuda.attend_cached(*a, s), 100)  # writes the same position again
+        kv = (k_want[..., :at + 1, :], v_want[..., :at + 1, :])
+        t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), 100)
+        t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:
+                          mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), 100)
+        print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
+              f"| {attention_cuda.splits(batch * heads, capacity)} | {err:.4f} | {written} "
+              f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
     return good
 
 
