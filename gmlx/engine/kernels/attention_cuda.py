@@ -161,9 +161,10 @@ const int lane = t & 31;
 const int warp = t >> 5;
 const int heads = q_shape[1];
 const int group = heads / k_shape[1];
-const int split = blockIdx.x % SPLITS;
-const int b = blockIdx.x / SPLITS / heads;
-const int h = blockIdx.x / SPLITS % heads;
+const int splits = gridDim.x / (q_shape[0] * heads);
+const int split = blockIdx.x % splits;
+const int b = blockIdx.x / splits / heads;
+const int h = blockIdx.x / splits % heads;
 const int kvh = h / group;
 const int at = position[0];
 const int keys = at + 1;
@@ -184,7 +185,7 @@ float total = 0.0f;
 float acc[VEC];
 #pragma unroll
 for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-for (int j0 = (first / THREADS + split) * THREADS; j0 < keys; j0 += THREADS * SPLITS) {
+for (int j0 = (first / THREADS + split) * THREADS; j0 < keys; j0 += THREADS * splits) {
     const int j = j0 + t;
     const bool live = j >= first && j < keys;
     float s = FLOOR;
@@ -245,22 +246,25 @@ if (t < D) {
 _CACHED_BODY = compact(_CACHED_SOURCE)
 
 # How a block of the cached kernel ends: with the keys in one block, its output; split
-# over ``SPLITS`` blocks (each every ``SPLITS``-th tile), its share (the values' sum
-# ``pacc`` unscaled, its running maximum ``pm`` and total ``pl``) for the combine below.
+# over several blocks (each every ``splits``-th tile; how many, the launch's grid says,
+# so one compiled kernel serves every count), its share (the values' sum ``pacc``
+# unscaled, its running maximum ``pm`` and total ``pl``) for the combine below.
 _FINISH_ONE = "#define FINISH(r) out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? (r) / total : 0.0f)\n"
 _FINISH_SPLIT = ("#define FINISH(r) { pacc[(size_t)blockIdx.x * D + t] = (r); "
                  "if (t == 0) { pm[blockIdx.x] = m; pl[blockIdx.x] = total; } }\n")
 
-# The shares of a stream's head from its ``SPLITS`` blocks, rescaled to their common
-# maximum (base-2 scores, as the tiles keep them) and summed: one thread a dimension.
+# The shares of a stream's head from its blocks (as many as ``pm`` holds a head),
+# rescaled to their common maximum (base-2 scores, as the tiles keep them) and summed:
+# one thread a dimension.
 _COMBINE_SOURCE = """
 const int t = threadIdx.x;
-const int base = blockIdx.x * SPLITS;
+const int splits = pm_shape[0] / gridDim.x;
+const int base = blockIdx.x * splits;
 float top = FLOOR;
-for (int i = 0; i < SPLITS; ++i) top = fmaxf(top, pm[base + i]);
+for (int i = 0; i < splits; ++i) top = fmaxf(top, pm[base + i]);
 float total = 0.0f;
 float r = 0.0f;
-for (int i = 0; i < SPLITS; ++i) {
+for (int i = 0; i < splits; ++i) {
     const float w = exp2f(pm[base + i] - top);
     total += pl[base + i] * w;
     r += pacc[(size_t)(base + i) * D + t] * w;
@@ -347,19 +351,20 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 
 @cache
-def _cached_kernel(dtype: Any, head_dim: int, scale: float, splits: int = 1) -> Any:
-    head = _head(dtype, head_dim, scale) + f"constexpr int SPLITS = {splits};\n"
-    head += _FINISH_ONE if splits == 1 else _FINISH_SPLIT
-    return build(f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_{splits}", head,
+def _cached_kernel(dtype: Any, head_dim: int, scale: float, split: bool = False) -> Any:
+    """The cached kernel whole (a head's keys in one block) or ``split`` (its share of
+    them, for :func:`_combine_kernel`): two kernels per float type, head size and scale,
+    whatever the cache's length."""
+    head = _head(dtype, head_dim, scale) + (_FINISH_SPLIT if split else _FINISH_ONE)
+    return build(f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}{'_split' if split else ''}", head,
                  _CACHED_BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"],
-                 outputs=("out",) if splits == 1 else ("pacc", "pm", "pl"), ensure_row_contiguous=False)
+                 outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
 
 @cache
-def _combine_kernel(dtype: Any, head_dim: int, splits: int) -> Any:
-    head = (f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr int SPLITS = {splits}; "
-            f"constexpr float FLOOR = {_FLOOR!r}f;\n")
-    return build(f"gmlx_attend_combine_{cuda_type(dtype).strip('_')}_{head_dim}_{splits}", head, _COMBINE_BODY,
+def _combine_kernel(dtype: Any, head_dim: int) -> Any:
+    head = f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr float FLOOR = {_FLOOR!r}f;\n"
+    return build(f"gmlx_attend_combine_{cuda_type(dtype).strip('_')}_{head_dim}", head, _COMBINE_BODY,
                  ["pacc", "pm", "pl"])
 
 
@@ -401,10 +406,10 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
             inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=[(b, 1, heads * d)],
             output_dtypes=[q.dtype])
         return out
-    shares = _cached_kernel(q.dtype, d, float(scale), n)(
+    shares = _cached_kernel(q.dtype, d, float(scale), True)(
         inputs=inputs, grid=grid, threadgroup=threadgroup,
         output_shapes=[(b * heads * n, d), (b * heads * n,), (b * heads * n,)], output_dtypes=[mx.float32] * 3)
-    (out,) = _combine_kernel(q.dtype, d, n)(inputs=list(shares), grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
+    (out,) = _combine_kernel(q.dtype, d)(inputs=list(shares), grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
                                             output_shapes=[(b, 1, heads * d)], output_dtypes=[q.dtype])
     return out
 

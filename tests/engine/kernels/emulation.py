@@ -30,6 +30,7 @@ PRELUDE = r"""
 using std::min;
 struct Dim { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim threadIdx, blockIdx;
+static Dim gridDim;
 #undef __shared__
 #define __shared__ static
 #undef __grid_constant__
@@ -73,6 +74,7 @@ template <typename X> void save(const char* path, const std::vector<X>& data) {
 }
 // Runs ``body(t)`` as ``threads`` host threads for each of ``blocks`` blocks in turn.
 template <typename F> void run_blocks(int blocks, int threads, F body) {
+    gridDim.x = blocks; gridDim.y = gridDim.z = 1;
     for (int blk = 0; blk < blocks; ++blk) {
         std::barrier<> block(threads);
         block_barrier = &block;

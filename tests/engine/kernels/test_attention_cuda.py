@@ -260,12 +260,12 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     form (each head's keys over that many blocks) and then the combine kernel's source
     over the shares it wrote."""
     d = q.shape[-1]
-    made = _made(attention_cuda._cached_kernel, q.dtype, d, scale, splits)
+    made = _made(attention_cuda._cached_kernel, q.dtype, d, scale, splits > 1)
     dtype = str(q.dtype).removeprefix("mlx.core.")
     outputs = dtype if splits == 1 else ["float32"] * 3
     kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], outputs)
     if splits > 1:
-        combine = _made(attention_cuda._combine_kernel, q.dtype, d, splits)
+        combine = _made(attention_cuda._combine_kernel, q.dtype, d)
         kernel += emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1)
     main = r"""
 int main(int argc, char** argv) {
@@ -292,7 +292,8 @@ int main(int argc, char** argv) {
     else:
         run = (f"std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);\n"
                f"    run_blocks(B * H * S, THREADS_, [&] {{ kernel({args}, pacc.data(), pm.data(), pl.data()); }});\n"
-               "    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), pl.data(), out.data()); });")
+               "    Shape ps{B * H * S};\n"
+               "    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), ps, pl.data(), out.data()); });")
     main = main.replace("SPLIT_RUN", run)
     for name, a in (("q", q), ("kn", k_new), ("vn", v_new), ("k", k), ("v", v)):
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
