@@ -414,6 +414,34 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     return out
 
 
+def compile_cached(model: Any) -> int:
+    """Run :func:`attend_cached` once whole and once split (:func:`splits`) for every
+    distinct attention shape among ``model``'s layers that write in place (one_token's
+    ``_in_place``), on empty arrays, so both kernels and the combine are compiled before
+    the model reports ready: a cache reaches the split form only once it has grown past
+    a few tiles, inside some later request. Returns how many shapes."""
+    import mlx.core as mx
+
+    shapes = set()
+    for _, m in model.named_modules():
+        if getattr(m, "_in_place", False) and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "head_dim", "scale")):
+            proj = m.o_proj
+            dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
+            shapes.add((m.n_heads, m.n_kv_heads, m.head_dim, float(m.scale), dtype))
+    for heads, kv_heads, d, scale, dtype in shapes:
+        if dtype not in (mx.float16, mx.bfloat16) or d not in HEAD_DIMS:
+            continue
+        outs = []
+        for capacity in (2 * THREADS, 4 * THREADS):  # one block a head, then two
+            q = mx.zeros((1, heads, 1, d), dtype)
+            new = mx.zeros((1, kv_heads, 1, d), dtype)
+            cache = [mx.zeros((1, kv_heads, capacity, d), dtype) for _ in range(2)]
+            outs.append(attend_cached(q, new, new, *cache, mx.zeros((1,), mx.int32),
+                                      mx.array([capacity // 2], dtype=mx.int32), scale))
+        mx.eval(outs)
+    return len(shapes)
+
+
 def routed(original: Callable[..., Any]) -> Callable[..., Any]:
     """``mx.fast.scaled_dot_product_attention`` (``original``) with the calls the kernel
     supports sent to it."""

@@ -358,6 +358,28 @@ def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
     assert attention_cuda.splits(1, 300) == 1
 
 
+def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_cached`` runs the in-place kernel once whole and once split for each
+    distinct attention shape that writes in place (the kernel itself recorded here: no
+    CUDA), so a later long cache's first step compiles nothing."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from gmlx.engine.kernels import one_token
+
+    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    model.set_dtype(mx.float16)
+    calls: list[tuple] = []
+    monkeypatch.setattr(attention_cuda, "attend_cached", lambda q, kn, vn, k, v, pad, at, scale: calls.append(
+        (q.shape, k.shape, q.dtype, scale, attention_cuda.splits(q.shape[0] * q.shape[1], k.shape[2]))) or q)
+    assert attention_cuda.compile_cached(model) == 0  # nothing writes in place
+    one_token.attach(model, in_place=True)
+    assert attention_cuda.compile_cached(model) == 1  # two layers, one shape
+    assert [(k[2], n) for _, k, *_, n in calls] == [(512, 1), (1024, 2)]  # whole, then split
+    assert all(q == (1, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
+    one_token.detach(model)
+
+
 def test_which_steps_take_the_cached_kernel() -> None:
     q, k_new, v_new, k, v, _ = _cached_state(2, 8, 2, 64, 10, 128, [0, 3], mx.bfloat16)
     mask = mx.ones((2, 1, 1, 11), dtype=mx.bool_)
