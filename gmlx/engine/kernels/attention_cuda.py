@@ -180,6 +180,7 @@ if (t < D) {
 }
 __syncthreads();
 const bool dense = k_strides[3] == 1 && k_strides[2] % 8 == 0;
+const bool vdense = v_strides[3] == 1 && v_strides[2] % 8 == 0;
 float m = FLOOR;
 float total = 0.0f;
 float acc[VEC];
@@ -219,6 +220,24 @@ for (int j0 = (first / THREADS + split) * THREADS; j0 < keys; j0 += THREADS * sp
         if (pi != 0.0f && jj == at) {
             #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[e] += pi * vns[lane * VEC + e];
+        } else if (pi != 0.0f && vdense) {  // this lane's VEC values in one load of 4, 8 or 16 bytes
+            const T* vr = vb + (int64_t)jj * v_strides[2] + lane * VEC;
+            if (VEC == 2) {
+                const uint32_t raw = *reinterpret_cast<const uint32_t*>(vr);
+                const T* x = reinterpret_cast<const T*>(&raw);
+                acc[0] += pi * static_cast<float>(x[0]);
+                acc[1 % VEC] += pi * static_cast<float>(x[1]);
+            } else if (VEC == 4) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(vr);
+                const T* x = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) acc[e % VEC] += pi * static_cast<float>(x[e]);
+            } else {
+                const uint4 raw = *reinterpret_cast<const uint4*>(vr);
+                const T* x = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e % VEC] += pi * static_cast<float>(x[e]);
+            }
         } else if (pi != 0.0f) {
             const T* vr = vb + (int64_t)jj * v_strides[2];
             #pragma unroll

@@ -312,7 +312,8 @@ int main(int argc, char** argv) {
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
                                                          (mx.float16, 64, 256, 40, [0, 3, 40]),
-                                                         (mx.bfloat16, 64, 512, 256, [0, 0, 255])])
+                                                         (mx.bfloat16, 64, 512, 256, [0, 0, 255]),
+                                                         (mx.float16, 256, 512, 270, [0, 9, 261])])
 def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
         tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int]) -> None:
     """The cached kernel's own source, emulated: its output is MLX's masked attention
