@@ -79,8 +79,10 @@ const int t = threadIdx.x;
 const int lane = t & 31;
 const int warp = t >> 5;
 const int heads = q_shape[1];
-const int b = blockIdx.x / heads;
-const int h = blockIdx.x % heads;
+const int splits = gridDim.x / (q_shape[0] * heads);
+const int split = blockIdx.x % splits;
+const int b = blockIdx.x / splits / heads;
+const int h = blockIdx.x / splits % heads;
 const int kvh = h / (heads / k_shape[1]);
 const int keys = k_shape[2];
 if (t < D) qs[t] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[3]]) * QSCALE;
@@ -94,7 +96,7 @@ const int g = t / D;
 float m = FLOOR;
 float total = 0.0f;
 float acc = 0.0f;
-for (int j0 = 0; j0 < keys; j0 += THREADS) {
+for (int j0 = split * THREADS; j0 < keys; j0 += THREADS * splits) {
     const int j = j0 + t;
     const bool live = j < keys && mb[j * mask_strides[3]];
     float s = FLOOR;
@@ -129,7 +131,7 @@ if (t < D) {
     float r = 0.0f;
     #pragma unroll
     for (int i = 0; i < SPLIT; ++i) r += part[i][t];
-    out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? r / total : 0.0f);
+    FINISH(r);
 }
 """
 
@@ -264,7 +266,7 @@ if (t < D) {
 
 _CACHED_BODY = compact(_CACHED_SOURCE)
 
-# How a block of the cached kernel ends: with the keys in one block, its output; split
+# How a block of either kernel ends: with the keys in one block, its output; split
 # over several blocks (each every ``splits``-th tile; how many, the launch's grid says,
 # so one compiled kernel serves every count), its share (the values' sum ``pacc``
 # unscaled, its running maximum ``pm`` and total ``pl``) for the combine below.
@@ -318,10 +320,13 @@ def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
 
 
 @cache
-def _kernel(dtype: Any, head_dim: int, scale: float) -> Any:
-    """One kernel per float type, head size and scale (:mod:`cuda_source` says why)."""
-    return build(f"gmlx_attend_{cuda_type(dtype).strip('_')}_{head_dim}", _head(dtype, head_dim, scale), _BODY,
-                 ["q", "k", "v", "mask"], ensure_row_contiguous=False)
+def _kernel(dtype: Any, head_dim: int, scale: float, split: bool = False) -> Any:
+    """One kernel per float type, head size and scale (:mod:`cuda_source` says why),
+    whole or ``split`` (a block's share of a head's keys, as :func:`_cached_kernel`)."""
+    head = _head(dtype, head_dim, scale) + (_FINISH_SPLIT if split else _FINISH_ONE)
+    return build(f"gmlx_attend_{cuda_type(dtype).strip('_')}_{head_dim}{'_split' if split else ''}", head, _BODY,
+                 ["q", "k", "v", "mask"], outputs=("pacc", "pm", "pl") if split else ("out",),
+                 ensure_row_contiguous=False)
 
 
 def _head(dtype: Any, head_dim: int, scale: float) -> str:
@@ -334,11 +339,22 @@ def _head(dtype: Any, head_dim: int, scale: float) -> str:
 def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
     """``softmax(q k^T * scale, where mask) v`` for one query per stream: q ``(B, H, 1,
     D)``, k and v ``(B, Hkv, keys, D)``, mask ``(B, 1, 1, keys)`` (True: attend) ->
-    ``(B, H, 1, D)``."""
+    ``(B, H, 1, D)``. Over many keys, each head's are split over several blocks
+    (:func:`splits`) and a second launch combines them."""
+    import mlx.core as mx
+
     b, heads, _, d = q.shape
-    (out,) = _kernel(q.dtype, d, float(scale))(
-        inputs=[q, k, v, mask], grid=(b * heads * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[q.shape], output_dtypes=[q.dtype])
+    n = splits(b * heads, k.shape[2])
+    grid, threadgroup = (b * heads * n * THREADS, 1, 1), (THREADS, 1, 1)
+    if n == 1:
+        (out,) = _kernel(q.dtype, d, float(scale))(inputs=[q, k, v, mask], grid=grid, threadgroup=threadgroup,
+                                                   output_shapes=[q.shape], output_dtypes=[q.dtype])
+        return out
+    shares = _kernel(q.dtype, d, float(scale), True)(
+        inputs=[q, k, v, mask], grid=grid, threadgroup=threadgroup,
+        output_shapes=[(b * heads * n, d), (b * heads * n,), (b * heads * n,)], output_dtypes=[mx.float32] * 3)
+    (out,) = _combine_kernel(q.dtype, d)(inputs=list(shares), grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
+                                         output_shapes=[q.shape], output_dtypes=[q.dtype])
     return out
 
 
@@ -389,7 +405,7 @@ def _combine_kernel(dtype: Any, head_dim: int) -> Any:
 
 def splits(blocks: int, capacity: int) -> int:
     """Blocks each of ``blocks`` (streams x query heads) one-token attentions over a cache
-    of ``capacity`` positions is split into: toward ``TARGET_BLOCKS`` in all, each split
+    of ``capacity`` positions (the keys a routed call sees) is split into: toward ``TARGET_BLOCKS`` in all, each split
     at least two tiles of the capacity. A block's tiles run one after another, so one
     block a head over a long cache leaves most of the GPU idle (32 blocks at one stream
     of an 8B); short caches (the capacity of two tiles or less) stay in one block, one

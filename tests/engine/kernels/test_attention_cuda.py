@@ -209,6 +209,61 @@ def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
     return mx.array(raw).view(q.dtype)
 
 
+def _run_split_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int, splits: int):
+    """As :func:`_run_kernel_source`, the split form: each head's keys over ``splits``
+    blocks, then the combine kernel's source over the shares they wrote."""
+    d = q.shape[-1]
+    dtype = str(q.dtype).removeprefix("mlx.core.")
+    made = _made(attention_cuda._kernel, q.dtype, d, scale, True)
+    combine = _made(attention_cuda._combine_kernel, q.dtype, d)
+    source = (PRELUDE + emulation.function(made[0], [dtype] * 3 + ["bool"], ["float32"] * 3)
+              + emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1))
+    main = r"""
+int main(int argc, char** argv) {
+    int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
+    const int B = a[0], H = a[1], HK = a[2], L = a[3], C = a[4], D = a[5], THREADS_ = a[6], S = a[7];
+    using E = ELEMENT;
+    auto q = load<E>("q.bin", (size_t)B * H * D);
+    auto k = load<E>("k.bin", (size_t)B * HK * C * D);
+    auto v = load<E>("v.bin", (size_t)B * HK * C * D);
+    auto m = load<unsigned char>("mask.bin", (size_t)B * L);
+    const bool* mb = reinterpret_cast<const bool*>(m.data());
+    std::vector<E> out((size_t)B * H * D);
+    std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);
+    Shape qs{B, H, 1, D}, ks{B, HK, L, D}, ps{B * H * S};
+    Strides qt{(int64_t)H * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, mt{L, L, L, 1};
+    run_blocks(B * H * S, THREADS_, [&] {
+        kernel(q.data(), qs, qt, k.data(), ks, kt, v.data(), kt, mb, mt, pacc.data(), pm.data(), pl.data());
+    });
+    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), ps, pl.data(), out.data()); });
+    save("out.bin", out);
+}
+""".replace("ELEMENT", emulation.HOST_TYPES[dtype])
+    beyond = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
+    k_full, v_full = (mx.pad(a, beyond, constant_values=1e4) for a in (k, v))
+    for name, a in (("q", q), ("k", k_full), ("v", v_full)):
+        (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
+    (tmp / "mask.bin").write_bytes(np.array(mask.reshape(-1)).astype(np.bool_).tobytes())
+    b, heads, _, d = q.shape
+    compile_and_run(tmp, source + main, [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS, splits])
+    raw = np.frombuffer((tmp / "out.bin").read_bytes(), dtype=np.uint16).reshape(q.shape)
+    return mx.array(raw).view(q.dtype)
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,keys,padding,splits", [(mx.bfloat16, 128, 1300, [0, 17, 600], 3),
+                                                         (mx.float16, 64, 700, [0, 300, 513], 4)])
+def test_the_split_kernel_source_matches_mlx(tmp_path: Path, dtype, d: int, keys: int, padding: list[int],
+                                             splits: int) -> None:
+    """The routed kernel split over several blocks a head and combined: MLX's masked
+    attention over the same views, streams padded past whole tiles."""
+    q, k, v, mask = _inputs(3, 4, 2, keys, d, padding, dtype)
+    scale = d ** -0.5
+    got = _run_split_kernel_source(tmp_path, q, k, v, mask, scale, keys + 45, splits).astype(mx.float32)
+    want = mx.fast.scaled_dot_product_attention(*(a.astype(mx.float32) for a in (q, k, v)), scale=scale, mask=mask)
+    assert mx.allclose(got, want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+
+
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("dtype,d,keys,padding", [(mx.bfloat16, 128, 300, [0, 17, 290]),
                                                   (mx.float16, 64, 40, [0, 3, 39]),

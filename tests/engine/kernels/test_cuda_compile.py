@@ -93,6 +93,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
             for d in attention_cuda.HEAD_DIMS:
                 attention_cuda._kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
+                attention_cuda._kernel(dtype, d, d ** -0.5, True)
+                kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_], [mx.float32] * 3))
                 attention_cuda._cached_kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
                 attention_cuda._cached_kernel(dtype, d, d ** -0.5, True)  # split: float shares out
