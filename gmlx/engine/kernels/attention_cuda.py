@@ -8,12 +8,15 @@ products, a softmax and the mask's own conversion: on the H200 an 8B bf16 step a
 32 took 16.0 ms masked against 11.5 unmasked, nearly all host time). This kernel takes
 the boolean mask of shape ``(B, 1, 1, keys)`` as it is and skips the masked keys.
 
-One block of 256 threads per (stream, query head). Keys go by in tiles of 256: each
-thread scores one key of the tile (its dot product with the query, in float32, times
-``scale * log2(e)``), the block takes the tile's maximum and the running softmax is
-rescaled by ``exp2(old max - new max)``; then the threads, split into ``256 / D``
-groups of ``D``, add the tile's values weighted by ``exp2(score - max)``, one dimension
-each. Masked keys weigh nothing. The keys and values are read through their strides, so
+One block of 256 threads per (stream, query head), or over many keys several, each
+taking every n-th tile, their shares combined by a second kernel (:func:`splits`). Keys
+go by in tiles of 256: each thread scores one key of the tile (its dot product with the
+query, in float32, times ``scale * log2(e)``), the block takes the tile's maximum and
+the running softmax is rescaled by ``exp2(old max - new max)``; then each warp adds
+every eighth key's values weighted by ``exp2(score - max)``, each lane ``D / 32``
+dimensions in one wide load (the first form's groups of ``D`` threads, one dimension
+each, made every thread a chain of dependent loads), and the warps' sums meet in shared
+memory. Masked keys weigh nothing. The keys and values are read through their strides, so
 the cache's views (``keys[..., :used, :]``) are never copied; grouped-query heads share
 their key-value head. Used only where built (CUDA) and where the step's mask allows it
 (:func:`supports`); ``GMLX_ATTENTION_KERNEL=0`` turns it off (:func:`enabled`). On the H200
@@ -69,12 +72,38 @@ _TILE = """    float w = s;
     total = total * corr + tile;
 """
 
+# Both kernels' values, a key a warp: key ``jj``'s values weighted by ``pi`` into this
+# lane's ``VEC`` dimensions (``acc``), in one load of 4, 8 or 16 bytes where the values
+# are dense (``vdense``), else one a dimension.
+_ADD_VALUES = """            const T* vr = vb + (int64_t)jj * v_strides[2];
+            if (vdense && VEC == 2) {
+                const uint32_t raw = *reinterpret_cast<const uint32_t*>(vr + lane * VEC);
+                const T* x = reinterpret_cast<const T*>(&raw);
+                acc[0] += pi * static_cast<float>(x[0]);
+                acc[1 % VEC] += pi * static_cast<float>(x[1]);
+            } else if (vdense && VEC == 4) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(vr + lane * VEC);
+                const T* x = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) acc[e % VEC] += pi * static_cast<float>(x[e]);
+            } else if (vdense) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(vr + lane * VEC);
+                const T* x = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e % VEC] += pi * static_cast<float>(x[e]);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[e] += pi * static_cast<float>(vr[(lane * VEC + e) * v_strides[3]]);
+            }
+"""
+
 _SOURCE = """
-constexpr int SPLIT = THREADS / D;
+constexpr int WARPS = THREADS / 32;
+constexpr int VEC = D / 32;
 __shared__ float qs[D];
 __shared__ float ps[THREADS];
-__shared__ float red[THREADS / 32];
-__shared__ float part[SPLIT][D];
+__shared__ float red[WARPS];
+__shared__ float part[WARPS][D];
 const int t = threadIdx.x;
 const int lane = t & 31;
 const int warp = t >> 5;
@@ -91,11 +120,12 @@ const T* kb = k + b * k_strides[0] + kvh * k_strides[1];
 const T* vb = v + b * v_strides[0] + kvh * v_strides[1];
 const bool* mb = mask + b * mask_strides[0];
 const bool dense = k_strides[3] == 1;
-const int d = t % D;
-const int g = t / D;
+const bool vdense = v_strides[3] == 1 && v_strides[2] % 8 == 0;
 float m = FLOOR;
 float total = 0.0f;
-float acc = 0.0f;
+float acc[VEC];
+#pragma unroll
+for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
 for (int j0 = split * THREADS; j0 < keys; j0 += THREADS * splits) {
     const int j = j0 + t;
     const bool live = j < keys && mb[j * mask_strides[3]];
@@ -116,21 +146,26 @@ for (int j0 = split * THREADS; j0 < keys; j0 += THREADS * splits) {
         }
         s = dot;
     }
-""" + _TILE + """    acc *= corr;
+""" + _TILE + """    #pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] *= corr;
     const int n = min(THREADS, keys - j0);
-    for (int i = g; i < n; i += SPLIT) {
+    #pragma unroll 4
+    for (int i = warp; i < n; i += WARPS) {
         const float pi = ps[i];
-        if (pi != 0.0f) acc += pi * static_cast<float>(vb[(j0 + i) * v_strides[2] + d * v_strides[3]]);
+        const int jj = j0 + i;
+        if (pi != 0.0f) {
+""" + _ADD_VALUES + """        }
     }
     m = mn;
     __syncthreads();
 }
-part[g][d] = acc;
+#pragma unroll
+for (int e = 0; e < VEC; ++e) part[warp][lane * VEC + e] = acc[e];
 __syncthreads();
 if (t < D) {
     float r = 0.0f;
     #pragma unroll
-    for (int i = 0; i < SPLIT; ++i) r += part[i][t];
+    for (int i = 0; i < WARPS; ++i) r += part[i][t];
     FINISH(r);
 }
 """
@@ -142,9 +177,9 @@ _BODY = compact(_SOURCE)
 # step's new key and value read from their own arrays at that position and written
 # into the cache there (by one block of each key-value head's group: no block reads
 # that position from the cache, so none waits for the write). Its values go by a key a
-# warp, each lane a few dimensions (the first form, the kernel above's groups of D
-# threads, each thread a long chain of dependent loads, took 1.5 ms more of an 8B's
-# one-stream step on the H200 than MLX's one-query kernel). The new key and value are
+# warp, each lane a few dimensions, as the kernel above's now do (its first form, the
+# groups of D threads, each thread a long chain of dependent loads, took 1.5 ms more of
+# an 8B's one-stream step on the H200 than MLX's one-query kernel). The new key and value are
 # staged in shared memory by the block's first D threads, one coalesced load each: the
 # second form had the one thread whose key is the new one read all D of it from global
 # memory in a loop, while the block waited for its score (19.5 us a call on an H100 at
@@ -222,29 +257,8 @@ for (int j0 = (first / THREADS + split) * THREADS; j0 < keys; j0 += THREADS * sp
         if (pi != 0.0f && jj == at) {
             #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[e] += pi * vns[lane * VEC + e];
-        } else if (pi != 0.0f && vdense) {  // this lane's VEC values in one load of 4, 8 or 16 bytes
-            const T* vr = vb + (int64_t)jj * v_strides[2] + lane * VEC;
-            if (VEC == 2) {
-                const uint32_t raw = *reinterpret_cast<const uint32_t*>(vr);
-                const T* x = reinterpret_cast<const T*>(&raw);
-                acc[0] += pi * static_cast<float>(x[0]);
-                acc[1 % VEC] += pi * static_cast<float>(x[1]);
-            } else if (VEC == 4) {
-                const uint2 raw = *reinterpret_cast<const uint2*>(vr);
-                const T* x = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[e % VEC] += pi * static_cast<float>(x[e]);
-            } else {
-                const uint4 raw = *reinterpret_cast<const uint4*>(vr);
-                const T* x = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e % VEC] += pi * static_cast<float>(x[e]);
-            }
         } else if (pi != 0.0f) {
-            const T* vr = vb + (int64_t)jj * v_strides[2];
-            #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] += pi * static_cast<float>(vr[(lane * VEC + e) * v_strides[3]]);
-        }
+""" + _ADD_VALUES + """        }
     }
     m = mn;
     __syncthreads();
