@@ -209,15 +209,20 @@ def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
     return mx.array(raw).view(q.dtype)
 
 
+def _combine(dtype, d: int) -> str:
+    """The combine kernel's source as a host function ``combine`` (its shares in float32)."""
+    made = _made(attention_cuda._combine_kernel, dtype, d)
+    element = str(dtype).removeprefix("mlx.core.")
+    return emulation.function(made[0], ["float32"] * 3, element).replace("void kernel(", "void combine(", 1)
+
+
 def _run_split_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int, splits: int):
     """As :func:`_run_kernel_source`, the split form: each head's keys over ``splits``
     blocks, then the combine kernel's source over the shares they wrote."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
     made = _made(attention_cuda._kernel, q.dtype, d, scale, True)
-    combine = _made(attention_cuda._combine_kernel, q.dtype, d)
-    source = (PRELUDE + emulation.function(made[0], [dtype] * 3 + ["bool"], ["float32"] * 3)
-              + emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1))
+    source = PRELUDE + emulation.function(made[0], [dtype] * 3 + ["bool"], ["float32"] * 3) + _combine(q.dtype, d)
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
@@ -320,8 +325,7 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     outputs = dtype if splits == 1 else ["float32"] * 3
     kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], outputs)
     if splits > 1:
-        combine = _made(attention_cuda._combine_kernel, q.dtype, d)
-        kernel += emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1)
+        kernel += _combine(q.dtype, d)
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
