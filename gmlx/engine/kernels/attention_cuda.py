@@ -355,20 +355,30 @@ def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
     D)``, k and v ``(B, Hkv, keys, D)``, mask ``(B, 1, 1, keys)`` (True: attend) ->
     ``(B, H, 1, D)``. Over many keys, each head's are split over several blocks
     (:func:`splits`) and a second launch combines them."""
+    return _in_blocks(lambda split: _kernel(q.dtype, q.shape[-1], float(scale), split), [q, k, v, mask], q,
+                      k.shape[2], q.shape)
+
+
+def _in_blocks(kernel: Callable[[bool], Any], inputs: list[Any], q: Any, length: int,
+               out_shape: tuple[int, ...]) -> Any:
+    """One of the two kernels' launches over ``length`` keys a head: ``kernel(False)``
+    alone, a block a (stream, query head), writing ``out_shape``; or, where
+    :func:`splits` says so, ``kernel(True)``'s blocks each writing a share, then
+    :func:`_combine_kernel` over them."""
     import mlx.core as mx
 
     b, heads, _, d = q.shape
-    n = splits(b * heads, k.shape[2])
+    n = splits(b * heads, length)
     grid, threadgroup = (b * heads * n * THREADS, 1, 1), (THREADS, 1, 1)
     if n == 1:
-        (out,) = _kernel(q.dtype, d, float(scale))(inputs=[q, k, v, mask], grid=grid, threadgroup=threadgroup,
-                                                   output_shapes=[q.shape], output_dtypes=[q.dtype])
+        (out,) = kernel(False)(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=[out_shape],
+                               output_dtypes=[q.dtype])
         return out
-    shares = _kernel(q.dtype, d, float(scale), True)(
-        inputs=[q, k, v, mask], grid=grid, threadgroup=threadgroup,
-        output_shapes=[(b * heads * n, d), (b * heads * n,), (b * heads * n,)], output_dtypes=[mx.float32] * 3)
+    shares = kernel(True)(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                          output_shapes=[(b * heads * n, d), (b * heads * n,), (b * heads * n,)],
+                          output_dtypes=[mx.float32] * 3)
     (out,) = _combine_kernel(q.dtype, d)(inputs=list(shares), grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
-                                         output_shapes=[q.shape], output_dtypes=[q.dtype])
+                                         output_shapes=[out_shape], output_dtypes=[q.dtype])
     return out
 
 
@@ -419,8 +429,8 @@ def _combine_kernel(dtype: Any, head_dim: int) -> Any:
 
 def splits(blocks: int, capacity: int) -> int:
     """Blocks each of ``blocks`` (streams x query heads) one-token attentions over a cache
-    of ``capacity`` positions (the keys a routed call sees) is split into: toward ``TARGET_BLOCKS`` in all, each split
-    at least two tiles of the capacity. A block's tiles run one after another, so one
+    of ``capacity`` positions (the keys a routed call sees) is split into: toward
+    ``TARGET_BLOCKS`` in all, each split at least two tiles of the capacity. A block's tiles run one after another, so one
     block a head over a long cache leaves most of the GPU idle (32 blocks at one stream
     of an 8B); short caches (the capacity of two tiles or less) stay in one block, one
     launch."""
@@ -444,23 +454,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     bound by the host. MLX does not see the write: the caller keeps the cache's arrays
     its own and the positions up to the write unchanged (:meth:`prompt_cache.
     _AlignedBatchKVCache.write_and_attend`)."""
-    import mlx.core as mx
-
     b, heads, _, d = q.shape
-    n = splits(b * heads, keys.shape[2])
-    inputs = [q, k_new, v_new, keys, values, padding, position]
-    grid, threadgroup = (b * heads * n * THREADS, 1, 1), (THREADS, 1, 1)
-    if n == 1:
-        (out,) = _cached_kernel(q.dtype, d, float(scale))(
-            inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=[(b, 1, heads * d)],
-            output_dtypes=[q.dtype])
-        return out
-    shares = _cached_kernel(q.dtype, d, float(scale), True)(
-        inputs=inputs, grid=grid, threadgroup=threadgroup,
-        output_shapes=[(b * heads * n, d), (b * heads * n,), (b * heads * n,)], output_dtypes=[mx.float32] * 3)
-    (out,) = _combine_kernel(q.dtype, d)(inputs=list(shares), grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
-                                            output_shapes=[(b, 1, heads * d)], output_dtypes=[q.dtype])
-    return out
+    return _in_blocks(lambda split: _cached_kernel(q.dtype, d, float(scale), split),
+                      [q, k_new, v_new, keys, values, padding, position], q, keys.shape[2], (b, 1, heads * d))
 
 
 def compile_cached(model: Any) -> int:

@@ -440,6 +440,47 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     one_token.detach(model)
 
 
+def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What MLX is asked to launch (``mx.fast.cuda_kernel`` recorded: no CUDA here): a
+    short cache, one kernel a block a head writing the output; a long one, the split
+    kernel's blocks writing float32 shares, then the combine over them, a thread a
+    dimension; both for the routed kernel and the cached one."""
+    launched: list[tuple] = []
+
+    def cuda_kernel(**made):
+        def launch(*, inputs, grid, threadgroup, output_shapes, output_dtypes):
+            launched.append((made["name"].rsplit("_", 1)[0], grid[0] // threadgroup[0], threadgroup[0],
+                             [tuple(o) for o in output_shapes], output_dtypes))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    factories = (attention_cuda._kernel, attention_cuda._cached_kernel, attention_cuda._combine_kernel)
+    for factory in factories:
+        factory.cache_clear()  # made afresh through the stand-in, forgotten after
+    try:
+        q = mx.zeros((1, 2, 1, 64), mx.float16)
+        for keys in (512, 1024):
+            k = mx.zeros((1, 1, keys, 64), mx.float16)
+            mask = mx.ones((1, 1, 1, keys), mx.bool_)
+            assert attention_cuda.attend(q, k, k, 0.125, mask).shape == (1, 2, 1, 64)
+            assert attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
+                                                mx.array([7], mx.int32), 0.125).shape == (1, 1, 128)
+    finally:
+        for factory in factories:
+            factory.cache_clear()
+    whole = [(1, 1, 128)], [mx.float16]
+    shares = [(4, 64), (4,), (4,)], [mx.float32] * 3
+    assert launched == [
+        ("gmlx_attend_half_64", 2, 256, [(1, 2, 1, 64)], [mx.float16]),
+        ("gmlx_attend_cached_half_64", 2, 256, *whole),
+        ("gmlx_attend_half_64_split", 4, 256, *shares),  # two blocks a head
+        ("gmlx_attend_combine_half_64", 2, 64, [(1, 2, 1, 64)], [mx.float16]),
+        ("gmlx_attend_cached_half_64_split", 4, 256, *shares),
+        ("gmlx_attend_combine_half_64", 2, 64, *whole),
+    ]
+
+
 def test_which_steps_take_the_cached_kernel() -> None:
     q, k_new, v_new, k, v, _ = _cached_state(2, 8, 2, 64, 10, 128, [0, 3], mx.bfloat16)
     mask = mx.ones((2, 1, 1, 11), dtype=mx.bool_)
