@@ -147,34 +147,6 @@ def test_a_load_routes_only_on_cuda_unless_turned_off(demo_model, monkeypatch: p
 # -- the kernel's own source, run on the CPU --------------------------------------------------
 
 # The kernel's signature as MLX writes it, its body, and a main that runs its blocks.
-_EMULATION = PRELUDE + r"""
-using E = ELEMENT;
-void kernel(const E* q, const Shape q_shape, const Strides q_strides,
-            const E* k, const Shape k_shape, const Strides k_strides,
-            const E* v, const Shape v_shape, const Strides v_strides,
-            const bool* mask, const Shape mask_shape, const Strides mask_strides, E* out) {
-BODY
-}
-int main(int argc, char** argv) {
-    // B heads kv_heads keys capacity D threads
-    int a[7]; for (int i = 0; i < 7; ++i) a[i] = std::atoi(argv[i + 1]);
-    const int B = a[0], H = a[1], HK = a[2], L = a[3], C = a[4], D = a[5], THREADS_ = a[6];
-    auto q = load<E>("q.bin", (size_t)B * H * D);
-    auto k = load<E>("k.bin", (size_t)B * HK * C * D);
-    auto v = load<E>("v.bin", (size_t)B * HK * C * D);
-    auto m = load<unsigned char>("mask.bin", (size_t)B * L);
-    const bool* mb = reinterpret_cast<const bool*>(m.data());
-    std::vector<E> out((size_t)B * H * D);
-    Shape qs{B, H, 1, D}, ks{B, HK, L, D}, ms{B, 1, 1, L};
-    Strides qt{(int64_t)H * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, mt{L, L, L, 1};
-    run_blocks(B * H, THREADS_, [&] {
-        kernel(q.data(), qs, qt, k.data(), ks, kt, v.data(), ks, kt, mb, ms, mt, out.data());
-    });
-    save("out.bin", out);
-}
-"""
-
-
 def _made(factory, *args) -> list[dict]:
     """What ``factory(*args)`` handed ``mx.fast.cuda_kernel`` (its source, names), made
     afresh through a stand-in (no CUDA here) and forgotten after."""
@@ -189,40 +161,36 @@ def _made(factory, *args) -> list[dict]:
     return made
 
 
-def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int):
+def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int) -> tuple[str, str]:
+    """A kernel's source (``factory``: the routed or the cached one) as the host function
+    ``kernel``, whole or split, and the C++ lines that run it over ``args``: whole, a
+    block a (stream, head) writing ``out``; split, ``S`` blocks a head writing float32
+    shares, then the combine kernel's source (``combine``) over them."""
+    d = q.shape[-1]
+    dtype = str(q.dtype).removeprefix("mlx.core.")
+    made = _made(factory, q.dtype, d, scale, splits > 1)
+    source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
+    if splits == 1:
+        return source, f"run_blocks(B * H, THREADS_, [&] {{ kernel({args}, out.data()); }});"
+    combine = _made(attention_cuda._combine_kernel, q.dtype, d)
+    source += emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1)
+    return source, (
+        "std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);\n"
+        "    Shape ps{B * H * S};\n"
+        f"    run_blocks(B * H * S, THREADS_, [&] {{ kernel({args}, pacc.data(), pm.data(), pl.data()); }});\n"
+        "    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), ps, pl.data(), out.data()); });")
+
+
+def _run_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int, splits: int = 1):
     """The kernel's source for ``q``'s dtype and head size, compiled with the emulation
     above and run over ``k`` and ``v`` held as the first positions of cache arrays of
     ``capacity`` positions (read through their strides, as the cache's views are; the
-    positions past them hold 1e4, which would show in any output that read them)."""
-    made = _made(attention_cuda._kernel, q.dtype, q.shape[-1], scale)
-    element = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}[q.dtype]
-    source = _EMULATION.replace("ELEMENT", element).replace("BODY", made[0]["source"])
-    beyond = [(0, 0), (0, 0), (0, capacity - k.shape[2]), (0, 0)]
-    k_full, v_full = (mx.pad(a, beyond, constant_values=1e4) for a in (k, v))
-    bits = mx.uint16
-    for name, a in (("q", q), ("k", k_full), ("v", v_full)):
-        (tmp / f"{name}.bin").write_bytes(np.array(a.view(bits)).tobytes())
-    (tmp / "mask.bin").write_bytes(np.array(mask.reshape(-1)).astype(np.bool_).tobytes())
-    b, heads, _, d = q.shape
-    compile_and_run(tmp, source, [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS])
-    raw = np.frombuffer((tmp / "out.bin").read_bytes(), dtype=np.uint16).reshape(q.shape)
-    return mx.array(raw).view(q.dtype)
-
-
-def _combine(dtype, d: int) -> str:
-    """The combine kernel's source as a host function ``combine`` (its shares in float32)."""
-    made = _made(attention_cuda._combine_kernel, dtype, d)
-    element = str(dtype).removeprefix("mlx.core.")
-    return emulation.function(made[0], ["float32"] * 3, element).replace("void kernel(", "void combine(", 1)
-
-
-def _run_split_kernel_source(tmp: Path, q, k, v, mask, scale: float, capacity: int, splits: int):
-    """As :func:`_run_kernel_source`, the split form: each head's keys over ``splits``
-    blocks, then the combine kernel's source over the shares they wrote."""
-    d = q.shape[-1]
+    positions past them hold 1e4, which would show in any output that read them); with
+    ``splits``, the split form (each head's keys over that many blocks), then the
+    combine kernel's source over the shares it wrote."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    made = _made(attention_cuda._kernel, q.dtype, d, scale, True)
-    source = PRELUDE + emulation.function(made[0], [dtype] * 3 + ["bool"], ["float32"] * 3) + _combine(q.dtype, d)
+    source, run = _emulated(attention_cuda._kernel, q, scale, [dtype] * 3 + ["bool"],
+                            "q.data(), qs, qt, k.data(), ks, kt, v.data(), kt, mb, mt", splits)
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
@@ -234,13 +202,9 @@ int main(int argc, char** argv) {
     auto m = load<unsigned char>("mask.bin", (size_t)B * L);
     const bool* mb = reinterpret_cast<const bool*>(m.data());
     std::vector<E> out((size_t)B * H * D);
-    std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);
-    Shape qs{B, H, 1, D}, ks{B, HK, L, D}, ps{B * H * S};
+    Shape qs{B, H, 1, D}, ks{B, HK, L, D};
     Strides qt{(int64_t)H * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, mt{L, L, L, 1};
-    run_blocks(B * H * S, THREADS_, [&] {
-        kernel(q.data(), qs, qt, k.data(), ks, kt, v.data(), kt, mb, mt, pacc.data(), pm.data(), pl.data());
-    });
-    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), ps, pl.data(), out.data()); });
+    SPLIT_RUN
     save("out.bin", out);
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
@@ -250,7 +214,8 @@ int main(int argc, char** argv) {
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
     (tmp / "mask.bin").write_bytes(np.array(mask.reshape(-1)).astype(np.bool_).tobytes())
     b, heads, _, d = q.shape
-    compile_and_run(tmp, source + main, [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS, splits])
+    compile_and_run(tmp, PRELUDE + source + main.replace("SPLIT_RUN", run),
+                    [b, heads, k.shape[1], k.shape[2], capacity, d, attention_cuda.THREADS, splits])
     raw = np.frombuffer((tmp / "out.bin").read_bytes(), dtype=np.uint16).reshape(q.shape)
     return mx.array(raw).view(q.dtype)
 
@@ -264,7 +229,7 @@ def test_the_split_kernel_source_matches_mlx(tmp_path: Path, dtype, d: int, keys
     attention over the same views, streams padded past whole tiles."""
     q, k, v, mask = _inputs(3, 4, 2, keys, d, padding, dtype)
     scale = d ** -0.5
-    got = _run_split_kernel_source(tmp_path, q, k, v, mask, scale, keys + 45, splits).astype(mx.float32)
+    got = _run_kernel_source(tmp_path, q, k, v, mask, scale, keys + 45, splits).astype(mx.float32)
     want = mx.fast.scaled_dot_product_attention(*(a.astype(mx.float32) for a in (q, k, v)), scale=scale, mask=mask)
     assert mx.allclose(got, want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
 
@@ -319,13 +284,10 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     """The cached kernel's own source run here (emulated); with ``splits``, the split
     form (each head's keys over that many blocks) and then the combine kernel's source
     over the shares it wrote."""
-    d = q.shape[-1]
-    made = _made(attention_cuda._cached_kernel, q.dtype, d, scale, splits > 1)
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    outputs = dtype if splits == 1 else ["float32"] * 3
-    kernel = emulation.function(made[0], [dtype] * 5 + ["int32", "int32"], outputs)
-    if splits > 1:
-        kernel += _combine(q.dtype, d)
+    kernel, run = _emulated(attention_cuda._cached_kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
+                            "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
+                            "pad.data(), pt, at.data()", splits)
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
@@ -345,14 +307,6 @@ int main(int argc, char** argv) {
     save("out.bin", out); save("k.bin", k); save("v.bin", v);
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
-    args = "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, pad.data(), pt, at.data()"
-    if splits == 1:
-        run = f"run_blocks(B * H, THREADS_, [&] {{ kernel({args}, out.data()); }});"
-    else:
-        run = (f"std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);\n"
-               f"    run_blocks(B * H * S, THREADS_, [&] {{ kernel({args}, pacc.data(), pm.data(), pl.data()); }});\n"
-               "    Shape ps{B * H * S};\n"
-               "    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), ps, pl.data(), out.data()); });")
     main = main.replace("SPLIT_RUN", run)
     for name, a in (("q", q), ("kn", k_new), ("vn", v_new), ("k", k), ("v", v)):
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
