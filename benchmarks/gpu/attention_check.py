@@ -7,7 +7,7 @@ MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention sha
     python benchmarks/gpu/attention_check.py --whole    # the whole step compiled, only
 
 ``--cached``: the variant that writes a step's keys and values into the cache in place
-(``attention_cuda.attend_cached``) against the cache's own writes and MLX's attention:
+(``cached_attention_cuda.attend_cached``) against the cache's own writes and MLX's attention:
 its largest difference, whether the cache arrays after it are the old ones with the one
 position replaced, bit for bit, and nothing else; and its us per call beside MLX's
 one-query attention, up to a 32k-position cache at one stream (each head's keys split
@@ -32,7 +32,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.gemv_check import per_product
-from gmlx.engine.kernels import attention_cuda, cuda_source
+from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
 
 
 def inputs(batch: int, keys: int, heads: int, kv_heads: int, d: int, dtype, capacity: int):
@@ -82,14 +82,14 @@ def check_cached() -> bool:
         want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
                                                     scale=scale, mask=mask)
         mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
-        got = attention_cuda.attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale)
+        got = cached_attention_cuda.attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale)
         mx.eval(got)
         err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
         written = mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()
         good &= written and err < 0.05
         position = mx.array([at], dtype=mx.int32)
         t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
-                          attention_cuda.attend_cached(*a, s), 100)  # writes the same position again
+                          cached_attention_cuda.attend_cached(*a, s), 100)  # writes the same position again
         kv = (k_want[..., :at + 1, :], v_want[..., :at + 1, :])
         t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), 100)
         t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:

@@ -133,7 +133,7 @@ GMLX_VARIANTS = {
     # add-norm kernels, inside the compiled blocks now that they are the default)
     "gmlx-allkernels": {"GMLX_COMPILE_BLOCKS": "1", "GMLX_ROPE_KERNEL": "1"},
     # a one-token step's keys and values written into the batch cache in place by its
-    # attention kernel (attention_cuda.attend_cached: five operations fewer a layer) without
+    # attention kernel (cached_attention_cuda.attend_cached: five operations fewer a layer) without
     # the whole step, and that with the whole one-token step one compiled call
     # (gmlx.engine.kernels.whole_step): both on by default since 12-05, so "gmlx-whole" is
     # "gmlx" and "gmlx-nowhole" the same as "gmlx-cached"

@@ -8,7 +8,7 @@ operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``q
 ``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
 ``step-compiled`` run the one-token blocks in two compiled pieces each (``cached``: that with
 each step's keys and values written in place by the attention kernel,
-``attention_cuda.attend_cached``; ``whole``: that with the whole one-token step one
+``cached_attention_cuda.attend_cached``; ``whole``: that with the whole one-token step one
 compiled call, ``whole_step``)
 (``gmlx.engine.kernels.compiled_blocks``, anywhere; mlx-lm's generator, on the same model,
 takes them too), ``model-layers`` gives mlx-lm's own back, each for the modes after. The

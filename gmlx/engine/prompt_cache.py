@@ -85,7 +85,7 @@ class _AlignedBatchKVCache(BatchKVCache):
     def write_and_attend(self, attend: Callable[[Any, Any, Any, Any], Any]) -> Any:
         """A one-token step whose keys and values ``attend(keys, values, left_padding,
         position)`` writes into this cache's arrays in place at ``position`` (an ``int32``
-        array of one) as it attends (``attention_cuda.attend_cached``); the cache then
+        array of one) as it attends (``cached_attention_cuda.attend_cached``); the cache then
         counts the position as ``update_and_fetch`` would have. The arrays stay this
         cache's own: a view another array takes of them (a finished stream's extract)
         ends before the write position, which only grows between trims."""

@@ -30,6 +30,7 @@ def prepare_layers(model: Any) -> list[str]:
     from gmlx.engine.kernels import (
         add_norm_cuda,
         attention_cuda,
+        cached_attention_cuda,
         compiled_blocks,
         glu_cuda,
         one_token,
@@ -41,7 +42,7 @@ def prepare_layers(model: Any) -> list[str]:
 
     if changed := one_token.attach(model):
         log.info("one-token steps of %d attention layer(s) in fewer operations", changed)
-        if attention_cuda.cached_enabled() and (shapes := attention_cuda.compile_cached(model)):
+        if cached_attention_cuda.cached_enabled() and (shapes := cached_attention_cuda.compile_cached(model)):
             log.info("cuda: the in-place attention compiled for %d shape(s), whole and split", shapes)
     if (stacked := fuse_projections(model)) is not None:
         log.info("%s", stacked)

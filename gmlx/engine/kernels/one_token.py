@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
-from gmlx.engine.kernels import attention_cuda, rope_cuda, swaps
+from gmlx.engine.kernels import cached_attention_cuda, rope_cuda, swaps
 from gmlx.engine.kernels.step_tuning import MAX_ROWS as MAX_PROJECTED
 from gmlx.engine.kernels.step_tuning import bucket
 from gmlx.engine.mlxlm import kv_used
@@ -56,7 +56,7 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: b
     if rotation is None and rope_cuda.enabled():
         rotation = rope_cuda.rotation
     if in_place is None:
-        in_place = attention_cuda.cached_enabled()
+        in_place = cached_attention_cuda.cached_enabled()
     classes = _classes()
     changed = 0
     for _, module in model.named_modules():
@@ -65,7 +65,7 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: b
             module.__class__ = _one_token(cls)
             object.__setattr__(module, "_rotate", None if rotation is None else rotation(module))
             object.__setattr__(module, "_project", None)  # qkv_cuda's, where it gives one
-            object.__setattr__(module, "_in_place", in_place)  # attention_cuda.attend_cached
+            object.__setattr__(module, "_in_place", in_place)  # cached_attention_cuda.attend_cached
             changed += 1
     return changed
 
@@ -119,10 +119,10 @@ def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cach
     cache is a batch's that takes it (``write_and_attend``)."""
     if (attention._in_place and (write := getattr(cache, "write_and_attend", None)) is not None
             and cache.keys is not None
-            and attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask,
-                                               0 if mask is None else kv_used(cache) + 1)):
+            and cached_attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask,
+                                                      0 if mask is None else kv_used(cache) + 1)):
         scale = attention.scale
-        return write(lambda k, v, padding, position: attention_cuda.attend_cached(
+        return write(lambda k, v, padding, position: cached_attention_cuda.attend_cached(
             queries, keys, values, k, v, padding, position, scale))
     keys, values = cache.update_and_fetch(keys, values)
     # through the module, so a routed attention (attention_cuda) is the one called

@@ -2,7 +2,7 @@
 
 A one-stream step of an 8B on the H200 is bound by the host: with the blocks compiled
 in pieces (:mod:`compiled_blocks`) and the step's keys written in place by the attention
-(:func:`attention_cuda.attend_cached`), Python still builds ~100 calls a step (two
+(:func:`cached_attention_cuda.attend_cached`), Python still builds ~100 calls a step (two
 compiled pieces, an attention and the cache's bookkeeping for each of 32 blocks) in
 1.4-2.0 ms, and MLX takes ~600 operations from them in 2.8-4.1 ms more, while the GPU
 needs ~3 ms for the step. Here the model's whole one-token step is traced once, through
@@ -47,7 +47,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import attention_cuda, swaps
+from gmlx.engine.kernels import cached_attention_cuda, swaps
 from gmlx.engine.kernels.traces import WHOLE_MARKER as MARKER
 from gmlx.engine.kernels.traces import WHOLE_TRACED as TRACED
 from gmlx.engine.kernels.traces import whole as attached
@@ -64,12 +64,12 @@ class NotWhole(Exception):
 
 def enabled() -> bool:
     """Unless ``GMLX_WHOLE_STEP=0``, where one-token attention writes the cache in place
-    (:func:`attention_cuda.cached_enabled`) and no forward is handed over in chunks
+    (:func:`cached_attention_cuda.cached_enabled`) and no forward is handed over in chunks
     (``GMLX_HANDOVER_LAYERS``: it evaluates each chunk's output as the step is built,
     which a traced step cannot)."""
     from gmlx.engine import handover
 
-    return (os.environ.get(ENV, "1") != "0" and attention_cuda.cached_enabled()
+    return (os.environ.get(ENV, "1") != "0" and cached_attention_cuda.cached_enabled()
             and not handover.layers_per_chunk())
 
 

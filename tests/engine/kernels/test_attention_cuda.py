@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from gmlx.engine import mlxlm
-from gmlx.engine.kernels import attention_cuda, cuda_source
+from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
 from tests.engine.kernels import emulation
 from tests.engine.kernels.emulation import PRELUDE, compile_and_run
 
@@ -285,7 +285,7 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     form (each head's keys over that many blocks) and then the combine kernel's source
     over the shares it wrote."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    kernel, run = _emulated(attention_cuda._cached_kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
+    kernel, run = _emulated(cached_attention_cuda._kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
                             "pad.data(), pt, at.data()", splits)
     main = r"""
@@ -384,11 +384,11 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
                             num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
     model.set_dtype(mx.float16)
     calls: list[tuple] = []
-    monkeypatch.setattr(attention_cuda, "attend_cached", lambda q, kn, vn, k, v, pad, at, scale: calls.append(
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", lambda q, kn, vn, k, v, pad, at, scale: calls.append(
         (q.shape, k.shape, q.dtype, scale, attention_cuda.splits(q.shape[0] * q.shape[1], k.shape[2]))) or q)
-    assert attention_cuda.compile_cached(model) == 0  # nothing writes in place
+    assert cached_attention_cuda.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
-    assert attention_cuda.compile_cached(model) == 1  # two layers, one shape
+    assert cached_attention_cuda.compile_cached(model) == 1  # two layers, one shape
     assert [(k[2], n) for _, k, *_, n in calls] == [(512, 1), (1024, 2)]  # whole, then split
     assert all(q == (1, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
     one_token.detach(model)
@@ -409,7 +409,7 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
         return launch
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    factories = (attention_cuda._kernel, attention_cuda._cached_kernel, attention_cuda._combine_kernel)
+    factories = (attention_cuda._kernel, cached_attention_cuda._kernel, attention_cuda._combine_kernel)
     for factory in factories:
         factory.cache_clear()  # made afresh through the stand-in, forgotten after
     try:
@@ -418,7 +418,7 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
             k = mx.zeros((1, 1, keys, 64), mx.float16)
             mask = mx.ones((1, 1, 1, keys), mx.bool_)
             assert attention_cuda.attend(q, k, k, 0.125, mask).shape == (1, 2, 1, 64)
-            assert attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
+            assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
                                                 mx.array([7], mx.int32), 0.125).shape == (1, 1, 128)
     finally:
         for factory in factories:
@@ -438,19 +438,19 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_which_steps_take_the_cached_kernel() -> None:
     q, k_new, v_new, k, v, _ = _cached_state(2, 8, 2, 64, 10, 128, [0, 3], mx.bfloat16)
     mask = mx.ones((2, 1, 1, 11), dtype=mx.bool_)
-    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, None, 11)
-    assert attention_cuda.supports_cached(q, k_new, v_new, k, v, mask, 11)  # the batch's padding
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask[..., 3:], 11)  # a window: 8 of 11 keys
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask, 12)
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, "causal", 11)
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k, v, mask.astype(mx.float16), 11)  # additive
-    assert not attention_cuda.supports_cached(q, k_new, v_new, k.astype(mx.float16), v.astype(mx.float16), None, 11)
-    assert not attention_cuda.supports_cached(q[..., :96], k_new[..., :96], v_new[..., :96], k[..., :96],
+    assert cached_attention_cuda.supports_cached(q, k_new, v_new, k, v, None, 11)
+    assert cached_attention_cuda.supports_cached(q, k_new, v_new, k, v, mask, 11)  # the batch's padding
+    assert not cached_attention_cuda.supports_cached(q, k_new, v_new, k, v, mask[..., 3:], 11)  # a window: 8 of 11 keys
+    assert not cached_attention_cuda.supports_cached(q, k_new, v_new, k, v, mask, 12)
+    assert not cached_attention_cuda.supports_cached(q, k_new, v_new, k, v, "causal", 11)
+    assert not cached_attention_cuda.supports_cached(q, k_new, v_new, k, v, mask.astype(mx.float16), 11)  # additive
+    assert not cached_attention_cuda.supports_cached(q, k_new, v_new, k.astype(mx.float16), v.astype(mx.float16), None, 11)
+    assert not cached_attention_cuda.supports_cached(q[..., :96], k_new[..., :96], v_new[..., :96], k[..., :96],
                                               v[..., :96], None, 11)  # head size 96
     two = mx.concatenate([k_new, k_new], axis=2)
-    assert not attention_cuda.supports_cached(q, two, two, k, v, None, 11)  # two positions a step
-    assert not attention_cuda.supports_cached(q[:, :5], k_new, v_new, k, v, None, 11)  # 5 heads over 2
-    assert not attention_cuda.supports_cached(q.astype(mx.float32), *(a.astype(mx.float32) for a in
+    assert not cached_attention_cuda.supports_cached(q, two, two, k, v, None, 11)  # two positions a step
+    assert not cached_attention_cuda.supports_cached(q[:, :5], k_new, v_new, k, v, None, 11)  # 5 heads over 2
+    assert not cached_attention_cuda.supports_cached(q.astype(mx.float32), *(a.astype(mx.float32) for a in
                                                                       (k_new, v_new, k, v)), None, 11)
 
 
@@ -508,7 +508,7 @@ def test_a_padded_batch_decodes_through_the_cached_kernel_as_through_the_cache(
 
     want, cache_want = decode(False)
     calls: list[int] = []
-    monkeypatch.setattr(attention_cuda, "attend_cached", _cached_replaying(calls))
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", _cached_replaying(calls))
     got, cache_got = decode(True)
     assert calls == [at for at in range(7, 13) for _ in model.layers]
     for g, w in zip(got, want, strict=True):

@@ -21,6 +21,7 @@ import pytest
 from gmlx.engine.kernels import (
     add_norm_cuda,
     attention_cuda,
+    cached_attention_cuda,
     qgemv_cuda,
     qmmw_cuda,
     rope_cuda,
@@ -55,9 +56,8 @@ def _wrapped(made: dict, input_types: list, output_types: list | None = None) ->
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
+    for module in (qgemv_cuda, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
-    attention_cuda._cached_kernel.cache_clear()
     attention_cuda._combine_kernel.cache_clear()
     return made
 
@@ -95,9 +95,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
                 attention_cuda._kernel(dtype, d, d ** -0.5, True)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_], [mx.float32] * 3))
-                attention_cuda._cached_kernel(dtype, d, d ** -0.5)
+                cached_attention_cuda._kernel(dtype, d, d ** -0.5)
                 kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
-                attention_cuda._cached_kernel(dtype, d, d ** -0.5, True)  # split: float shares out
+                cached_attention_cuda._kernel(dtype, d, d ** -0.5, True)  # split: float shares out
                 kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
                 attention_cuda._combine_kernel(dtype, d)
                 kernels.append((made[-1], [mx.float32] * 3, [dtype]))
@@ -108,9 +108,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 rope_cuda._kernel(dtype, 32, 8, 128, traditional, eps)
                 kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32, *([dtype] * 2 if eps else [])]))
     finally:
-        for module in (qgemv_cuda, qmmw_cuda, attention_cuda, add_norm_cuda, rope_cuda):
+        for module in (qgemv_cuda, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
-        attention_cuda._cached_kernel.cache_clear()
         attention_cuda._combine_kernel.cache_clear()
     names = [kernel[0]["name"] for kernel in kernels]
     assert len(set(names)) == len(names)  # one name per distinct source

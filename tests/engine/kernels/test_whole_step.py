@@ -161,7 +161,7 @@ def test_the_in_place_form_is_traced_through_the_attention_that_writes_the_cache
     cache counts the position. Float16 with 64-wide heads, as the kernel takes them."""
     from mlx_lm.models.llama import Model, ModelArgs
 
-    from gmlx.engine.kernels import attention_cuda
+    from gmlx.engine.kernels import cached_attention_cuda
 
     mx.random.seed(7)
     model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=256,
@@ -171,7 +171,7 @@ def test_the_in_place_form_is_traced_through_the_attention_that_writes_the_cache
     cache = _padded()
     model(PADDED, cache=cache)
     calls: list[int] = []
-    monkeypatch.setattr(attention_cuda, "attend_cached", _attend_functional(calls))
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", _attend_functional(calls))
     want = model(mx.array([[1], [2], [3]]), cache=[replace_cache(c) for c in cache])  # the model's own step
     assert len(calls) == LAYERS
     calls.clear()
@@ -254,16 +254,16 @@ def test_attach_and_detach() -> None:
 
 
 def test_on_by_default_only_with_the_in_place_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gmlx.engine.kernels import attention_cuda
+    from gmlx.engine.kernels import cached_attention_cuda
 
     monkeypatch.delenv(whole_step.ENV, raising=False)
     monkeypatch.delenv("GMLX_CACHE_ATTENTION", raising=False)
     monkeypatch.delenv("GMLX_HANDOVER_LAYERS", raising=False)
-    assert not attention_cuda.cached_enabled() and not whole_step.enabled()  # no CUDA here
-    monkeypatch.setattr(attention_cuda.cuda_source, "available", lambda: True)
-    assert attention_cuda.cached_enabled() and whole_step.enabled()  # CUDA: on by default
+    assert not cached_attention_cuda.cached_enabled() and not whole_step.enabled()  # no CUDA here
+    monkeypatch.setattr(cached_attention_cuda.cuda_source, "available", lambda: True)
+    assert cached_attention_cuda.cached_enabled() and whole_step.enabled()  # CUDA: on by default
     monkeypatch.setenv("GMLX_CACHE_ATTENTION", "0")
-    assert not attention_cuda.cached_enabled() and not whole_step.enabled()
+    assert not cached_attention_cuda.cached_enabled() and not whole_step.enabled()
     monkeypatch.setenv("GMLX_CACHE_ATTENTION", "1")
     assert whole_step.enabled()
     monkeypatch.setenv("GMLX_HANDOVER_LAYERS", "8")  # evaluates a forward's chunks as it is built
