@@ -95,7 +95,7 @@ def check_cached() -> bool:
         t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:
                           mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), 100)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
-              f"| {attention_cuda.splits(batch * heads, capacity)} | {err:.4f} | {written} "
+              f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} | {written} "
               f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
     return good
 

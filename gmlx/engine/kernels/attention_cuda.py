@@ -248,21 +248,23 @@ def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
     D)``, k and v ``(B, Hkv, keys, D)``, mask ``(B, 1, 1, keys)`` (True: attend) ->
     ``(B, H, 1, D)``. Over many keys, each head's are split over several blocks
     (:func:`splits`) and a second launch combines them."""
+    b, heads = q.shape[:2]
     return in_blocks(lambda split: _kernel(q.dtype, q.shape[-1], float(scale), split), [q, k, v, mask], q,
-                      k.shape[2], q.shape)
+                     splits(b * heads, k.shape[2]), b * heads, q.shape)
 
 
-def in_blocks(kernel: Callable[[bool], Any], inputs: list[Any], q: Any, length: int,
-               out_shape: tuple[int, ...]) -> Any:
-    """One of the two kernels' launches over ``length`` keys a head: ``kernel(False)``
-    alone, a block a (stream, query head), writing ``out_shape``; or, where
-    :func:`splits` says so, ``kernel(True)``'s blocks each writing a share, then
-    :func:`_combine_kernel` over them."""
+def in_blocks(kernel: Callable[[bool], Any], inputs: list[Any], q: Any, n: int, blocks: int,
+              out_shape: tuple[int, ...]) -> Any:
+    """A one-query attention kernel's launch, ``blocks`` blocks of ``THREADS`` (a block a
+    (stream, query head) for the routed kernel, a (stream, key-value head) for the
+    cached one), each over its whole share of the keys: ``kernel(False)`` alone, writing
+    ``out_shape``; or, with ``n`` splits, ``kernel(True)``'s ``n`` times as many blocks
+    each writing a share a (stream, query head, split), then :func:`_combine_kernel`
+    over them."""
     import mlx.core as mx
 
     b, heads, _, d = q.shape
-    n = splits(b * heads, length)
-    grid, threadgroup = (b * heads * n * THREADS, 1, 1), (THREADS, 1, 1)
+    grid, threadgroup = (blocks * n * THREADS, 1, 1), (THREADS, 1, 1)
     if n == 1:
         (out,) = kernel(False)(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=[out_shape],
                                output_dtypes=[q.dtype])

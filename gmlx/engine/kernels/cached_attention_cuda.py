@@ -5,24 +5,28 @@ attention, each an operation the host hands to MLX (on a GPU one stream's step i
 by that host time; the whole-step trace this makes possible, :mod:`whole_step`, is the
 served default on CUDA since 2026-12-05).
 
-The same tiles and softmax as :mod:`attention_cuda`'s routed kernel (its ``TILE`` and
-``ADD_VALUES`` snippets, its whole-or-split launch): each stream's keys from its padding
-to the write position, the step's new key and value read from their own arrays at that
-position and written into the cache there (by one block of each key-value head's group:
-no block reads that position from the cache, so none waits for the write). Its values go
-by a key a warp, each lane a few dimensions in one wide load (its first form, the groups
-of D threads, each thread a long chain of dependent loads, took 1.5 ms more of an 8B's
-one-stream step on the H200 than MLX's one-query kernel). The new key and value are
-staged in shared memory by the block's first D threads, one coalesced load each: the
-second form had the one thread whose key is the new one read all D of it from global
-memory in a loop while the block waited for its score (19.5 us a call on an H100 at ~130
-keys, where MLX's one-query kernel took 7 us at 300). Over a long cache each head's keys
-are split over several blocks and combined (:func:`attention_cuda.splits`).
+A block a (stream, key-value head, split): its warps take the split's keys in turn, a
+key a warp, each lane a few dimensions of the key and of its values in one wide load
+each, and every lane holds its dimensions of the query of each head of the group, so the
+keys and values are read once for the group (grouped-query models: an 8B's 32 query heads
+share 8 key-value heads). Each warp keeps its own running maximum, total and values per
+head, without a barrier; the warps' shares meet in shared memory at the end. The keys so
+far are shared evenly between a head's splits (:func:`splits`, toward two blocks an SM),
+whose shares the combine kernel of :mod:`attention_cuda` sums. The step's own key and
+value are read from their arrays, and one block of each key-value head writes them into
+the cache (no block reads that position from the cache, so none waits for the write).
+
+Why this form: the one before it (the routed kernel's: a block a query head, a thread a
+key's score, then the block's maximum and total at every tile of 256 keys) took 16-19 us
+a call at 37-300 keys on an H200 (ncu: 32 blocks, 1.5% of the SMs' throughput, warps
+waiting on their loads; MLX's one-query kernel 7 us) and 53 us at 8,000 keys (MLX 35),
+reading each key-value head's keys once for each of its query heads: a conversation of
+7,800 tokens decoded at 0.83x llama-server where a short one ran at 1.05-1.10x.
 
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). The tests run its source
-on the CPU, each block as host threads, against MLX's attention, and compile it for
-sm_90 with nvcc as MLX wraps it.
+on the CPU (each block as host threads, shuffles and barriers emulated) against MLX's
+attention, and compile it for sm_90 with nvcc as MLX wraps it.
 """
 
 from __future__ import annotations
@@ -34,101 +38,149 @@ from typing import Any
 from gmlx.engine.kernels import attention_cuda, cuda_source
 from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
+# The kernel: a block a (stream, key-value head, split), its WARPS warps taking the
+# split's keys in turn, a key a warp, each lane VEC dimensions of it (one wide load of the
+# key, one of the values). The warp's lanes hold the query of every head of the group, so
+# each key and value is read once for all of them; a key's score per head is the lanes'
+# dot products summed by shuffles, and each warp keeps its own running maximum, total and
+# values per head (no barrier until the end). UNROLL keys' loads go out before their use.
+# Then the warps' shares meet in shared memory, a thread an output (head, dimension).
 _SOURCE = """
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = D / 32;
-__shared__ float qs[D];
-__shared__ float kns[D];
-__shared__ float vns[D];
-__shared__ float ps[THREADS];
-__shared__ float red[WARPS];
-__shared__ float part[WARPS][D];
+constexpr int UNROLL = 4;
+__shared__ float wm[WARPS][GROUP];
+__shared__ float wl[WARPS][GROUP];
+__shared__ float wacc[WARPS][GROUP][D];
 const int t = threadIdx.x;
 const int lane = t & 31;
 const int warp = t >> 5;
 const int heads = q_shape[1];
-const int group = heads / k_shape[1];
-const int splits = gridDim.x / (q_shape[0] * heads);
+const int kv_heads = k_shape[1];
+const int splits = gridDim.x / (q_shape[0] * kv_heads);
 const int split = blockIdx.x % splits;
-const int b = blockIdx.x / splits / heads;
-const int h = blockIdx.x / splits % heads;
-const int kvh = h / group;
+const int kvh = blockIdx.x / splits % kv_heads;
+const int b = blockIdx.x / splits / kv_heads;
 const int at = position[0];
-const int keys = at + 1;
 const int first = padding[b * padding_strides[0]];
+const int span = max(0, (at + 1 - first + splits - 1) / splits);
+const int start = first + split * span;
+const int end = min(at + 1, start + span);
 T* kb = const_cast<T*>(k) + b * k_strides[0] + kvh * k_strides[1];
 T* vb = const_cast<T*>(v) + b * v_strides[0] + kvh * v_strides[1];
 const T* kn = k_new + b * k_new_strides[0] + kvh * k_new_strides[1];
 const T* vn = v_new + b * v_new_strides[0] + kvh * v_new_strides[1];
-if (t < D) {
-    qs[t] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[3]]) * QSCALE;
-    kns[t] = static_cast<float>(kn[t * k_new_strides[3]]);
-    vns[t] = static_cast<float>(vn[t * v_new_strides[3]]);
-}
-__syncthreads();
-const bool dense = k_strides[3] == 1 && k_strides[2] % 8 == 0;
+const bool kdense = k_strides[3] == 1 && k_strides[2] % 8 == 0;
 const bool vdense = v_strides[3] == 1 && v_strides[2] % 8 == 0;
-float m = FLOOR;
-float total = 0.0f;
-float acc[VEC];
-#pragma unroll
-for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-for (int j0 = (first / THREADS + split) * THREADS; j0 < keys; j0 += THREADS * splits) {
-    const int j = j0 + t;
-    const bool live = j >= first && j < keys;
-    float s = FLOOR;
-    if (live) {
-        float dot = 0.0f;
-        if (j == at) {
-            #pragma unroll
-            for (int e = 0; e < D; ++e) dot += qs[e] * kns[e];
-        } else if (dense) {
-            const T* kr = kb + (int64_t)j * k_strides[2];
-            #pragma unroll
-            for (int e = 0; e < D; e += 8) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(kr + e);
-                const T* kv = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) dot += qs[e + i] * static_cast<float>(kv[i]);
-            }
+// this lane's VEC dimensions of a row (dense: one load of 4, 8 or 16 bytes), as floats
+auto row = [&](float* dst, const T* r, int64_t step, bool dense) {
+    if (dense) {
+        if constexpr (VEC == 2) {
+            const uint32_t raw = *reinterpret_cast<const uint32_t*>(r + lane * VEC);
+            const T* x = reinterpret_cast<const T*>(&raw);
+            for (int e = 0; e < VEC; ++e) dst[e] = static_cast<float>(x[e]);
+        } else if constexpr (VEC == 4) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(r + lane * VEC);
+            const T* x = reinterpret_cast<const T*>(&raw);
+            for (int e = 0; e < VEC; ++e) dst[e] = static_cast<float>(x[e]);
         } else {
-            const T* kr = kb + (int64_t)j * k_strides[2];
-            for (int e = 0; e < D; ++e) dot += qs[e] * static_cast<float>(kr[e * k_strides[3]]);
+            const uint4 raw = *reinterpret_cast<const uint4*>(r + lane * VEC);
+            const T* x = reinterpret_cast<const T*>(&raw);
+            for (int e = 0; e < VEC; ++e) dst[e] = static_cast<float>(x[e]);
         }
-        s = dot;
+    } else {
+        for (int e = 0; e < VEC; ++e) dst[e] = static_cast<float>(r[(lane * VEC + e) * step]);
     }
-""" + attention_cuda.TILE + """    #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] *= corr;
-    const int n = min(THREADS, keys - j0);
-    #pragma unroll 4
-    for (int i = warp; i < n; i += WARPS) {
-        const float pi = ps[i];
-        const int jj = j0 + i;
-        if (pi != 0.0f && jj == at) {
+};
+float qv[GROUP][VEC];
+float m[GROUP], l[GROUP], acc[GROUP][VEC];
+#pragma unroll
+for (int g = 0; g < GROUP; ++g) {
+    const T* qr = q + b * q_strides[0] + (kvh * GROUP + g) * q_strides[1];
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        qv[g][e] = static_cast<float>(qr[(lane * VEC + e) * q_strides[3]]) * QSCALE;
+        acc[g][e] = 0.0f;
+    }
+    m[g] = FLOOR;
+    l[g] = 0.0f;
+}
+for (int j0 = start + warp; j0 < end; j0 += WARPS * UNROLL) {
+    float kf[UNROLL][VEC], vf[UNROLL][VEC];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int j = j0 + u * WARPS;
+        if (j == at) {  // the step's own key and value, from their arrays
+            row(kf[u], kn, k_new_strides[3], false);
+            row(vf[u], vn, v_new_strides[3], false);
+        } else if (j < end) {
+            row(kf[u], kb + (int64_t)j * k_strides[2], k_strides[3], kdense);
+            row(vf[u], vb + (int64_t)j * v_strides[2], v_strides[3], vdense);
+        }
+    }
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        if (j0 + u * WARPS >= end) break;
+        #pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float s = 0.0f;
             #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] += pi * vns[lane * VEC + e];
-        } else if (pi != 0.0f) {
-""" + attention_cuda.ADD_VALUES + """        }
+            for (int e = 0; e < VEC; ++e) s += qv[g][e] * kf[u][e];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            const float mn = fmaxf(m[g], s);
+            const float corr = exp2f(m[g] - mn);
+            const float p = exp2f(s - mn);
+            l[g] = l[g] * corr + p;
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][e] = acc[g][e] * corr + p * vf[u][e];
+            m[g] = mn;
+        }
     }
-    m = mn;
-    __syncthreads();
 }
 #pragma unroll
-for (int e = 0; e < VEC; ++e) part[warp][lane * VEC + e] = acc[e];
+for (int g = 0; g < GROUP; ++g) {
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) wacc[warp][g][lane * VEC + e] = acc[g][e];
+    if (lane == 0) { wm[warp][g] = m[g]; wl[warp][g] = l[g]; }
+}
 __syncthreads();
-if (t < D) {
+for (int i = t; i < GROUP * D; i += THREADS) {
+    const int g = i / D;
+    const int d = i % D;
+    float top = FLOOR;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w][g]);
+    float total = 0.0f;
     float r = 0.0f;
     #pragma unroll
-    for (int i = 0; i < WARPS; ++i) r += part[i][t];
-    FINISH(r);
-    if (h % group == 0 && split == 0) {
-        kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = kn[t * k_new_strides[3]];
-        vb[(int64_t)at * v_strides[2] + t * v_strides[3]] = vn[t * v_new_strides[3]];
+    for (int w = 0; w < WARPS; ++w) {
+        const float wt = exp2f(wm[w][g] - top);
+        total += wl[w][g] * wt;
+        r += wacc[w][g][d] * wt;
     }
+    const int h = kvh * GROUP + g;
+    FINISH(r);
+}
+if (split == 0 && t < D) {
+    kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = kn[t * k_new_strides[3]];
+    vb[(int64_t)at * v_strides[2] + t * v_strides[3]] = vn[t * v_new_strides[3]];
 }
 """
 
 _BODY = compact(_SOURCE)
+
+# How a block ends: with a head's keys in one block, the output of each head of its
+# group (``out``, ``(B, 1, H * D)``); split, each head's share (the values' sum unscaled,
+# the running maximum and total) at ``(stream, head, split)``, where
+# :func:`attention_cuda.in_blocks`'s combine reads it.
+_FINISH_ONE = ("#define FINISH(r) out[((size_t)b * heads + h) * D + d] = "
+               "static_cast<T>(total > 0.0f ? (r) / total : 0.0f)\n")
+_FINISH_SPLIT = ("#define FINISH(r) { const size_t at_ = ((size_t)b * heads + h) * splits + split; "
+                 "pacc[at_ * D + d] = (r); if (d == 0) { pm[at_] = top; pl[at_] = total; } }\n")
+TARGET_BLOCKS = 264  # about two blocks an SM on the H100 and H200 (132 SMs)
+MIN_KEYS = 32  # the fewest positions of the capacity a split is made for
+MAX_GROUP_DIMS = 1536  # query heads a key-value head x head size: the warps' shares in 48 KB
 
 
 def cached_enabled() -> bool:
@@ -152,6 +204,7 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
     shape = (b, keys.shape[1], 1, d)
     return (q.dtype in (mx.float16, mx.bfloat16) and d in attention_cuda.HEAD_DIMS and keys.shape[0] == b
             and keys.shape[3] == d and values.shape == keys.shape and heads % keys.shape[1] == 0
+            and heads // keys.shape[1] * d <= MAX_GROUP_DIMS
             and all(a.dtype == q.dtype for a in (k_new, v_new, keys, values))
             and k_new.shape == shape and v_new.shape == shape
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
@@ -159,14 +212,25 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 
 @cache
-def _kernel(dtype: Any, head_dim: int, scale: float, split: bool = False) -> Any:
-    """The cached kernel whole (a head's keys in one block) or ``split`` (its share of
-    them, for the combine kernel): two kernels per float type, head size and scale,
-    whatever the cache's length."""
-    head = attention_cuda.kernel_head(dtype, head_dim, scale) + (attention_cuda.FINISH_SPLIT if split else attention_cuda.FINISH_ONE)
-    return build(f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}{'_split' if split else ''}", head,
-                 _BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"],
+def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False) -> Any:
+    """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
+    share of the keys, for the combine): two kernels per float type, head size, scale and
+    group of query heads, whatever the cache's length."""
+    head = (attention_cuda.kernel_head(dtype, head_dim, scale) + f"constexpr int GROUP = {group};\n"
+            + (_FINISH_SPLIT if split else _FINISH_ONE))
+    name = f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}{'_split' if split else ''}"
+    return build(name, head, _BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
+
+
+def splits(blocks: int, capacity: int) -> int:
+    """Blocks each of ``blocks`` (streams x key-value heads) is split into over a cache of
+    ``capacity`` positions: toward ``TARGET_BLOCKS`` in all, a split for every
+    ``MIN_KEYS`` positions at most. The keys so far are shared evenly between the splits
+    (in the kernel, from the write position), so a short cache in a large capacity
+    still gives every block some; one block a head over a long cache would leave most of
+    the GPU idle (8 blocks at one stream of an 8B)."""
+    return max(1, min(-(-TARGET_BLOCKS // max(blocks, 1)), capacity // MIN_KEYS))
 
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
@@ -176,9 +240,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
     cache's write position, the same for every stream), and ``softmax(q k^T * scale) v``
     over each stream's keys from its ``padding`` (``(B,)``) to that position ->
-    ``(B, 1, H * D)``, shaped for the output projection. Over a long cache the keys are
-    split over several blocks a head (:func:`attention_cuda.splits`) and a second launch combines
-    their shares.
+    ``(B, 1, H * D)``, shaped for the output projection. The keys are split over
+    several blocks a key-value head (:func:`splits`) and a second launch combines their
+    shares, unless the batch has blocks enough.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -187,8 +251,11 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     its own and the positions up to the write unchanged (:meth:`prompt_cache.
     _AlignedBatchKVCache.write_and_attend`)."""
     b, heads, _, d = q.shape
-    return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), split),
-                      [q, k_new, v_new, keys, values, padding, position], q, keys.shape[2], (b, 1, heads * d))
+    kv_heads = keys.shape[1]
+    n = splits(b * kv_heads, keys.shape[2])
+    return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split),
+                                    [q, k_new, v_new, keys, values, padding, position], q, n, b * kv_heads,
+                                    (b, 1, heads * d))
 
 
 def compile_cached(model: Any) -> int:
@@ -209,7 +276,7 @@ def compile_cached(model: Any) -> int:
         if dtype not in (mx.float16, mx.bfloat16) or d not in attention_cuda.HEAD_DIMS:
             continue
         outs = []
-        for capacity in (2 * attention_cuda.THREADS, 4 * attention_cuda.THREADS):  # one block a head, then two
+        for capacity in (MIN_KEYS, 16 * MIN_KEYS):  # one block a head, then split
             q = mx.zeros((1, heads, 1, d), dtype)
             new = mx.zeros((1, kv_heads, 1, d), dtype)
             cache = [mx.zeros((1, kv_heads, capacity, d), dtype) for _ in range(2)]

@@ -27,6 +27,7 @@ PRELUDE = r"""
 #include <cstring>
 #include <thread>
 #include <vector>
+using std::max;
 using std::min;
 struct Dim { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim threadIdx, blockIdx;

@@ -161,23 +161,26 @@ def _made(factory, *args) -> list[dict]:
     return made
 
 
-def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int) -> tuple[str, str]:
+def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int,
+              group: int | None = None) -> tuple[str, str]:
     """A kernel's source (``factory``: the routed or the cached one) as the host function
     ``kernel``, whole or split, and the C++ lines that run it over ``args``: whole, a
     block a (stream, head) writing ``out``; split, ``S`` blocks a head writing float32
-    shares, then the combine kernel's source (``combine``) over them."""
+    shares, then the combine kernel's source (``combine``) over them. With ``group`` (the
+    cached kernel's query heads a key-value head), a block a (stream, key-value head)."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    made = _made(factory, q.dtype, d, scale, splits > 1)
+    made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1)
+    blocks = "B * H" if group is None else "B * HK"
     source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
     if splits == 1:
-        return source, f"run_blocks(B * H, THREADS_, [&] {{ kernel({args}, out.data()); }});"
+        return source, f"run_blocks({blocks}, THREADS_, [&] {{ kernel({args}, out.data()); }});"
     combine = _made(attention_cuda._combine_kernel, q.dtype, d)
     source += emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1)
     return source, (
         "std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);\n"
         "    Shape ps{B * H * S};\n"
-        f"    run_blocks(B * H * S, THREADS_, [&] {{ kernel({args}, pacc.data(), pm.data(), pl.data()); }});\n"
+        f"    run_blocks({blocks} * S, THREADS_, [&] {{ kernel({args}, pacc.data(), pm.data(), pl.data()); }});\n"
         "    run_blocks(B * H, D, [&] { combine(pacc.data(), pm.data(), ps, pl.data(), out.data()); });")
 
 
@@ -287,7 +290,7 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     dtype = str(q.dtype).removeprefix("mlx.core.")
     kernel, run = _emulated(cached_attention_cuda._kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
-                            "pad.data(), pt, at.data()", splits)
+                            "pad.data(), pt, at.data()", splits, q.shape[1] // k.shape[1])
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
@@ -363,6 +366,25 @@ def test_the_split_cached_kernel_and_its_combine_attend_as_mlx_does(tmp_path: Pa
     assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
 
 
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,heads,kv_heads,d,at,splits", [(mx.float16, 8, 2, 128, 5, 8),
+                                                              (mx.bfloat16, 8, 1, 128, 600, 5),
+                                                              (mx.float16, 6, 2, 256, 77, 3)])
+def test_the_cached_kernel_serves_a_whole_group_of_query_heads(tmp_path: Path, dtype, heads: int, kv_heads: int,
+                                                               d: int, at: int, splits: int) -> None:
+    """One stream, as a decode step of one conversation runs it: each block reads its
+    key-value head's keys once for the whole group of query heads (4, 8 and 3 of
+    them), more splits than keys (six keys over eight blocks: two of them empty), the
+    largest head size; MLX's attention over the same keys."""
+    q, k_new, v_new, k, v, pad = _cached_state(1, heads, kv_heads, 768, at, d, [0], dtype)
+    scale = d ** -0.5
+    got, k_after, v_after = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale, splits)
+    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
+    want = want.reshape(got.shape)
+    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+
+
 def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
     assert attention_cuda.splits(32, 512) == 1  # one stream of an 8B, a short cache: one launch
     assert attention_cuda.splits(32, 1024) == 2
@@ -385,11 +407,11 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     model.set_dtype(mx.float16)
     calls: list[tuple] = []
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", lambda q, kn, vn, k, v, pad, at, scale: calls.append(
-        (q.shape, k.shape, q.dtype, scale, attention_cuda.splits(q.shape[0] * q.shape[1], k.shape[2]))) or q)
+        (q.shape, k.shape, q.dtype, scale, cached_attention_cuda.splits(q.shape[0] * k.shape[1], k.shape[2]))) or q)
     assert cached_attention_cuda.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
     assert cached_attention_cuda.compile_cached(model) == 1  # two layers, one shape
-    assert [(k[2], n) for _, k, *_, n in calls] == [(512, 1), (1024, 2)]  # whole, then split
+    assert [(k[2], n) for _, k, *_, n in calls] == [(32, 1), (512, 16)]  # whole, then split
     assert all(q == (1, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
     one_token.detach(model)
 
@@ -418,21 +440,32 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
             k = mx.zeros((1, 1, keys, 64), mx.float16)
             mask = mx.ones((1, 1, 1, keys), mx.bool_)
             assert attention_cuda.attend(q, k, k, 0.125, mask).shape == (1, 2, 1, 64)
+        for capacity in (32, 512):
+            k = mx.zeros((1, 1, capacity, 64), mx.float16)
             assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
-                                                mx.array([7], mx.int32), 0.125).shape == (1, 1, 128)
+                                                       mx.array([7], mx.int32), 0.125).shape == (1, 1, 128)
     finally:
         for factory in factories:
             factory.cache_clear()
     whole = [(1, 1, 128)], [mx.float16]
-    shares = [(4, 64), (4,), (4,)], [mx.float32] * 3
     assert launched == [
         ("gmlx_attend_half_64", 2, 256, [(1, 2, 1, 64)], [mx.float16]),
-        ("gmlx_attend_cached_half_64", 2, 256, *whole),
-        ("gmlx_attend_half_64_split", 4, 256, *shares),  # two blocks a head
+        ("gmlx_attend_half_64_split", 4, 256, [(4, 64), (4,), (4,)], [mx.float32] * 3),  # two blocks a head
         ("gmlx_attend_combine_half_64", 2, 64, [(1, 2, 1, 64)], [mx.float16]),
-        ("gmlx_attend_cached_half_64_split", 4, 256, *shares),
-        ("gmlx_attend_combine_half_64", 2, 64, *whole),
+        ("gmlx_attend_cached_half_64_g2", 1, 256, *whole),  # a block the key-value head: its two query heads
+        ("gmlx_attend_cached_half_64_g2_split", 16, 256, [(32, 64), (32,), (32,)], [mx.float32] * 3),
+        ("gmlx_attend_combine_half_64", 2, 64, *whole),  # a block a query head
     ]
+
+
+def test_the_cached_kernel_splits_toward_its_target() -> None:
+    """A block a (stream, key-value head) split toward ``TARGET_BLOCKS``, a split for
+    every 32 positions of the capacity at most."""
+    assert cached_attention_cuda.splits(8, 32) == 1  # one stream of an 8B, a tiny cache
+    assert cached_attention_cuda.splits(8, 256) == 8
+    assert cached_attention_cuda.splits(8, 8192) == 33  # 264 blocks
+    assert cached_attention_cuda.splits(32 * 8, 8192) == 2
+    assert cached_attention_cuda.splits(64 * 8, 8192) == 1  # enough blocks already
 
 
 def test_which_steps_take_the_cached_kernel() -> None:

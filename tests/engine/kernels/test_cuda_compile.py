@@ -95,9 +95,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
                 attention_cuda._kernel(dtype, d, d ** -0.5, True)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_], [mx.float32] * 3))
-                cached_attention_cuda._kernel(dtype, d, d ** -0.5)
+                cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4)
                 kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
-                cached_attention_cuda._kernel(dtype, d, d ** -0.5, True)  # split: float shares out
+                cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, True)  # split: float shares out
                 kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
                 attention_cuda._combine_kernel(dtype, d)
                 kernels.append((made[-1], [mx.float32] * 3, [dtype]))
