@@ -67,7 +67,7 @@ def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> s
              for c in configs}
     best = min(times, key=times.get)
     nbytes = wq.nbytes + s.nbytes + b.nbytes
-    shapes = ", ".join(f"{c[0]}x{c[1]}: {t:.1f}" for c, t in times.items())
+    shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
     return (f"| {k}x{n} | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
             f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
@@ -99,7 +99,7 @@ def gated_row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int) ->
     times = {c: per_product(lambda run=run: run(x), reps) for c, run in runs.items()}
     best = min(times, key=times.get)
     nbytes = sum(a.nbytes for a in (*gate, *up))
-    shapes = ", ".join(f"{c[0]}x{c[1]}: {t:.1f}" for c, t in times.items())
+    shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
     return (f"| {k}x{n} gate+up, swiglu | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | "
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
@@ -129,7 +129,7 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
     times = {c: per_product(lambda run=run: run(x), reps) for c, run in runs.items()}
     best = min(times, key=times.get)
     nbytes = sum(a.nbytes for layer in layers for a in layer)
-    shapes = ", ".join(f"{c[0]}x{c[1]}: {t:.1f}" for c, t in times.items())
+    shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
     return (f"| {k}x{'+'.join(map(str, sizes))} parts | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | "
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 

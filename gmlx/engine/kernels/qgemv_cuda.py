@@ -21,7 +21,11 @@ exponent of 0.5), so ``sum(x q) = 256 * (sum(x f) - sum(x) / 2)`` (the share the
 s * sum(x f) + (b - 128 s) * sum(x)``); an 8-bit code as ``2^23 + q``'s bit pattern minus
 ``2^23``. The first form took every code through ``2^23 + q`` and a subtract: one
 instruction a code more, where 4-bit products were bound by their instructions. The
-lanes' sums meet by shuffles. ``WARPS`` warps per block.
+lanes' sums meet by shuffles. ``WARPS`` warps per block. At one row a lane may load
+``DEPTH`` of its chunks (codes, scales, biases and ``x``) before using any: a product of an
+8B's 4,096-wide layers is four chunks a lane, so with one in flight at a time most of a
+warp's life is waiting on memory (the one-row kernel reached 1.4-1.7 TB/s of the H100's
+3.35); the tuner times depth 2 beside depth 1.
 
 With two to eight rows of ``x`` (a second source, ``MAXR`` rows at most, the row count
 read from ``x``'s shape) each chunk's codes of every weight row of the warp are made
@@ -143,22 +147,57 @@ _CODE = r"""
                 const float f = BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits);
 """
 
+# One row of x. Each lane takes DEPTH of its chunks at a time, every load of all DEPTH
+# issued before any use (codes, scales and biases of each row, and x's raw values), so a
+# warp keeps DEPTH times the bytes in flight: at one row a product of an 8B's layers is a
+# few chunks a lane (4 at K = 4,096), and with one chunk in flight each is a wait on
+# memory. DEPTH 1 is the first form.
+_LOAD_DEPTH = _LOAD_ROWS.replace("        uint32_t q[RPW][BITS];\n        float s[RPW], b[RPW];\n", "")
 _SOURCE = _START + r"""
     float acc[RPW];
     #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
 
-    for (int c = lane; c < chunks; c += 32) {
-        // this chunk's codes, scale and bias of each row: every load issued before any use
-""" + _LOAD_ROWS + r"""        // this lane's 32 values of x, as floats, and their sum
-""" + _LOAD_X.replace("XROW", "x") + r"""        #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            #pragma unroll
-            for (int j = 0; j < 32; ++j) {
-""" + _CODE + r"""                d[j & 3] += xf[j] * f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * DEPTH) {
+        uint32_t qd[DEPTH][RPW][BITS];
+        float sd[DEPTH][RPW], bd[DEPTH][RPW];
+        uint4 xd[DEPTH][4];
+        #pragma unroll
+        for (int u = 0; u < DEPTH; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) {
+                uint32_t (&q)[RPW][BITS] = qd[u];
+                float (&s)[RPW] = sd[u];
+                float (&b)[RPW] = bd[u];
+""" + _LOAD_DEPTH + r"""                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) xd[u][v] = xp[v];
             }
-            acc[r] += CHUNK(s[r], b[r], (d[0] + d[1]) + (d[2] + d[3]), xs);
+        }
+        #pragma unroll
+        for (int u = 0; u < DEPTH; ++u) {
+            if (c0 + 32 * u >= chunks) break;
+            uint32_t (&q)[RPW][BITS] = qd[u];
+            // this chunk's 32 values of x, as floats, and their sum
+            float xf[32];
+            #pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const T* e = reinterpret_cast<const T*>(&xd[u][v]);
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
+            }
+            float xs = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < 32; ++j) xs += xf[j];
+            #pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                #pragma unroll
+                for (int j = 0; j < 32; ++j) {
+""" + _CODE + r"""                    d[j & 3] += xf[j] * f;
+                }
+                acc[r] += CHUNK(sd[u][r], bd[u][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
+            }
         }
     }
     float red[RPW];
@@ -263,9 +302,10 @@ def layout(layer: Any) -> tuple[int, int, str, int, Any] | None:
 def configs(rows: int = 1) -> list[tuple[int, ...]]:
     """The launch shapes the load-time tuner times for a bucket of ``rows`` rows: (warps
     per block, weight rows per warp), and for more than one row of x the rows it takes
-    at most (the bucket)."""
-    if rows == 1:
-        return [(4, 2), (8, 2), (4, 4), (8, 1)]
+    at most (the bucket); at one row a fourth, the chunks each lane has in flight
+    (``DEPTH``, 1 where absent)."""
+    if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last two, depth 2
+        return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2)]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
@@ -331,20 +371,22 @@ def _parts_head(sizes: tuple[int, ...]) -> str:
 
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
-            gated: bool = False, parts: tuple[int, ...] = ()) -> Any:
+            gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
-    of two or three layers of one layout read as one, each written to its own output."""
+    of two or three layers of one layout read as one, each written to its own output;
+    ``depth``: at one row, the chunks a lane loads before using any."""
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
-            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else "") + "\n"
+            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};") + "\n"
             + (_GATED if gated else _parts_head(parts) if parts else _PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
     kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemv"
-    return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}",
+    return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
+                 + (f"_d{depth}" if depth > 1 else ""),
                  head, _BODY if max_rows == 1 else _ROWS_BODY, inputs, outputs=outputs)
 
 
@@ -361,6 +403,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     n = sum(sizes) if more else w.shape[0]
     warps, rpw, *most = config or configs()[0]
     max_rows = most[0] if most else 1
+    depth = most[1] if len(most) > 1 else 1
     outs = rpw // 2 if up is not None else rpw
     grid = (-(-n // (warps * outs)) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
@@ -371,7 +414,8 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows, up is not None, sizes)
+            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows, up is not None, sizes,
+                                                depth)
         lead = x.shape[:-1]
         outs = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
                       output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))

@@ -69,8 +69,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
     try:
         for dtype in (mx.float16, mx.bfloat16):
             for bits in qgemv_cuda.BITS:
-                for config in [*qgemv_cuda.configs()[:2], *qgemv_cuda.configs(8)[:2]]:
-                    qgemv_cuda._kernel(dtype, bits, 64, *config)
+                for config in [*qgemv_cuda.configs()[:2], qgemv_cuda.configs()[-1], *qgemv_cuda.configs(8)[:2]]:
+                    qgemv_cuda._kernel(dtype, bits, 64, *config[:3], depth=config[3] if len(config) > 3 else 1)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
                 for config in qgemv_cuda.gated_configs(1) + qgemv_cuda.gated_configs(8):
                     qgemv_cuda._kernel(dtype, bits, 64, *config, True)

@@ -78,7 +78,7 @@ def test_which_products_it_takes() -> None:
     assert not qgemv_cuda.supports(1, 4096, 32, 3)  # 3-bit: not a layout it reads
     assert not qgemv_cuda.supports(1, 4096, 32, 4, mode="mxfp4")
     assert not qgemv_cuda.supports(1, 4100, 32, 4)  # not whole chunks
-    assert all(rows <= 32 for _, rows in qgemv_cuda.configs())  # lane r writes row r
+    assert all(rows <= 32 for _, rows, *_ in qgemv_cuda.configs())  # lane r writes row r
     assert all(c[2] == 4 for c in qgemv_cuda.configs(4))  # a bucket's kernels take its rows
 
 
@@ -143,10 +143,12 @@ _GATED_MAIN = _MAIN.replace("    std::vector<E> out(", """    auto w2 = load<uin
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
     (4, 32, 1, (4, 2)), (6, 64, 1, (8, 1)), (8, 32, 1, (4, 4)),
+    (4, 32, 1, (4, 2, 1, 2)), (6, 64, 1, (8, 1, 1, 3)), (8, 32, 1, (4, 4, 1, 2)),
     (4, 32, 3, (4, 1, 4)), (6, 32, 8, (4, 2, 8)), (8, 64, 2, (8, 1, 2)), (4, 128, 5, (4, 2, 8))])
 def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int, rows: int, config) -> None:
     """The one-row and the few-rows sources, each warp run as 32 host threads with CUDA's
-    shuffles and bit instructions emulated: 1,088 columns (lanes take a second chunk), 12
+    shuffles and bit instructions emulated: 1,088 columns (lanes take a second chunk; at
+    depths 2 and 3 in the same round of loads, some lanes one chunk, none a third), 12
     weight rows (a block's last warp past the end), fewer rows of x than the kernel takes
     (5 of 8), against MLX's own product on the CPU, as closely as MLX's is to float32."""
     dtype = mx.bfloat16
@@ -176,7 +178,7 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
         qgemv_cuda._kernel.cache_clear()
         try:
             qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, gated,
-                               parts)
+                               parts, config[3] if len(config) > 3 else 1)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
