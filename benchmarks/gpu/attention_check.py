@@ -61,10 +61,10 @@ def check_cached() -> bool:
     mlx-lm runs for one unpadded stream) and its masked one; long caches split each
     head's keys over several blocks (``splits``)."""
     print("| dtype | D | streams | write at | splits | err vs MLX | cache as written | padding "
-          "| kernel us | MLX unmasked us | MLX masked us |")
-    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|")
+          "| kernel us | kernel whole us | MLX unmasked us | MLX masked us |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
     good = True
-    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130),
+    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130), (mx.bfloat16, 128, 32, 512, 300),
                                           (mx.bfloat16, 128, 8, 512, 300), (mx.float16, 128, 32, 2304, 2100),
                                           (mx.bfloat16, 64, 4, 256, 255), (mx.bfloat16, 128, 1, 2304, 2100),
                                           (mx.bfloat16, 128, 1, 8192, 8000), (mx.bfloat16, 128, 1, 32768, 32000),
@@ -90,13 +90,22 @@ def check_cached() -> bool:
         position = mx.array([at], dtype=mx.int32)
         t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
                           cached_attention_cuda.attend_cached(*a, s), 100)  # writes the same position again
+        # the same with every head's keys in one block (no split, no combine): where a
+        # split stops paying is what MIN_KEYS should say
+        target = cached_attention_cuda.TARGET_BLOCKS
+        cached_attention_cuda.TARGET_BLOCKS = 1
+        try:
+            t_whole = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
+                                  cached_attention_cuda.attend_cached(*a, s), 100)
+        finally:
+            cached_attention_cuda.TARGET_BLOCKS = target
         kv = (k_want[..., :at + 1, :], v_want[..., :at + 1, :])
         t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), 100)
         t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:
                           mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), 100)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
               f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} | {written} "
-              f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
+              f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
     return good
 
 
