@@ -64,8 +64,8 @@ def check_cached() -> bool:
           "| kernel us | kernel whole us | MLX unmasked us | MLX masked us |")
     print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
     good = True
-    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130), (mx.bfloat16, 128, 32, 512, 300),
-                                          (mx.bfloat16, 128, 8, 512, 300), (mx.float16, 128, 32, 2304, 2100),
+    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130),
+                                          (mx.bfloat16, 128, 32, 512, 300), (mx.bfloat16, 128, 8, 512, 300), (mx.float16, 128, 32, 2304, 2100),
                                           (mx.bfloat16, 64, 4, 256, 255), (mx.bfloat16, 128, 1, 2304, 2100),
                                           (mx.bfloat16, 128, 1, 8192, 8000), (mx.bfloat16, 128, 1, 32768, 32000),
                                           (mx.bfloat16, 128, 8, 8192, 8000)):
