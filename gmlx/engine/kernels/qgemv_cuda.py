@@ -304,8 +304,8 @@ def configs(rows: int = 1) -> list[tuple[int, ...]]:
     per block, weight rows per warp), and for more than one row of x the rows it takes
     at most (the bucket); at one row a fourth, the chunks each lane has in flight
     (``DEPTH``, 1 where absent)."""
-    if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last two, depth 2
-        return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2)]
+    if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last three, depth 2
+        return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2)]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
