@@ -325,6 +325,22 @@ int main(int argc, char** argv) {
     return read("out.bin", (b, 1, heads * d)), read("k.bin", k.shape), read("v.bin", v.shape)
 
 
+def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1) -> tuple[mx.array, mx.array]:
+    """The cached kernel's source run (emulated) over ``_cached_state(*state)``: its output
+    is MLX's attention over the keys so far with the step's at ``at``, and the cache's
+    arrays after it are the old ones with that position replaced, nothing else touched.
+    Returns the keys before and after."""
+    q, k_new, v_new, k, v, pad = _cached_state(*state)
+    at, d = state[4], state[5]
+    scale = d ** -0.5
+    got, k_after, v_after = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits)
+    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
+    want = want.reshape(got.shape)
+    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+    return k, k_after
+
+
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
                                                          (mx.float16, 64, 256, 40, [0, 3, 40]),
@@ -337,13 +353,7 @@ def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
     the new one; the new key at a tile's first position), shaped for the output
     projection; the cache arrays after it are the old ones with position ``at`` replaced
     and nothing else touched; neither the padding nor what lies past ``at`` was read."""
-    q, k_new, v_new, k, v, pad = _cached_state(3, 4, 2, capacity, at, d, padding, dtype)
-    scale = d ** -0.5
-    got, k_after, v_after = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale)
-    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
-    want = want.reshape(got.shape)
-    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
-    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+    k, k_after = _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype))
     assert not mx.array_equal(k_after, k).item()  # it wrote
 
 
@@ -353,17 +363,11 @@ def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
                                                                 (mx.bfloat16, 64, 1024, 100, [0, 5, 90], 2)])
 def test_the_split_cached_kernel_and_its_combine_attend_as_mlx_does(tmp_path: Path, dtype, d: int, capacity: int,
                                                                      at: int, padding: list[int], splits: int) -> None:
-    """A long cache's keys split over several blocks a head (every ``splits``-th tile
-    each), their shares combined by the second kernel: the same attention as mlx-lm's
-    cache and MLX's, the step's position written in place once; a stream padded past
-    whole tiles (blocks with no live key), and more splits than the keys have tiles."""
-    q, k_new, v_new, k, v, pad = _cached_state(3, 4, 2, capacity, at, d, padding, dtype)
-    scale = d ** -0.5
-    got, k_after, v_after = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale, splits)
-    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
-    want = want.reshape(got.shape)
-    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
-    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+    """A long cache's keys shared evenly between several blocks a key-value head, their
+    shares combined by the second kernel: the same attention as mlx-lm's cache and
+    MLX's, the step's position written in place once; streams padded far (splits of
+    few keys each)."""
+    _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), splits)
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
@@ -376,13 +380,7 @@ def test_the_cached_kernel_serves_a_whole_group_of_query_heads(tmp_path: Path, d
     key-value head's keys once for the whole group of query heads (4, 8 and 3 of
     them), more splits than keys (six keys over eight blocks: two of them empty), the
     largest head size; MLX's attention over the same keys."""
-    q, k_new, v_new, k, v, pad = _cached_state(1, heads, kv_heads, 768, at, d, [0], dtype)
-    scale = d ** -0.5
-    got, k_after, v_after = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale, splits)
-    want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
-    want = want.reshape(got.shape)
-    assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
-    assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+    _cached_matches_mlx(tmp_path, (1, heads, kv_heads, 768, at, d, [0], dtype), splits)
 
 
 def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
