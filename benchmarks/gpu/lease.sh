@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Runs THERE (the accelerator machine), from the repo root: one lease's measurement of issue
+# 19 as a few named calls, each a device call of its own (the machine goes cold ~30 s
+# after a call, so the next is ready to send before this one returns). Results go under
+# $OUT (each call's own files) and /tmp/gpu-results* (bench.py's tables, across calls).
+#
+#   call 1, carry [".gpu/part1"]:              bash benchmarks/gpu/lease.sh start
+#   call 2, carry [".gpu/part2"]:              bash benchmarks/gpu/lease.sh part2
+#   call 3, carry [".gpu/part3", ".gpu/ptx"]:  bash benchmarks/gpu/lease.sh prepare   (~320 s)
+#   call 4:                                    bash benchmarks/gpu/lease.sh gmlx      (~140-400 s)
+#   call 5:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
+#   call 6 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
+#
+# start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
+# prepare: part 3 and the kernel cache staged, the wheels installed, the kernel checks
+#   (attention_check --cached, gemv_check --rows 1), the 8B's F16 GGUF, the build waited
+#   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
+# gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
+#   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here).
+# long: a 7,800-token prompt at one stream, llama-server and gmlx.
+# pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
+#   gmlx at widths 8 and 32.
+set -uo pipefail
+
+OUT=${OUT:-/tmp/lease-out}
+mkdir -p "$OUT"
+GPU=benchmarks/gpu
+BENCH=(python3 $GPU/bench.py --models llama3-8b:q4 --start-timeout 540 --gmlx-home /tmp/gmlx-home)
+
+with_env() {
+  # shellcheck disable=SC1091
+  . /tmp/gpu-env.sh
+  export PYTHONPATH=$PWD:${PYTHONPATH:-} MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
+}
+
+case ${1:-} in
+  start)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    bash $GPU/setup.sh stage .gpu/part1 && nice -n 19 bash $GPU/setup.sh llama --background
+    ;;
+  part2)
+    bash $GPU/setup.sh stage .gpu/part2 && bash $GPU/setup.sh status
+    ;;
+  prepare)
+    bash $GPU/setup.sh stage .gpu/part3 && bash $GPU/setup.sh stage .gpu/ptx || exit 1
+    bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
+    with_env
+    timeout 120 python3 $GPU/attention_check.py --cached > "$OUT/attention.txt" 2>&1
+    timeout 150 python3 $GPU/gemv_check.py --rows 1 --dtype float16 > "$OUT/gemv.txt" 2>&1
+    python3 $GPU/models.py --shape llama3-8b --only gguf-f16 2>&1 | tail -2
+    bash $GPU/setup.sh llama --wait 2>&1 | tail -2
+    python3 $GPU/models.py --shape llama3-8b --quantize /tmp/llama/build/bin/llama-quantize \
+      --only gguf-q4_k_m 2>&1 | tail -2
+    rm -f /tmp/models/llama3-8b/*f16.gguf
+    "${BENCH[@]}" --servers llama --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
+      > "$OUT/bench-llama.txt" 2>&1
+    cat "$OUT/attention.txt" "$OUT/gemv.txt"; tail -8 "$OUT/bench.md"
+    ;;
+  gmlx)
+    with_env
+    "${BENCH[@]}" --servers gmlx --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
+      > "$OUT/bench-gmlx.txt" 2>&1
+    grep -E "whole steps of|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | head -20
+    bash $GPU/setup.sh kernels "$OUT" | tail -1
+    tail -14 "$OUT/bench.md"
+    ;;
+  long)
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-long --servers llama,gmlx --widths 1 --prompt 7800 --tokens 128 \
+      --rounds 1 --prefix-reps 0 --out "$OUT/long.md" > "$OUT/long.txt" 2>&1
+    tail -10 "$OUT/long.md"
+    ;;
+  pairs)
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-pairs --servers gmlx,llama,gmlx,llama --widths 1 --rounds 3 --prefix-reps 0 --out "$OUT/pairs.md" \
+      > "$OUT/pairs.txt" 2>&1
+    tail -8 "$OUT/pairs.md"
+    "${BENCH[@]}" --results /tmp/gpu-results-nocached --servers gmlx-nocached,gmlx --widths 8,32 --rounds 2 --prefix-reps 0 --out "$OUT/nocached.md" \
+      > "$OUT/nocached.txt" 2>&1
+    tail -8 "$OUT/nocached.md"
+    ;;
+  *)
+    sed -n '2,22p' "$0"
+    exit 2
+    ;;
+esac
