@@ -40,10 +40,10 @@ def prepare_layers(model: Any) -> list[str]:
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
     from gmlx.engine.kernels.fused import fuse_projections
 
+    in_place = False
     if changed := one_token.attach(model):
         log.info("one-token steps of %d attention layer(s) in fewer operations", changed)
-        if cached_attention_cuda.cached_enabled() and (shapes := cached_attention_cuda.compile_cached(model)):
-            log.info("cuda: the in-place attention compiled for %d shape(s), whole and split", shapes)
+        in_place = cached_attention_cuda.cached_enabled() and compile_in_place(model)
     if (stacked := fuse_projections(model)) is not None:
         log.info("%s", stacked)
     if attention_cuda.enabled():
@@ -53,7 +53,7 @@ def prepare_layers(model: Any) -> list[str]:
         log.info("cuda: the residual adds and norms of %d block(s) fused for one-token steps", fused)
     if compiled_blocks.enabled() and (compiled := compiled_blocks.attach(model)):
         log.info("one-token steps of %d block(s) in two compiled pieces each", compiled)
-    if whole_step.enabled() and whole_step.attach(model):
+    if whole_step.enabled() and in_place and whole_step.attach(model):
         log.info("cuda: one-token steps over a batch cache in one compiled call")
     # the step kernels below are taken where their tune() measures a whole step faster
     step_kernels = [k for k in (glu_cuda, qkv_cuda) if k.enabled() and k.attach(model, buckets=())]
@@ -69,3 +69,24 @@ def prepare_layers(model: Any) -> list[str]:
             notes.append(decided)
     compiled_blocks.retrace(model)  # the paths and kernels the tuners left in place
     return notes
+
+
+def compile_in_place(model: Any) -> bool:
+    """Compile the in-place attention for ``model``'s attention shapes before it reports
+    ready (:func:`cached_attention_cuda.compile_cached`); whether any layer now writes in
+    place. A kernel that does not compile or launch here (an NVRTC error, a launch MLX
+    refuses) must not fail the load: its layers then attend through mlx-lm's cache, and
+    no whole step is traced over them (it needs the in-place writes)."""
+    from gmlx.engine.kernels import cached_attention_cuda, one_token
+
+    try:
+        shapes = cached_attention_cuda.compile_cached(model)
+    except RuntimeError as error:
+        log.warning("cuda: the in-place attention is not used: %s", str(error).splitlines()[0][:200])
+        one_token.detach(model)
+        one_token.attach(model, in_place=False)
+        return False
+    if shapes:
+        log.info("cuda: the in-place attention compiled for %d shape(s), whole and split", shapes)
+    return shapes > 0
+

@@ -414,6 +414,40 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     one_token.detach(model)
 
 
+def test_a_kernel_that_does_not_compile_leaves_the_layers_to_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The load compiles the in-place kernel before ready; where NVRTC or MLX refuses it
+    (stood in for here: no CUDA), the load goes on with one warning, every layer's
+    one-token step attends through mlx-lm's cache, and no whole step is traced over
+    them."""
+    import logging
+
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from gmlx.engine import kernels
+    from gmlx.engine.kernels import one_token
+
+    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    model.set_dtype(mx.float16)
+    one_token.attach(model, in_place=True)
+
+    def refused(model):
+        raise RuntimeError("Failed to compile kernel: gmlx_attend_cached_half_64_g2.\nerror: ...")
+
+    monkeypatch.setattr(cached_attention_cuda, "compile_cached", refused)
+    with caplog.at_level(logging.WARNING, logger="gmlx.engine.kernels"):
+        assert not kernels.compile_in_place(model)
+    assert "the in-place attention is not used: Failed to compile kernel" in caplog.text
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_in_place")]
+    assert len(layers) == 2 and not any(m._in_place for m in layers)
+    monkeypatch.setattr(cached_attention_cuda, "compile_cached", lambda model: 1)
+    one_token.detach(model)
+    one_token.attach(model, in_place=True)
+    assert kernels.compile_in_place(model)  # compiled: the whole step may follow
+    one_token.detach(model)
+
+
 def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """What MLX is asked to launch (``mx.fast.cuda_kernel`` recorded: no CUDA here): a
     short cache, one kernel a block a head writing the output; a long one, the split
