@@ -259,11 +259,12 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
 
 
 def compile_cached(model: Any) -> int:
-    """Run :func:`attend_cached` once whole and once split (:func:`attention_cuda.splits`) for every
-    distinct attention shape among ``model``'s layers that write in place (one_token's
-    ``_in_place``), on empty arrays, so both kernels and the combine are compiled before
-    the model reports ready: a cache reaches the split form only once it has grown past
-    a few tiles, inside some later request. Returns how many shapes."""
+    """Run :func:`attend_cached` whole and split (:func:`splits`) for every distinct
+    attention shape among ``model``'s layers that write in place (one_token's
+    ``_in_place``), so both kernels and the combine are compiled before the model reports
+    ready (a cache reaches the split form only once it has grown, inside some later
+    request), each call checked against MLX's attention (:func:`_check`). Returns how
+    many shapes; raises RuntimeError where a kernel does not compile, launch or agree."""
     import mlx.core as mx
 
     shapes = set()
@@ -273,14 +274,37 @@ def compile_cached(model: Any) -> int:
             dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
             shapes.add((m.n_heads, m.n_kv_heads, m.head_dim, float(m.scale), dtype))
     for heads, kv_heads, d, scale, dtype in shapes:
-        if dtype not in (mx.float16, mx.bfloat16) or d not in attention_cuda.HEAD_DIMS:
-            continue
-        outs = []
-        for capacity in (MIN_KEYS, 16 * MIN_KEYS):  # one block a head, then split
-            q = mx.zeros((1, heads, 1, d), dtype)
-            new = mx.zeros((1, kv_heads, 1, d), dtype)
-            cache = [mx.zeros((1, kv_heads, capacity, d), dtype) for _ in range(2)]
-            outs.append(attend_cached(q, new, new, *cache, mx.zeros((1,), mx.int32),
-                                      mx.array([capacity // 2], dtype=mx.int32), scale))
-        mx.eval(outs)
+        if dtype in (mx.float16, mx.bfloat16) and d in attention_cuda.HEAD_DIMS:
+            for capacity in (MIN_KEYS, 16 * MIN_KEYS):  # one block a head, then split
+                _check(heads, kv_heads, d, scale, dtype, capacity)
     return len(shapes)
+
+
+def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int) -> None:
+    """One :func:`attend_cached` call on random inputs (two streams, the second padded)
+    against MLX's attention over the same keys with the step's written at the middle
+    position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
+    these values is ~0.004) or the cache's arrays are not the old ones with that one
+    position replaced. A wrong kernel must not serve a token."""
+    import mlx.core as mx
+
+    keys = mx.random.split(mx.random.key(capacity + heads + d), 5)
+    at = capacity // 2
+    q = mx.random.normal((2, heads, 1, d), key=keys[0]).astype(dtype)
+    k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
+    k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
+    padding = mx.array([0, 3], dtype=mx.int32)
+    k_want, v_want = (mx.concatenate([a[..., :at, :], n, a[..., at + 1:, :]], axis=2)
+                      for a, n in ((k, k_new), (v, v_new)))
+    mask = (mx.arange(at + 1)[None] >= padding[:, None]).reshape(2, 1, 1, at + 1)
+    want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
+                                                scale=scale, mask=mask)
+    mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
+    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale)
+    mx.eval(got)
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
+    written = mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()
+    if not (err <= 0.05 and written):
+        raise RuntimeError(f"the in-place attention disagrees with MLX's ({heads} heads over {kv_heads}, head size "
+                           f"{d}, {capacity} positions: largest difference {err:.3g}"
+                           f"{'' if written else ', the cache not written as it should be'})")

@@ -394,8 +394,10 @@ def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
 
 def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """``compile_cached`` runs the in-place kernel once whole and once split for each
-    distinct attention shape that writes in place (the kernel itself recorded here: no
-    CUDA), so a later long cache's first step compiles nothing."""
+    distinct attention shape that writes in place, so a later long cache's first step
+    compiles nothing, and holds each call to MLX's attention over the keys with the
+    step's written (the kernel's place taken here by its arithmetic in numpy: no CUDA);
+    a kernel that answers wrong, or does not write the cache, fails the load's check."""
     from mlx_lm.models.llama import Model, ModelArgs
 
     from gmlx.engine.kernels import one_token
@@ -404,13 +406,33 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
                             num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
     model.set_dtype(mx.float16)
     calls: list[tuple] = []
-    monkeypatch.setattr(cached_attention_cuda, "attend_cached", lambda q, kn, vn, k, v, pad, at, scale: calls.append(
-        (q.shape, k.shape, q.dtype, scale, cached_attention_cuda.splits(q.shape[0] * k.shape[1], k.shape[2]))) or q)
+    replaying = _cached_replaying([])
+
+    def recorded(q, k_new, v_new, k, v, padding, position, scale):
+        calls.append((q.shape, k.shape, q.dtype, scale, cached_attention_cuda.splits(q.shape[0] * k.shape[1],
+                                                                                      k.shape[2])))
+        return replaying(q, k_new, v_new, k, v, padding, position, scale)
+
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
     assert cached_attention_cuda.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
     assert cached_attention_cuda.compile_cached(model) == 1  # two layers, one shape
     assert [(k[2], n) for _, k, *_, n in calls] == [(32, 1), (512, 16)]  # whole, then split
-    assert all(q == (1, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
+    assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
+
+    def wrong(q, k_new, v_new, k, v, padding, position, scale):
+        return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
+
+    def unwritten(q, k_new, v_new, k, v, padding, position, scale):
+        k_old, v_old = np.array(k), np.array(v)
+        out = replaying(q, k_new, v_new, k, v, padding, position, scale)
+        np.array(k, copy=False)[...], np.array(v, copy=False)[...] = k_old, v_old  # the write undone
+        return out
+
+    for bad, says in ((wrong, "largest difference 0.25"), (unwritten, "the cache not written")):
+        monkeypatch.setattr(cached_attention_cuda, "attend_cached", bad)
+        with pytest.raises(RuntimeError, match=says):
+            cached_attention_cuda.compile_cached(model)
     one_token.detach(model)
 
 
