@@ -43,12 +43,12 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 THREADS = 256
 HEAD_DIMS = (64, 128, 256)
-FLOOR = -3.0e38  # the score of a masked key (finite: no inf - inf)
+_FLOOR = -3.0e38  # the score of a masked key (finite: no inf - inf)
 
-# A tile's softmax step, shared by both kernels: each thread's score ``s`` (``FLOOR`` where
+# A tile's softmax step: each thread's score ``s`` (``FLOOR`` where
 # its key is not ``live``), the block's running maximum ``m`` and total, and each
 # thread's weight ``ps[t]`` for the values; ``corr`` rescales what was summed before.
-TILE = """    float w = s;
+_TILE = """    float w = s;
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
     if (lane == 0) red[warp] = w;
@@ -72,10 +72,10 @@ TILE = """    float w = s;
     total = total * corr + tile;
 """
 
-# Both kernels' values, a key a warp: key ``jj``'s values weighted by ``pi`` into this
+# The values, a key a warp: key ``jj``'s values weighted by ``pi`` into this
 # lane's ``VEC`` dimensions (``acc``), in one load of 4, 8 or 16 bytes where the values
 # are dense (``vdense``), else one a dimension.
-ADD_VALUES = """            const T* vr = vb + (int64_t)jj * v_strides[2];
+_ADD_VALUES = """            const T* vr = vb + (int64_t)jj * v_strides[2];
             if (vdense && VEC == 2) {
                 const uint32_t raw = *reinterpret_cast<const uint32_t*>(vr + lane * VEC);
                 const T* x = reinterpret_cast<const T*>(&raw);
@@ -146,7 +146,7 @@ for (int j0 = split * THREADS; j0 < keys; j0 += THREADS * splits) {
         }
         s = dot;
     }
-""" + TILE + """    #pragma unroll
+""" + _TILE + """    #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[e] *= corr;
     const int n = min(THREADS, keys - j0);
     #pragma unroll 4
@@ -154,7 +154,7 @@ for (int j0 = split * THREADS; j0 < keys; j0 += THREADS * splits) {
         const float pi = ps[i];
         const int jj = j0 + i;
         if (pi != 0.0f) {
-""" + ADD_VALUES + """        }
+""" + _ADD_VALUES + """        }
     }
     m = mn;
     __syncthreads();
@@ -173,12 +173,12 @@ if (t < D) {
 _BODY = compact(_SOURCE)
 
 
-# How a block of either kernel ends: with the keys in one block, its output; split
+# How a block ends: with the keys in one block, its output; split
 # over several blocks (each every ``splits``-th tile; how many, the launch's grid says,
 # so one compiled kernel serves every count), its share (the values' sum ``pacc``
 # unscaled, its running maximum ``pm`` and total ``pl``) for the combine below.
-FINISH_ONE = "#define FINISH(r) out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? (r) / total : 0.0f)\n"
-FINISH_SPLIT = ("#define FINISH(r) { pacc[(size_t)blockIdx.x * D + t] = (r); "
+_FINISH_ONE = "#define FINISH(r) out[blockIdx.x * D + t] = static_cast<T>(total > 0.0f ? (r) / total : 0.0f)\n"
+_FINISH_SPLIT = ("#define FINISH(r) { pacc[(size_t)blockIdx.x * D + t] = (r); "
                  "if (t == 0) { pm[blockIdx.x] = m; pl[blockIdx.x] = total; } }\n")
 
 # The shares of a stream's head from its blocks (as many as ``pm`` holds a head),
@@ -229,18 +229,18 @@ def supports(q: Any, k: Any, v: Any, mask: Any, sinks: Any = None) -> bool:
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float, split: bool = False) -> Any:
     """One kernel per float type, head size and scale (:mod:`cuda_source` says why),
-    whole or ``split`` (a block's share of a head's keys, as :func:`cached_attention_cuda._kernel`)."""
-    head = kernel_head(dtype, head_dim, scale) + (FINISH_SPLIT if split else FINISH_ONE)
+    whole or ``split`` (a block's share of a head's keys, for :func:`_combine_kernel`)."""
+    head = kernel_head(dtype, head_dim, scale) + (_FINISH_SPLIT if split else _FINISH_ONE)
     return build(f"gmlx_attend_{cuda_type(dtype).strip('_')}_{head_dim}{'_split' if split else ''}", head, _BODY,
                  ["q", "k", "v", "mask"], outputs=("pacc", "pm", "pl") if split else ("out",),
                  ensure_row_contiguous=False)
 
 
 def kernel_head(dtype: Any, head_dim: int, scale: float) -> str:
-    """Both kernels' constants: the float type, head size, block size, the scale in base 2."""
+    """A one-query attention kernel's constants: the float type, head size, block size, the scale in base 2."""
     qscale = float(scale) * math.log2(math.e)
     return (f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
-            f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {FLOOR!r}f;\n")
+            f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
 
 
 def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
@@ -279,7 +279,7 @@ def in_blocks(kernel: Callable[[bool], Any], inputs: list[Any], q: Any, n: int, 
 
 @cache
 def _combine_kernel(dtype: Any, head_dim: int) -> Any:
-    head = f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr float FLOOR = {FLOOR!r}f;\n"
+    head = f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr float FLOOR = {_FLOOR!r}f;\n"
     return build(f"gmlx_attend_combine_{cuda_type(dtype).strip('_')}_{head_dim}", head, _COMBINE_BODY,
                  ["pacc", "pm", "pl"])
 
@@ -327,10 +327,10 @@ def replay(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
         for h in range(heads):
             qs = q[b, h, 0] * qscale
             kr, vr = k[b, h // group], v[b, h // group]
-            m, total, acc = np.float32(FLOOR), np.float32(0), np.zeros(d, dtype=np.float32)
+            m, total, acc = np.float32(_FLOOR), np.float32(0), np.zeros(d, dtype=np.float32)
             for j0 in range(0, keys, THREADS):
                 live = mask[b, 0, 0, j0 : j0 + THREADS]
-                s = np.where(live, kr[j0 : j0 + THREADS] @ qs, np.float32(FLOOR))
+                s = np.where(live, kr[j0 : j0 + THREADS] @ qs, np.float32(_FLOOR))
                 mn = max(m, np.float32(s.max()))
                 p = np.where(live, np.exp2(s - mn), 0).astype(np.float32)
                 corr = np.float32(np.exp2(np.float32(m - mn)))
