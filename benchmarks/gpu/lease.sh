@@ -13,7 +13,7 @@
 #
 # start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
 # prepare: part 3 and the kernel cache staged, the wheels installed, the kernel checks
-#   (attention_check --cached, gemv_check --rows 1), the 8B's F16 GGUF, the build waited
+#   (attention_check --cached, gemv_check --rows 1, plain and gated), the 8B's F16 GGUF, the build waited
 #   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
 # gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
 #   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here).
@@ -47,6 +47,7 @@ case ${1:-} in
     with_env
     timeout 120 python3 $GPU/attention_check.py --cached > "$OUT/attention.txt" 2>&1
     timeout 150 python3 $GPU/gemv_check.py --rows 1 --dtype float16 > "$OUT/gemv.txt" 2>&1
+    timeout 60 python3 $GPU/gemv_check.py --gated --rows 1 --dtype float16 >> "$OUT/gemv.txt" 2>&1
     python3 $GPU/models.py --shape llama3-8b --only gguf-f16 2>&1 | tail -2
     bash $GPU/setup.sh llama --wait 2>&1 | tail -2
     python3 $GPU/models.py --shape llama3-8b --quantize /tmp/llama/build/bin/llama-quantize \

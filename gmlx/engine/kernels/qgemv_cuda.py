@@ -309,11 +309,12 @@ def configs(rows: int = 1) -> list[tuple[int, ...]]:
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
-def gated_configs(rows: int = 1) -> list[tuple[int, int, int]]:
+def gated_configs(rows: int = 1) -> list[tuple[int, ...]]:
     """The launch shapes of the gated product (:func:`bound` with ``up``) for a bucket of
     ``rows`` rows: (warps per block, weight rows per warp (half gate, half up), rows of x
-    at most). Not tuned yet: the first is what it runs."""
-    return [(4, 4, 1), (4, 2, 1)] if rows == 1 else [(4, 2, rows)]
+    at most[, chunks a lane in flight]). Not tuned yet: the first is what it runs; the
+    others are for ``benchmarks/gpu/gemv_check.py --gated`` to time beside it."""
+    return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2)] if rows == 1 else [(4, 2, rows)]
 
 
 _BODY = compact(_SOURCE)

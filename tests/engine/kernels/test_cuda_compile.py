@@ -73,7 +73,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     qgemv_cuda._kernel(dtype, bits, 64, *config[:3], depth=config[3] if len(config) > 3 else 1)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
                 for config in qgemv_cuda.gated_configs(1) + qgemv_cuda.gated_configs(8):
-                    qgemv_cuda._kernel(dtype, bits, 64, *config, True)
+                    qgemv_cuda._kernel(dtype, bits, 64, *config[:3], gated=True, depth=(*config, 1)[3])
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
                 for sizes, config in (((4096, 1024, 1024), (4, 2)), ((4096, 1024), (4, 2, 8))):
                     qgemv_cuda._kernel(dtype, bits, 64, *config, *(() if len(config) > 2 else (1,)), False, sizes)

@@ -192,7 +192,8 @@ def _parameters(function: str) -> list[str]:
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
-    (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 3, (4, 2, 4)), (6, 64, 8, (4, 4, 8))])
+    (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 1, (4, 4, 1, 2)), (4, 32, 3, (4, 2, 4)),
+    (6, 64, 8, (4, 4, 8))])
 def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config) -> None:
     """The gated product (an MLP's gate and up projections and its swiglu in one
     kernel), each source run on the CPU as above: 11 output rows (a warp's second row and
