@@ -77,11 +77,10 @@ _START = r"""
     if (n0 >= N) return;
 """
 
-# A chunk's codes, scale and bias of each of a warp's weight rows (``q``, ``s``, ``b``):
-# every load issued before any use.
-_LOAD_ROWS = r"""
-        uint32_t q[RPW][BITS];
-        float s[RPW], b[RPW];
+# A chunk's codes, scale and bias of each of a warp's weight rows into ``q``, ``s``, ``b``
+# (declared by the source: the one-row source's are references into its DEPTH chunks'
+# arrays): every load issued before any use.
+_ROW_LOADS = r"""
         const int grp = c * 32 / G;
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
@@ -106,15 +105,16 @@ _LOAD_ROWS = r"""
             b[r] = static_cast<float>(ROW_B(r, n)[grp]);
         }
 """
-# This lane's 32 values of x (of the row at XROW) in four wide loads, as floats, and
-# their sum (``xf``, ``xs``).
-_LOAD_X = r"""
+_LOAD_ROWS = """
+        uint32_t q[RPW][BITS];
+        float s[RPW], b[RPW];""" + _ROW_LOADS
+# This lane's 32 values of x (four wide words, XRAW[0..3]) as floats, and their sum
+# (``xf``, ``xs``).
+_X_FLOATS = r"""
         float xf[32];
-        const uint4* xp = reinterpret_cast<const uint4*>(XROW + (size_t)c * 32);
         #pragma unroll
         for (int v = 0; v < 4; ++v) {
-            const uint4 u = xp[v];
-            const T* e = reinterpret_cast<const T*>(&u);
+            const T* e = reinterpret_cast<const T*>(&XRAW[v]);
             #pragma unroll
             for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
         }
@@ -122,6 +122,13 @@ _LOAD_X = r"""
         #pragma unroll
         for (int j = 0; j < 32; ++j) xs += xf[j];
 """
+# This lane's 32 values of x (of the row at XROW) in four wide loads, as ``_X_FLOATS``.
+_LOAD_X = r"""
+        uint4 xr[4];
+        const uint4* xp = reinterpret_cast<const uint4*>(XROW + (size_t)c * 32);
+        #pragma unroll
+        for (int v = 0; v < 4; ++v) xr[v] = xp[v];
+""" + _X_FLOATS.replace("XRAW", "xr")
 
 # Code ``j`` of row ``r``'s chunk (``q[r]``) as the float ``f`` the sums take: 4-bit, a
 # word's even or odd codes masked into bytes, then one byte permute under 0.5's exponent
@@ -147,12 +154,12 @@ _CODE = r"""
                 const float f = BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits);
 """
 
-# One row of x. Each lane takes DEPTH of its chunks at a time, every load of all DEPTH
-# issued before any use (codes, scales and biases of each row, and x's raw values), so a
-# warp keeps DEPTH times the bytes in flight: at one row a product of an 8B's layers is a
-# few chunks a lane (4 at K = 4,096), and with one chunk in flight each is a wait on
-# memory. DEPTH 1 is the first form.
-_LOAD_DEPTH = _LOAD_ROWS.replace("        uint32_t q[RPW][BITS];\n        float s[RPW], b[RPW];\n", "")
+# One row of x. Each lane takes DEPTH of its chunks at a time (``di``: ``u`` names a word
+# of codes in the row loads), every load of all DEPTH issued before any use (codes,
+# scales and biases of each row, and x's raw values), so a warp keeps DEPTH times the
+# bytes in flight: at one row a product of an 8B's layers is a few chunks a lane (4 at
+# K = 4,096), and with one chunk in flight each is a wait on memory. DEPTH 1 is the
+# first form.
 _SOURCE = _START + r"""
     float acc[RPW];
     #pragma unroll
@@ -163,40 +170,29 @@ _SOURCE = _START + r"""
         float sd[DEPTH][RPW], bd[DEPTH][RPW];
         uint4 xd[DEPTH][4];
         #pragma unroll
-        for (int u = 0; u < DEPTH; ++u) {
-            const int c = c0 + 32 * u;
+        for (int di = 0; di < DEPTH; ++di) {
+            const int c = c0 + 32 * di;
             if (c < chunks) {
-                uint32_t (&q)[RPW][BITS] = qd[u];
-                float (&s)[RPW] = sd[u];
-                float (&b)[RPW] = bd[u];
-""" + _LOAD_DEPTH + r"""                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
+                uint32_t (&q)[RPW][BITS] = qd[di];
+                float (&s)[RPW] = sd[di];
+                float (&b)[RPW] = bd[di];
+""" + _ROW_LOADS + r"""                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
                 #pragma unroll
-                for (int v = 0; v < 4; ++v) xd[u][v] = xp[v];
+                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];
             }
         }
         #pragma unroll
-        for (int u = 0; u < DEPTH; ++u) {
-            if (c0 + 32 * u >= chunks) break;
-            uint32_t (&q)[RPW][BITS] = qd[u];
-            // this chunk's 32 values of x, as floats, and their sum
-            float xf[32];
-            #pragma unroll
-            for (int v = 0; v < 4; ++v) {
-                const T* e = reinterpret_cast<const T*>(&xd[u][v]);
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
-            }
-            float xs = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < 32; ++j) xs += xf[j];
-            #pragma unroll
+        for (int di = 0; di < DEPTH; ++di) {
+            if (c0 + 32 * di >= chunks) break;
+            uint32_t (&q)[RPW][BITS] = qd[di];
+""" + _X_FLOATS.replace("XRAW", "xd[di]") + r"""            #pragma unroll
             for (int r = 0; r < RPW; ++r) {
                 float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 #pragma unroll
                 for (int j = 0; j < 32; ++j) {
 """ + _CODE + r"""                    d[j & 3] += xf[j] * f;
                 }
-                acc[r] += CHUNK(sd[u][r], bd[u][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
+                acc[r] += CHUNK(sd[di][r], bd[di][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
             }
         }
     }
