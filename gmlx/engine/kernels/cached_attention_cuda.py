@@ -294,17 +294,27 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
     k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
     k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
     padding = mx.array([0, 3], dtype=mx.int32)
+    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale)
+    if not (err <= 0.05 and written):
+        raise RuntimeError(f"the in-place attention disagrees with MLX's ({heads} heads over {kv_heads}, head size "
+                           f"{d}, {capacity} positions: largest difference {err:.3g}"
+                           f"{'' if written else ', the cache not written as it should be'})")
+
+
+def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float) -> tuple[float, bool]:
+    """One :func:`attend_cached` call writing at ``at``, against MLX's attention over the
+    same keys with the step's written there (each stream's from its ``padding``): the
+    largest difference, and whether the cache's arrays are then the old ones with that
+    one position replaced, bit for bit."""
+    import mlx.core as mx
+
     k_want, v_want = (mx.concatenate([a[..., :at, :], n, a[..., at + 1:, :]], axis=2)
                       for a, n in ((k, k_new), (v, v_new)))
-    mask = (mx.arange(at + 1)[None] >= padding[:, None]).reshape(2, 1, 1, at + 1)
+    mask = (mx.arange(at + 1)[None] >= padding[:, None]).reshape(padding.shape[0], 1, 1, at + 1)
     want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
                                                 scale=scale, mask=mask)
     mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
     got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale)
     mx.eval(got)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
-    written = mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()
-    if not (err <= 0.05 and written):
-        raise RuntimeError(f"the in-place attention disagrees with MLX's ({heads} heads over {kv_heads}, head size "
-                           f"{d}, {capacity} positions: largest difference {err:.3g}"
-                           f"{'' if written else ', the cache not written as it should be'})")
+    return err, mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()
