@@ -387,6 +387,20 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
                  head, _BODY if max_rows == 1 else _ROWS_BODY, inputs, outputs=outputs)
 
 
+def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A launch shape of :func:`configs` or :func:`gated_configs` in full: (warps per
+    block, weight rows per warp, rows of x at most, chunks a lane in flight)."""
+    warps, rpw, *most = config
+    return warps, rpw, most[0] if most else 1, most[1] if len(most) > 1 else 1
+
+
+def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
+              parts: tuple[int, ...] = ()) -> Any:
+    """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`)."""
+    warps, rpw, max_rows, depth = launch_shape(config)
+    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth)
+
+
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
           config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
           more: tuple[tuple[Any, Any, Any], ...] = ()) -> Callable[[Any], Any]:
@@ -398,9 +412,8 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     and input width) the products of all of them in one launch, returned as a tuple."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
-    warps, rpw, *most = config or configs()[0]
-    max_rows = most[0] if most else 1
-    depth = most[1] if len(most) > 1 else 1
+    config = config or configs()[0]
+    warps, rpw = config[:2]
     outs = rpw // 2 if up is not None else rpw
     grid = (-(-n // (warps * outs)) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
@@ -411,8 +424,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = _kernel(dtype, bits, group_size, warps, rpw, max_rows, up is not None, sizes,
-                                                depth)
+            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes)
         lead = x.shape[:-1]
         outs = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
                       output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))

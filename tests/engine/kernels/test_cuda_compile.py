@@ -70,13 +70,13 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
         for dtype in (mx.float16, mx.bfloat16):
             for bits in qgemv_cuda.BITS:
                 for config in [*qgemv_cuda.configs()[:2], qgemv_cuda.configs()[-1], *qgemv_cuda.configs(8)[:2]]:
-                    qgemv_cuda._kernel(dtype, bits, 64, *config[:3], depth=config[3] if len(config) > 3 else 1)
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
                 for config in qgemv_cuda.gated_configs(1) + qgemv_cuda.gated_configs(8):
-                    qgemv_cuda._kernel(dtype, bits, 64, *config[:3], gated=True, depth=(*config, 1)[3])
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, gated=True)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
                 for sizes, config in (((4096, 1024, 1024), (4, 2)), ((4096, 1024), (4, 2, 8))):
-                    qgemv_cuda._kernel(dtype, bits, 64, *config, *(() if len(config) > 2 else (1,)), False, sizes)
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, parts=sizes)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes)]))
             for rows in (1, 16, 64):
                 for bits in qmmw_cuda.BITS:

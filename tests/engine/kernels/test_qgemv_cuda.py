@@ -177,8 +177,7 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         qgemv_cuda._kernel.cache_clear()
         try:
-            qgemv_cuda._kernel(dtype, bits, group, config[0], config[1], config[2] if len(config) > 2 else 1, gated,
-                               parts, config[3] if len(config) > 3 else 1)
+            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
