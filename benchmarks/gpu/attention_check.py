@@ -11,7 +11,8 @@ MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention sha
 its largest difference, whether the cache arrays after it are the old ones with the one
 position replaced, bit for bit, and nothing else; and its us per call beside MLX's
 one-query attention, up to a 32k-position cache at one stream (each head's keys split
-over several blocks there). ``--whole``: a small float16 llama
+over several blocks there). ``--reps N``: N calls a timing instead of 100 (under ``ncu``,
+whose per-launch GPU times leave the host's share out: lease.sh's ``prepare``). ``--whole``: a small float16 llama
 (head size 128) decoding a padded batch through the cached variant with the whole
 one-token step one compiled call (``whole_step``) against the same without it: the
 largest logit difference, the greedy tokens and the caches, over a growth of the cache.
@@ -55,11 +56,12 @@ def reference(q, k, v, scale: float, mask):
     return mx.softmax(scores, axis=-1) @ vf
 
 
-def check_cached() -> bool:
+def check_cached(reps: int = 100) -> bool:
     """The cached variant against a cache's own writes and MLX's masked attention, and
     us per call against MLX's unmasked one-query attention over the same keys (what
     mlx-lm runs for one unpadded stream) and its masked one; long caches split each
-    head's keys over several blocks (``splits``)."""
+    head's keys over several blocks (``splits``). ``reps`` calls a timing (a few under
+    ncu, which times each launch on the GPU's own clock: the host left out)."""
     print("| dtype | D | streams | write at | splits | err vs MLX | cache as written | padding "
           "| kernel us | kernel whole us | MLX unmasked us | MLX masked us |")
     print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
@@ -80,21 +82,21 @@ def check_cached() -> bool:
         good &= written and err < 0.05
         position = mx.array([at], dtype=mx.int32)
         t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
-                          cached_attention_cuda.attend_cached(*a, s), 100)  # writes the same position again
+                          cached_attention_cuda.attend_cached(*a, s), reps)  # writes the same position again
         # the same with every head's keys in one block (no split, no combine): where a
         # split stops paying is what MIN_KEYS should say
         target = cached_attention_cuda.TARGET_BLOCKS
         cached_attention_cuda.TARGET_BLOCKS = 1
         try:
             t_whole = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
-                                  cached_attention_cuda.attend_cached(*a, s), 100)
+                                  cached_attention_cuda.attend_cached(*a, s), reps)
         finally:
             cached_attention_cuda.TARGET_BLOCKS = target
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
         mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
-        t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), 100)
+        t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
         t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:
-                          mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), 100)
+                          mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
               f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} | {written} "
               f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
@@ -152,7 +154,8 @@ def main() -> None:
         if not check_whole():
             print("the whole step DISAGREES")
         return
-    if not check_cached():
+    reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 100
+    if not check_cached(reps):
         print("the cached variant DISAGREES")
     if "--cached" in sys.argv:
         return
@@ -171,10 +174,10 @@ def main() -> None:
         err_k = mx.abs(got.astype(mx.float32) - ref).max().item()
         err_m = mx.abs(mlx.astype(mx.float32) - ref).max().item()
         args = (q, k, v)
-        t_k = per_product(lambda a=args, s=scale, m=mask: attention_cuda.attend(*a, s, m), 100)
+        t_k = per_product(lambda a=args, s=scale, m=mask: attention_cuda.attend(*a, s, m), reps)
         t_m = per_product(lambda a=args, s=scale, m=mask: mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m),
-                          100)
-        t_u = per_product(lambda a=args, s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), 100)
+                          reps)
+        t_u = per_product(lambda a=args, s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {keys} | {err_k:.4f} | {err_m:.4f} "
               f"| {t_k:.1f} | {t_m:.1f} | {t_u:.1f} |", flush=True)
 

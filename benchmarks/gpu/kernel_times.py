@@ -19,9 +19,10 @@ GPU's own clocks, as a server's steps run, where ncu would lock them at base), t
 opened (``cudaProfilerStart``) around ``--steps`` steps after a warm-up, each window
 begun by a marker kernel so the rows split by window. The quantized layers are MLX's
 products flattened (``GMLX_QMV_KERNEL=flat``: what the tuner starts from), but in the
-``tuned`` loop: there they take the paths a server's load gives them (its tuning read
+``tuned`` loops: there they take the paths a server's load gives them (its tuning read
 from ``GMLX_HOME``, or timed first), and the step kernels (``glu_cuda``, ``qkv_cuda``)
-run where that tuning takes them: the served step's own kernels.
+run where that tuning takes them; ``tuned whole`` adds the compiled blocks, the in-place
+attention and the whole step: the served step's own kernels.
 ``--ncu PATH`` names the profiler; ``--csv FILE`` only reads an earlier run's output.
 """
 
@@ -81,7 +82,7 @@ def child(args: argparse.Namespace) -> None:
     os.environ["GMLX_QMV_KERNEL"] = "flat"
     fast_linear.use_fast_kernels(loaded.model)
     tuned: dict[int, dict] = {}  # the load tuner's paths per layer, for the "tuned" loop
-    if "tuned" in args.loops.split(","):
+    if any(mode.startswith("tuned") for mode in args.loops.split(",")):
         os.environ["GMLX_QMV_KERNEL"] = "1"  # read from GMLX_HOME's tuning, or timed now
         print(f"tuned: {fast_linear.use_fast_kernels(loaded.model)}", flush=True)
         tuned = {id(m): dict(m.paths) for _, m in loaded.model.named_modules()
@@ -94,9 +95,9 @@ def child(args: argparse.Namespace) -> None:
         for mode in args.loops.split(","):
             for _, m in loaded.model.named_modules():
                 if id(m) in tuned:
-                    m.set_paths(dict(tuned[id(m)]) if mode == "tuned" else {})
+                    m.set_paths(dict(tuned[id(m)]) if mode.startswith("tuned") else {})
             with layered(loaded.model, mode):
-                if mode == "tuned":  # the step kernels where the load's tuning takes them
+                if mode.startswith("tuned"):  # the step kernels where the load's tuning takes them
                     for kernel in (glu_cuda, qkv_cuda):
                         print(f"tuned: {kernel.tune(loaded.model)}", flush=True)
                 cache, current = _primed(loaded.model, width, 128, "gmlx cache")

@@ -8,15 +8,18 @@
 #   call 2, carry [".gpu/part2"]:              bash benchmarks/gpu/lease.sh part2
 #   call 3, carry [".gpu/part3", ".gpu/ptx"]:  bash benchmarks/gpu/lease.sh prepare   (~320 s)
 #   call 4:                                    bash benchmarks/gpu/lease.sh gmlx      (~140-400 s)
-#   call 5:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
-#   call 6 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
+#   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~120 s)
+#   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
+#   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
 #
 # start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
-# prepare: part 3 and the kernel cache staged, the wheels installed, the kernel checks
-#   (attention_check --cached, gemv_check --rows 1, plain and gated), the 8B's F16 GGUF, the build waited
+# prepare: part 3 and the kernel cache staged, the wheels installed, the kernel check
+#   (attention_check --cached, then again under ncu: each launch's GPU time), the 8B's F16 GGUF, the build waited
 #   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
 # gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
 #   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here).
+# trace: every kernel of the served step (the load's tuning from gmlx's run, the whole step
+#   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler.
 # long: a 7,800-token prompt at one stream, llama-server and gmlx.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
@@ -46,8 +49,10 @@ case ${1:-} in
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     with_env
     timeout 120 python3 $GPU/attention_check.py --cached > "$OUT/attention.txt" 2>&1
-    timeout 150 python3 $GPU/gemv_check.py --rows 1 --dtype float16 > "$OUT/gemv.txt" 2>&1
-    timeout 60 python3 $GPU/gemv_check.py --gated --rows 1 --dtype float16 >> "$OUT/gemv.txt" 2>&1
+    # each launch's GPU time (the host left out), a few calls a timing: the kernels' own cost
+    timeout 150 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none --csv \
+      --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \
+      python3 $GPU/attention_check.py --cached --reps 2 > "$OUT/attention-ncu.csv" 2>&1
     python3 $GPU/models.py --shape llama3-8b --only gguf-f16 2>&1 | tail -2
     bash $GPU/setup.sh llama --wait 2>&1 | tail -2
     python3 $GPU/models.py --shape llama3-8b --quantize /tmp/llama/build/bin/llama-quantize \
@@ -55,7 +60,7 @@ case ${1:-} in
     rm -f /tmp/models/llama3-8b/*f16.gguf
     "${BENCH[@]}" --servers llama --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
       > "$OUT/bench-llama.txt" 2>&1
-    cat "$OUT/attention.txt" "$OUT/gemv.txt"; tail -8 "$OUT/bench.md"
+    cat "$OUT/attention.txt"; tail -3 "$OUT/attention-ncu.csv"; tail -8 "$OUT/bench.md"
     ;;
   gmlx)
     with_env
@@ -64,6 +69,12 @@ case ${1:-} in
     grep -E "whole steps of|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | head -20
     bash $GPU/setup.sh kernels "$OUT" | tail -1
     tail -14 "$OUT/bench.md"
+    ;;
+  trace)
+    with_env
+    GMLX_HOME=/tmp/gmlx-home timeout 300 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1,8 \
+      --loops "tuned whole" --steps 8 --trace --dtype float16 > "$OUT/trace.txt" 2>&1
+    grep -v "^tuned:" "$OUT/trace.txt" | tail -60
     ;;
   long)
     with_env

@@ -140,7 +140,8 @@ def load(ref: str, dtype: str, quantize: bool = True):
 LAYERED = {"one token": (), "add norm": ("add norm",), "rope": ("rope",), "all kernels": ("add norm", "rope"),
            "glu": ("glu",), "qkv": ("qkv",), "step kernels": ("glu", "qkv"), "tuned": ("glu", "qkv"),
            "compiled": ("compiled",), "step compiled": ("glu", "qkv", "compiled"),
-           "cached": ("glu", "qkv", "compiled", "cached"), "whole": ("glu", "qkv", "compiled", "cached", "whole")}
+           "cached": ("glu", "qkv", "compiled", "cached"), "whole": ("glu", "qkv", "compiled", "cached", "whole"),
+           "tuned whole": ("glu", "qkv", "compiled", "cached", "whole")}
 
 
 @contextlib.contextmanager
