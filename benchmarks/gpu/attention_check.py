@@ -63,8 +63,8 @@ def check_cached(reps: int = 100) -> bool:
     head's keys over several blocks (``splits``). ``reps`` calls a timing (a few under
     ncu, which times each launch on the GPU's own clock: the host left out)."""
     print("| dtype | D | streams | write at | splits | err vs MLX | cache as written | padding "
-          "| kernel us | kernel whole us | MLX unmasked us | MLX masked us |")
-    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
+          "| kernel us | whole us | split us (splits) | MLX unmasked us | MLX masked us |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
     good = True
     for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130),
                                           (mx.bfloat16, 128, 32, 512, 300), (mx.bfloat16, 128, 8, 512, 300),
@@ -83,15 +83,11 @@ def check_cached(reps: int = 100) -> bool:
         position = mx.array([at], dtype=mx.int32)
         t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
                           cached_attention_cuda.attend_cached(*a, s), reps)  # writes the same position again
-        # the same with every head's keys in one block (no split, no combine): where a
-        # split stops paying is what MIN_KEYS should say
-        target = cached_attention_cuda.TARGET_BLOCKS
-        cached_attention_cuda.TARGET_BLOCKS = 1
-        try:
-            t_whole = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
-                                  cached_attention_cuda.attend_cached(*a, s), reps)
-        finally:
-            cached_attention_cuda.TARGET_BLOCKS = target
+        # the same with every head's keys in one block (no split, no combine), and split
+        # toward the target whatever the length: where a split starts to pay
+        n = cached_attention_cuda.splits(batch * kv_heads, capacity, 0)
+        t_whole, t_split = (per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale, parts=each:
+                                        cached_attention_cuda.attend_cached(*a, s, n=parts), reps) for each in (1, n))
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
         mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
         t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
@@ -99,7 +95,11 @@ def check_cached(reps: int = 100) -> bool:
                           mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
               f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} | {written} "
-              f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
+              f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_split:.1f} ({n}) | {t_u:.1f} "
+              f"| {t_m:.1f} |", flush=True)
+    for heads, kv_heads, d in ((32, 8, 128), (12, 2, 128)):  # the 8B's shape and the 1.5B's, as a load times them
+        print(f"\nload's split timing: {cached_attention_cuda.tune_split(heads, kv_heads, d, d ** -0.5, mx.bfloat16)}",
+              flush=True)
     return good
 
 

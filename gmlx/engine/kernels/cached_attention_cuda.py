@@ -181,6 +181,14 @@ _FINISH_SPLIT = ("#define FINISH(r) { const size_t at_ = ((size_t)b * heads + h)
 TARGET_BLOCKS = 264  # about two blocks an SM on the H100 and H200 (132 SMs)
 MIN_KEYS = 32  # the fewest positions of the capacity a split is made for
 MAX_GROUP_DIMS = 1536  # query heads a key-value head x head size: the warps' shares in 48 KB
+# Positions of the capacity for each block (stream x key-value head) before a split pays,
+# where the load has not measured it (:func:`tune_splits`): on the H100 (12-05,
+# attention_check) one stream of an 8B (8 blocks) split lost at 2,304 positions (29.7 us
+# against 18.4 whole) and at 256 (29.9 against 11.9), and won at 8,192 (43.6 against 50.8)
+# and 32,768 (154 against 287); 8 streams at 8,192 lost (294 against 267).
+SPLIT_KEYS = 512
+TUNE_CAPACITIES = (1024, 2048, 4096, 8192, 16384)  # one stream's cache lengths the load times both forms at
+_split_keys: dict[tuple, int] = {}  # the load's measure (tune_splits), per (heads, kv heads, head size, dtype)
 
 
 def cached_enabled() -> bool:
@@ -223,26 +231,36 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
 
-def splits(blocks: int, capacity: int) -> int:
+def splits(blocks: int, capacity: int, split_keys: int = SPLIT_KEYS) -> int:
     """Blocks each of ``blocks`` (streams x key-value heads) is split into over a cache of
-    ``capacity`` positions: toward ``TARGET_BLOCKS`` in all, a split for every
-    ``MIN_KEYS`` positions at most. The keys so far are shared evenly between the splits
-    (in the kernel, from the write position), so a short cache in a large capacity
-    still gives every block some; one block a head over a long cache would leave most of
-    the GPU idle (8 blocks at one stream of an 8B)."""
+    ``capacity`` positions: one (the whole form, one launch) until the capacity reaches
+    ``split_keys`` positions for each block, then toward ``TARGET_BLOCKS`` in all, a
+    split for every ``MIN_KEYS`` positions at most. The keys so far are shared evenly
+    between the splits (in the kernel, from the write position), so a short cache in a
+    large capacity still gives every block some. One block a head over a long cache
+    leaves most of the GPU idle (8 blocks at one stream of an 8B), but a split costs a
+    second launch and its shares' round trip, which a short cache, or a wide batch whose
+    blocks already fill the GPU, does not earn back (:data:`SPLIT_KEYS`)."""
+    if capacity < split_keys * max(blocks, 1):
+        return 1
     return max(1, min(-(-TARGET_BLOCKS // max(blocks, 1)), capacity // MIN_KEYS))
 
 
+def _shape(q: Any, keys: Any) -> tuple:
+    return q.shape[1], keys.shape[1], q.shape[3], str(q.dtype)
+
+
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
-                  scale: float) -> Any:
+                  scale: float, n: int | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
     cache's write position, the same for every stream), and ``softmax(q k^T * scale) v``
     over each stream's keys from its ``padding`` (``(B,)``) to that position ->
-    ``(B, 1, H * D)``, shaped for the output projection. The keys are split over
-    several blocks a key-value head (:func:`splits`) and a second launch combines their
-    shares, unless the batch has blocks enough.
+    ``(B, 1, H * D)``, shaped for the output projection. Over a long cache the keys are
+    split over several blocks a key-value head (:func:`splits`, from the load's measure
+    for this shape where it took one) and a second launch combines their shares;
+    ``n`` sets the splits instead (1: whole).
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -252,36 +270,98 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     _AlignedBatchKVCache.write_and_attend`)."""
     b, heads, _, d = q.shape
     kv_heads = keys.shape[1]
-    n = splits(b * kv_heads, keys.shape[2])
+    if n is None:
+        n = splits(b * kv_heads, keys.shape[2], _split_keys.get(_shape(q, keys), SPLIT_KEYS))
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split),
                                     [q, k_new, v_new, keys, values, padding, position], q, n, b * kv_heads,
                                     (b, 1, heads * d))
 
 
 def compile_cached(model: Any) -> int:
-    """Run :func:`attend_cached` whole and split (:func:`splits`) for every distinct
+    """Run :func:`attend_cached` whole and split for every distinct
     attention shape among ``model``'s layers that write in place (one_token's
     ``_in_place``), so both kernels and the combine are compiled before the model reports
     ready (a cache reaches the split form only once it has grown, inside some later
     request), each call checked against MLX's attention (:func:`_check`). Returns how
     many shapes; raises RuntimeError where a kernel does not compile, launch or agree."""
-    import mlx.core as mx
+    shapes = _in_place_shapes(model)
+    for heads, kv_heads, d, scale, dtype in _supported(shapes):
+        for capacity in (MIN_KEYS, 16 * MIN_KEYS):  # one block a head, then split
+            _check(heads, kv_heads, d, scale, dtype, capacity,
+                   1 if capacity == MIN_KEYS else splits(2 * kv_heads, capacity, 0))
+    return len(shapes)
 
+
+def _in_place_shapes(model: Any) -> set[tuple]:
+    """The distinct attention shapes among ``model``'s layers that write in place: (query
+    heads, key-value heads, head size, scale, dtype)."""
     shapes = set()
     for _, m in model.named_modules():
         if getattr(m, "_in_place", False) and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "head_dim", "scale")):
             proj = m.o_proj
             dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
             shapes.add((m.n_heads, m.n_kv_heads, m.head_dim, float(m.scale), dtype))
-    for heads, kv_heads, d, scale, dtype in shapes:
-        if dtype in (mx.float16, mx.bfloat16) and d in attention_cuda.HEAD_DIMS:
-            for capacity in (MIN_KEYS, 16 * MIN_KEYS):  # one block a head, then split
-                _check(heads, kv_heads, d, scale, dtype, capacity)
-    return len(shapes)
+    return shapes
 
 
-def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int) -> None:
-    """One :func:`attend_cached` call on random inputs (two streams, the second padded)
+def _supported(shapes: set[tuple]) -> list[tuple]:
+    """Those of ``shapes`` the kernel is built for (float16 or bfloat16, a head size of
+    :data:`attention_cuda.HEAD_DIMS`), in a fixed order."""
+    import mlx.core as mx
+
+    return sorted((s for s in shapes if s[4] in (mx.float16, mx.bfloat16) and s[2] in attention_cuda.HEAD_DIMS), key=str)
+
+
+def tune_splits(model: Any) -> list[str]:
+    """Where a split starts to pay for each of ``model``'s in-place attention shapes on this
+    GPU (:func:`tune_split`). Returns one line a shape for the load's log."""
+    return [tune_split(heads, kv_heads, d, scale, dtype)
+            for heads, kv_heads, d, scale, dtype in _supported(_in_place_shapes(model))]
+
+
+def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> str:
+    """Where a split starts to pay for one attention shape on this GPU: one stream's call
+    timed whole and split at each of :data:`TUNE_CAPACITIES` (:func:`_call_time`, in the
+    order whole, split, split, whole), and the smallest capacity from which the split form
+    won at every capacity timed becomes the shape's positions a block (:func:`splits`;
+    none: twice the largest timed). Kept for the process (the decision is the GPU's and
+    the shape's, not a model's). Returns what it timed and took, in a line."""
+    import mlx.core as mx
+
+    timed = []
+    for capacity in TUNE_CAPACITIES:
+        keys = mx.random.split(mx.random.key(capacity), 5)
+        q = mx.random.normal((1, heads, 1, d), key=keys[0]).astype(dtype)
+        k_new, v_new = (mx.random.normal((1, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
+        k, v = (mx.random.normal((1, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
+        args = (q, k_new, v_new, k, v, mx.zeros((1,), mx.int32), mx.array([capacity - 1], mx.int32), scale)
+        mx.eval(*args[:-1])
+        n = splits(kv_heads, capacity, 0)
+        times = {1: 0.0, n: 0.0}
+        for each in (1, n, n, 1):
+            times[each] += _call_time(args, each)
+        timed.append((capacity, times[1] / 2, times[n] / 2))
+    from_ = 2 * TUNE_CAPACITIES[-1]
+    for capacity, whole, split in reversed(timed):
+        if split >= whole:
+            break
+        from_ = capacity
+    _split_keys[(heads, kv_heads, d, str(dtype))] = from_ // kv_heads
+    return (f"{heads} heads over {kv_heads}, head size {d}: split from {from_:,} positions at one stream ("
+            + ", ".join(f"{c:,}: {w * 1e6:.1f} whole / {s * 1e6:.1f} split us" for c, w, s in timed) + ")")
+
+
+def _call_time(args: tuple, n: int, reps: int = 20) -> float:
+    """Seconds a call of :func:`attend_cached` over ``args`` with ``n`` splits, ``reps``
+    calls queued before one wait (as a step queues its layers; each writes the same
+    position again)."""
+    from gmlx.engine.kernels.timing import product_time
+
+    return product_time(lambda: attend_cached(*args, n=n), reps) / reps
+
+
+def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int) -> None:
+    """One :func:`attend_cached` call with ``n`` splits on random inputs (two streams, the second padded)
     against MLX's attention over the same keys with the step's written at the middle
     position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
     these values is ~0.004) or the cache's arrays are not the old ones with that one
@@ -294,27 +374,29 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
     k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
     k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
     padding = mx.array([0, 3], dtype=mx.int32)
-    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale)
+    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n)
     if not (err <= 0.05 and written):
         raise RuntimeError(f"the in-place attention disagrees with MLX's ({heads} heads over {kv_heads}, head size "
                            f"{d}, {capacity} positions: largest difference {err:.3g}"
                            f"{'' if written else ', the cache not written as it should be'})")
 
 
-def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float) -> tuple[float, bool]:
-    """One :func:`attend_cached` call writing at ``at``, against MLX's attention over the
+def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float,
+              n: int | None = None) -> tuple[float, bool]:
+    """One :func:`attend_cached` call writing at ``at`` (``n`` splits: as it would be
+    launched where None), against MLX's attention over the
     same keys with the step's written there (each stream's from its ``padding``): the
     largest difference, and whether the cache's arrays are then the old ones with that
     one position replaced, bit for bit."""
     import mlx.core as mx
 
-    k_want, v_want = (mx.concatenate([a[..., :at, :], n, a[..., at + 1:, :]], axis=2)
-                      for a, n in ((k, k_new), (v, v_new)))
+    k_want, v_want = (mx.concatenate([a[..., :at, :], new, a[..., at + 1:, :]], axis=2)
+                      for a, new in ((k, k_new), (v, v_new)))
     mask = (mx.arange(at + 1)[None] >= padding[:, None]).reshape(padding.shape[0], 1, 1, at + 1)
     want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
                                                 scale=scale, mask=mask)
     mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
-    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale)
+    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n)
     mx.eval(got)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
     return err, mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()

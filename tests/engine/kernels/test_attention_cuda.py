@@ -408,9 +408,8 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     calls: list[tuple] = []
     replaying = _cached_replaying([])
 
-    def recorded(q, k_new, v_new, k, v, padding, position, scale):
-        calls.append((q.shape, k.shape, q.dtype, scale, cached_attention_cuda.splits(q.shape[0] * k.shape[1],
-                                                                                      k.shape[2])))
+    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None):
+        calls.append((q.shape, k.shape, q.dtype, scale, n))
         return replaying(q, k_new, v_new, k, v, padding, position, scale)
 
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
@@ -420,10 +419,10 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     assert [(k[2], n) for _, k, *_, n in calls] == [(32, 1), (512, 16)]  # whole, then split
     assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
 
-    def wrong(q, k_new, v_new, k, v, padding, position, scale):
+    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
 
-    def unwritten(q, k_new, v_new, k, v, padding, position, scale):
+    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None):
         k_old, v_old = np.array(k), np.array(v)
         out = replaying(q, k_new, v_new, k, v, padding, position, scale)
         np.array(k, copy=False)[...], np.array(v, copy=False)[...] = k_old, v_old  # the write undone
@@ -464,9 +463,20 @@ def test_a_kernel_that_does_not_compile_leaves_the_layers_to_the_cache(monkeypat
     layers = [m for _, m in model.named_modules() if hasattr(m, "_in_place")]
     assert len(layers) == 2 and not any(m._in_place for m in layers)
     monkeypatch.setattr(cached_attention_cuda, "compile_cached", lambda model: 1)
+    tuned: list = []
+    monkeypatch.setattr(cached_attention_cuda, "tune_splits", lambda model: tuned.append(model) or ["2 heads over 1"])
     one_token.detach(model)
     one_token.attach(model, in_place=True)
     assert kernels.compile_in_place(model)  # compiled: the whole step may follow
+    assert tuned == [model]  # and where its split pays, timed
+
+    def failed(model):
+        raise RuntimeError("an illegal memory access\n...")
+
+    monkeypatch.setattr(cached_attention_cuda, "tune_splits", failed)
+    with caplog.at_level(logging.WARNING, logger="gmlx.engine.kernels"):
+        assert kernels.compile_in_place(model)  # the default threshold, the load goes on
+    assert "splits as by default: an illegal memory access" in caplog.text
     one_token.detach(model)
 
 
@@ -513,13 +523,76 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_cached_kernel_splits_toward_its_target() -> None:
-    """A block a (stream, key-value head) split toward ``TARGET_BLOCKS``, a split for
-    every 32 positions of the capacity at most."""
-    assert cached_attention_cuda.splits(8, 32) == 1  # one stream of an 8B, a tiny cache
-    assert cached_attention_cuda.splits(8, 256) == 8
-    assert cached_attention_cuda.splits(8, 8192) == 33  # 264 blocks
-    assert cached_attention_cuda.splits(32 * 8, 8192) == 2
-    assert cached_attention_cuda.splits(64 * 8, 8192) == 1  # enough blocks already
+    """A block a (stream, key-value head) whole until the capacity reaches ``split_keys``
+    positions a block (by default ``SPLIT_KEYS``: 4,096 at one stream of an 8B), then
+    split toward ``TARGET_BLOCKS``, a split for every 32 positions of the capacity at
+    most; a wide batch needs a longer cache before it splits."""
+    splits = cached_attention_cuda.splits
+    assert cached_attention_cuda.SPLIT_KEYS == 512
+    assert splits(8, 32) == 1  # one stream of an 8B, a tiny cache
+    assert splits(8, 256) == 1  # short: the split lost 2.5x on the H100
+    assert splits(8, 2304) == 1
+    assert splits(8, 4096) == 33  # 264 blocks
+    assert splits(8, 32768) == 33
+    assert splits(64, 8192) == 1  # 8 streams: whole won at 8,192
+    assert splits(64, 32768) == 5
+    assert splits(8, 256, split_keys=0) == 8  # as the load's check forces it
+    assert splits(32 * 8, 8192, split_keys=0) == 2
+    assert splits(64 * 8, 8192, split_keys=0) == 1  # enough blocks already
+    assert splits(8, 2048, split_keys=256) == 33  # a load that measured the split paying sooner
+
+
+def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tune_splits`` times one stream's call whole and split at each capacity it tries
+    (the clock a stand-in here: no GPU) and takes the smallest capacity from which the
+    split won at every one after it, for each in-place shape; ``attend_cached`` then
+    splits that shape from there and other shapes by the default. A split that never wins
+    keeps the whole form up to twice the longest timed; the timing is in the log line."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from gmlx.engine.kernels import one_token
+
+    model = Model(ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64))
+    model.set_dtype(mx.float16)
+    one_token.attach(model, in_place=True)
+    timed: list[tuple[int, int]] = []
+
+    def clock(wins_from: int):
+        def call_time(args, n):
+            capacity = args[3].shape[2]
+            timed.append((capacity, n))
+            assert args[0].shape == (1, 4, 1, 64) and args[3].shape == (1, 2, capacity, 64)
+            # noisy at 1,024 (the split wins there by chance), then whole until wins_from
+            wins = capacity >= wins_from or capacity == 1024
+            return (10e-6 if n == 1 else 12e-6) if not wins else (20e-6 if n == 1 else 15e-6)
+        return call_time
+
+    monkeypatch.setattr(cached_attention_cuda, "_split_keys", {})
+    try:
+        monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(4096))
+        (line,) = cached_attention_cuda.tune_splits(model)
+        assert timed[:4] == [(1024, 1), (1024, 32), (1024, 32), (1024, 1)]  # whole, split, split, whole
+        assert [c for c, _ in timed[::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
+        assert "4 heads over 2, head size 64: split from 4,096 positions at one stream" in line
+        assert "2,048: 10.0 whole / 12.0 split us" in line
+        assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 2048}
+        launched = []
+        monkeypatch.setattr(attention_cuda, "in_blocks", lambda kernel, inputs, q, n, *rest: launched.append(n))
+        for capacity in (2048, 4096):
+            k = mx.zeros((1, 2, capacity, 64), mx.float16)
+            cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
+                                                k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
+        k = mx.zeros((1, 1, 1024, 64), mx.float16)  # another shape: the default (512 a block)
+        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
+                                            k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
+        assert launched == [1, 128, 32]
+        monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(1 << 30))
+        (line,) = cached_attention_cuda.tune_splits(model)
+        assert "split from 32,768 positions" in line
+        assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 16384}
+    finally:
+        one_token.detach(model)
 
 
 def test_which_steps_take_the_cached_kernel() -> None:
@@ -546,7 +619,7 @@ def _cached_replaying(calls: list[int]):
     own buffers (``np.array(copy=False)`` is a view of an evaluated MLX array on the CPU),
     then the kernel's arithmetic replayed over the keys so far."""
 
-    def attend_cached(q, k_new, v_new, k, v, padding, position, scale):
+    def attend_cached(q, k_new, v_new, k, v, padding, position, scale, n=None):
         mx.eval(q, k_new, v_new, k, v, padding, position)
         at = position.item()
         calls.append(at)
