@@ -62,9 +62,10 @@ def check_cached(reps: int = 100) -> bool:
     mlx-lm runs for one unpadded stream) and its masked one; long caches split each
     head's keys over several blocks (``splits``). ``reps`` calls a timing (a few under
     ncu, which times each launch on the GPU's own clock: the host left out)."""
-    print("| dtype | D | streams | write at | splits | err vs MLX | cache as written | padding "
-          "| kernel us | whole us | split us (splits) | MLX unmasked us | MLX masked us |")
-    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    print("| dtype | D | streams | write at | splits | err vs MLX warp / lane | cache as written | padding "
+          "| kernel us | warp whole us | warp split us (splits) | lane whole us | lane split us "
+          "| MLX unmasked us | MLX masked us |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     good = True
     for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130),
                                           (mx.bfloat16, 128, 32, 512, 300), (mx.bfloat16, 128, 8, 512, 300),
@@ -78,27 +79,34 @@ def check_cached(reps: int = 100) -> bool:
         k, v = (mx.random.normal((batch, kv_heads, capacity, d)).astype(dtype) for _ in range(2))
         padding = mx.array([(i * 37) % max(1, at // 2) for i in range(batch)], dtype=mx.int32)
         scale = d ** -0.5
-        err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale)
-        good &= written and err < 0.05
+        lane = cached_attention_cuda.fits(heads // kv_heads, d, "lane")
+        err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, layout="warp")
+        err_lane, written_lane = (cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale,
+                                                                  layout="lane") if lane else (err, written))
+        good &= written and err < 0.05 and written_lane and err_lane < 0.05
         position = mx.array([at], dtype=mx.int32)
         t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
                           cached_attention_cuda.attend_cached(*a, s), reps)  # writes the same position again
         # the same with every head's keys in one block (no split, no combine), and split
-        # toward the target whatever the length: where a split starts to pay
+        # toward the target whatever the length (where a split starts to pay), in each layout
         n = cached_attention_cuda.splits(batch * kv_heads, capacity, 0)
-        t_whole, t_split = (per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale, parts=each:
-                                        cached_attention_cuda.attend_cached(*a, s, n=parts), reps) for each in (1, n))
+        t_whole, t_split, t_lane_whole, t_lane_split = (
+            per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale, parts=parts, layout=layout:
+                        cached_attention_cuda.attend_cached(*a, s, n=parts, layout=layout), reps)
+            if layout == "warp" or lane else float("nan")
+            for layout in ("warp", "lane") for parts in (1, n))
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
         mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
         t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
         t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:
                           mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
-              f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} | {written} "
-              f"| {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_split:.1f} ({n}) | {t_u:.1f} "
-              f"| {t_m:.1f} |", flush=True)
+              f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} / {err_lane:.4f} "
+              f"| {written and written_lane} | {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_split:.1f} ({n}) "
+              f"| {t_lane_whole:.1f} | {t_lane_split:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
     for heads, kv_heads, d in ((32, 8, 128), (12, 2, 128)):  # the 8B's shape and the 1.5B's, as a load times them
-        print(f"\nload's split timing: {cached_attention_cuda.tune_split(heads, kv_heads, d, d ** -0.5, mx.bfloat16)}",
+        cached_attention_cuda.compile_shape(heads, kv_heads, d, d ** -0.5, mx.bfloat16)  # as a load checks it
+        print(f"\nthe load's timing: {cached_attention_cuda.tune_split(heads, kv_heads, d, d ** -0.5, mx.bfloat16)}",
               flush=True)
     return good
 

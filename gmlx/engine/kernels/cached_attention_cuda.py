@@ -21,7 +21,17 @@ key's score, then the block's maximum and total at every tile of 256 keys) took 
 a call at 37-300 keys on an H200 (ncu: 32 blocks, 1.5% of the SMs' throughput, warps
 waiting on their loads; MLX's one-query kernel 7 us) and 53 us at 8,000 keys (MLX 35),
 reading each key-value head's keys once for each of its query heads: a conversation of
-7,800 tokens decoded at 0.83x llama-server where a short one ran at 1.05-1.10x.
+7,800 tokens decoded at 0.83x llama-server where a short one ran at 1.05-1.10x. This one
+took 11-12 us at 37-130 keys on the H100 and 51 us at 8,000 (MLX 4 and 37): each key
+still costs every lane five shuffles and two ``exp2f`` a head of the group.
+
+A second form takes a key a lane (:data:`LAYOUTS`): each lane scores one key against the
+group's queries held in shared memory, a tile of 32 keys takes one shuffle reduction a
+head for its maximum and one ``exp2f`` a lane, and the warp adds the tile's values a key
+at a time with the weights read from shared memory. Which form runs, whole and split
+apart, and from what cache length a split pays, the load measures on its GPU for each
+attention shape (:func:`tune_split`); the lane form only where it also agreed with MLX at
+the load's check (it was built without a GPU at hand, 12-05, and is untimed).
 
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). The tests run its source
@@ -31,12 +41,15 @@ attention, and compile it for sm_90 with nvcc as MLX wraps it.
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import attention_cuda, cuda_source
 from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
+
+log = logging.getLogger(__name__)
 
 # The kernel: a block a (stream, key-value head, split), its WARPS warps taking the
 # split's keys in turn, a key a warp, each lane VEC dimensions of it (one wide load of the
@@ -45,10 +58,9 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 # dot products summed by shuffles, and each warp keeps its own running maximum, total and
 # values per head (no barrier until the end). UNROLL keys' loads go out before their use.
 # Then the warps' shares meet in shared memory, a thread an output (head, dimension).
-_SOURCE = """
+_COMMON = """
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = D / 32;
-constexpr int UNROLL = 4;
 __shared__ float wm[WARPS][GROUP];
 __shared__ float wl[WARPS][GROUP];
 __shared__ float wacc[WARPS][GROUP][D];
@@ -92,6 +104,11 @@ auto row = [&](float* dst, const T* r, int64_t step, bool dense) {
         for (int e = 0; e < VEC; ++e) dst[e] = static_cast<float>(r[(lane * VEC + e) * step]);
     }
 };
+"""
+
+# A key a warp (the served form since 12-05).
+_WARP_LOOP = """
+constexpr int UNROLL = 4;
 float qv[GROUP][VEC];
 float m[GROUP], l[GROUP], acc[GROUP][VEC];
 #pragma unroll
@@ -138,6 +155,11 @@ for (int j0 = start + warp; j0 < end; j0 += WARPS * UNROLL) {
         }
     }
 }
+"""
+
+# The warps' shares meet in shared memory, a thread an output (head, dimension); one block
+# of each key-value head writes the step's key and value into the cache.
+_MERGE = """
 #pragma unroll
 for (int g = 0; g < GROUP; ++g) {
     #pragma unroll
@@ -168,7 +190,113 @@ if (split == 0 && t < D) {
 }
 """
 
-_BODY = compact(_SOURCE)
+
+_BODY = compact(_COMMON + _WARP_LOOP + _MERGE)
+
+# The same attention a key a lane: a warp takes the split's keys 32 at a time, each lane
+# one key's scores for every head of the group (its whole key against the group's
+# queries, held scaled in shared memory and read by all lanes at once), so a tile's
+# maximum is one shuffle reduction a head and each lane's weight one exp2f; the weights go
+# through shared memory and the warp adds the tile's values a key at a time, each lane
+# VEC dimensions (as above), UNROLL keys' loads in flight. Each lane keeps its share of
+# the total, summed over the warp at the end. Per key the form above shuffles five times
+# and takes two exp2f a head on every lane; this one takes about 5/32 and 2/32.
+_LANE_LOOP = """
+constexpr int UNROLL = 8;
+__shared__ float qs[GROUP][D];
+__shared__ float ps[WARPS][32][GROUP];
+// eight dimensions of a row from c on (dense: one 16-byte load), as floats
+auto eight = [&](float* dst, const T* r, int c, int64_t step, bool dense) {
+    if (dense) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(r + c);
+        const T* x = reinterpret_cast<const T*>(&raw);
+        for (int e = 0; e < 8; ++e) dst[e] = static_cast<float>(x[e]);
+    } else {
+        for (int e = 0; e < 8; ++e) dst[e] = static_cast<float>(r[(c + e) * step]);
+    }
+};
+for (int i = t; i < GROUP * D; i += THREADS) {
+    const int g = i / D;
+    const int e = i % D;
+    qs[g][e] = static_cast<float>(q[b * q_strides[0] + (kvh * GROUP + g) * q_strides[1] + e * q_strides[3]]) * QSCALE;
+}
+__syncthreads();
+float m[GROUP], l[GROUP], acc[GROUP][VEC];
+#pragma unroll
+for (int g = 0; g < GROUP; ++g) {
+    m[g] = FLOOR;
+    l[g] = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[g][e] = 0.0f;
+}
+for (int j0 = start + warp * 32; j0 < end; j0 += WARPS * 32) {
+    const int j = j0 + lane;
+    const bool live = j < end;
+    float s[GROUP];
+    #pragma unroll
+    for (int g = 0; g < GROUP; ++g) s[g] = 0.0f;
+    if (live) {
+        const bool own = j == at;  // the step's own key, from its array
+        const T* kr = own ? kn : kb + (int64_t)j * k_strides[2];
+        const int64_t step = own ? k_new_strides[3] : k_strides[3];
+        const bool dense = !own && kdense;
+        #pragma unroll
+        for (int c = 0; c < D; c += 8) {
+            float kf[8];
+            eight(kf, kr, c, step, dense);
+            #pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) s[g] += qs[g][c + e] * kf[e];
+            }
+        }
+    }
+    #pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float top = live ? s[g] : FLOOR;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+        const float mn = fmaxf(m[g], top);
+        const float corr = exp2f(m[g] - mn);
+        const float p = live ? exp2f(s[g] - mn) : 0.0f;
+        l[g] = l[g] * corr + p;
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][e] *= corr;
+        m[g] = mn;
+        ps[warp][lane][g] = p;
+    }
+    __syncwarp();
+    const int n = min(32, end - j0);
+    for (int u0 = 0; u0 < n; u0 += UNROLL) {
+        float vf[UNROLL][VEC];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int jj = j0 + u0 + u;
+            if (u0 + u >= n) break;
+            if (jj == at) row(vf[u], vn, v_new_strides[3], false);
+            else row(vf[u], vb + (int64_t)jj * v_strides[2], v_strides[3], vdense);
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (u0 + u >= n) break;
+            #pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float p = ps[warp][u0 + u][g];
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[g][e] += p * vf[u][e];
+            }
+        }
+    }
+    __syncwarp();
+}
+#pragma unroll
+for (int g = 0; g < GROUP; ++g) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l[g] += __shfl_xor_sync(0xffffffffu, l[g], o);
+}
+"""
+
+_LANE_BODY = compact(_COMMON + _LANE_LOOP + _MERGE)
 
 # How a block ends: with a head's keys in one block, the output of each head of its
 # group (``out``, ``(B, 1, H * D)``); split, each head's share (the values' sum unscaled,
@@ -180,7 +308,8 @@ _FINISH_SPLIT = ("#define FINISH(r) { const size_t at_ = ((size_t)b * heads + h)
                  "pacc[at_ * D + d] = (r); if (d == 0) { pm[at_] = top; pl[at_] = total; } }\n")
 TARGET_BLOCKS = 264  # about two blocks an SM on the H100 and H200 (132 SMs)
 MIN_KEYS = 32  # the fewest positions of the capacity a split is made for
-MAX_GROUP_DIMS = 1536  # query heads a key-value head x head size: the warps' shares in 48 KB
+SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
+LAYOUTS = ("warp", "lane")  # a key a warp (_WARP_LOOP), a key a lane (_LANE_LOOP)
 # Positions of the capacity for each block (stream x key-value head) before a split pays,
 # where the load has not measured it (:func:`tune_splits`): on the H100 (12-05,
 # attention_check) one stream of an 8B (8 blocks) split lost at 2,304 positions (29.7 us
@@ -189,6 +318,8 @@ MAX_GROUP_DIMS = 1536  # query heads a key-value head x head size: the warps' sh
 SPLIT_KEYS = 512
 TUNE_CAPACITIES = (1024, 2048, 4096, 8192, 16384)  # one stream's cache lengths the load times both forms at
 _split_keys: dict[tuple, int] = {}  # the load's measure (tune_splits), per (heads, kv heads, head size, dtype)
+_layouts: dict[tuple, tuple[str, str]] = {}  # likewise: the whole form's layout and the split form's
+_lane_agrees: dict[tuple, bool] = {}  # whether the lane form agreed with MLX at the load's check
 
 
 def cached_enabled() -> bool:
@@ -212,7 +343,7 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
     shape = (b, keys.shape[1], 1, d)
     return (q.dtype in (mx.float16, mx.bfloat16) and d in attention_cuda.HEAD_DIMS and keys.shape[0] == b
             and keys.shape[3] == d and values.shape == keys.shape and heads % keys.shape[1] == 0
-            and heads // keys.shape[1] * d <= MAX_GROUP_DIMS
+            and fits(heads // keys.shape[1], d)
             and all(a.dtype == q.dtype for a in (k_new, v_new, keys, values))
             and k_new.shape == shape and v_new.shape == shape
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
@@ -220,15 +351,28 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 
 @cache
-def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False) -> Any:
+def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp") -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
-    share of the keys, for the combine): two kernels per float type, head size, scale and
-    group of query heads, whatever the cache's length."""
+    share of the keys, for the combine), a key a warp or a key a lane (``layout``): four
+    kernels per float type, head size, scale and group of query heads, whatever the
+    cache's length."""
     head = (attention_cuda.kernel_head(dtype, head_dim, scale) + f"constexpr int GROUP = {group};\n"
             + (_FINISH_SPLIT if split else _FINISH_ONE))
-    name = f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}{'_split' if split else ''}"
-    return build(name, head, _BODY, ["q", "k_new", "v_new", "k", "v", "padding", "position"],
+    name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}{'_lane' if layout == 'lane' else ''}"
+            f"{'_split' if split else ''}")
+    return build(name, head, _LANE_BODY if layout == "lane" else _BODY,
+                 ["q", "k_new", "v_new", "k", "v", "padding", "position"],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
+
+
+def fits(group: int, d: int, layout: str = "warp") -> bool:
+    """Whether the kernel in ``layout`` is built for ``group`` query heads a key-value
+    head of size ``d``: its shared memory (the warps' shares of every head's output,
+    maximum and total; a key a lane, also the group's queries and a tile's weights a
+    warp) within :data:`SHARED_BYTES`."""
+    warps = attention_cuda.THREADS // 32
+    floats = warps * group * d + 2 * warps * group + (group * d + warps * 32 * group if layout == "lane" else 0)
+    return 4 * floats <= SHARED_BYTES
 
 
 def splits(blocks: int, capacity: int, split_keys: int = SPLIT_KEYS) -> int:
@@ -251,7 +395,7 @@ def _shape(q: Any, keys: Any) -> tuple:
 
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
-                  scale: float, n: int | None = None) -> Any:
+                  scale: float, n: int | None = None, layout: str | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -260,7 +404,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     ``(B, 1, H * D)``, shaped for the output projection. Over a long cache the keys are
     split over several blocks a key-value head (:func:`splits`, from the load's measure
     for this shape where it took one) and a second launch combines their shares;
-    ``n`` sets the splits instead (1: whole).
+    ``n`` sets the splits instead (1: whole). A key a warp, or a key a lane where the
+    load measured that form faster for this shape (whole and split apart); ``layout``
+    sets it instead.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -270,26 +416,47 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     _AlignedBatchKVCache.write_and_attend`)."""
     b, heads, _, d = q.shape
     kv_heads = keys.shape[1]
+    shape = _shape(q, keys)
     if n is None:
-        n = splits(b * kv_heads, keys.shape[2], _split_keys.get(_shape(q, keys), SPLIT_KEYS))
-    return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split),
+        n = splits(b * kv_heads, keys.shape[2], _split_keys.get(shape, SPLIT_KEYS))
+    if layout is None:
+        layout = _layouts.get(shape, ("warp", "warp"))[n > 1]
+    return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout),
                                     [q, k_new, v_new, keys, values, padding, position], q, n, b * kv_heads,
                                     (b, 1, heads * d))
 
 
 def compile_cached(model: Any) -> int:
-    """Run :func:`attend_cached` whole and split for every distinct
+    """Run :func:`attend_cached` whole and split, in both layouts, for every distinct
     attention shape among ``model``'s layers that write in place (one_token's
-    ``_in_place``), so both kernels and the combine are compiled before the model reports
+    ``_in_place``), so the kernels and the combine are compiled before the model reports
     ready (a cache reaches the split form only once it has grown, inside some later
     request), each call checked against MLX's attention (:func:`_check`). Returns how
-    many shapes; raises RuntimeError where a kernel does not compile, launch or agree."""
+    many shapes; raises RuntimeError where a key-a-warp kernel does not compile, launch
+    or agree. A key-a-lane kernel that does not is only never used (logged)."""
     shapes = _in_place_shapes(model)
-    for heads, kv_heads, d, scale, dtype in _supported(shapes):
-        for capacity in (MIN_KEYS, 16 * MIN_KEYS):  # one block a head, then split
-            _check(heads, kv_heads, d, scale, dtype, capacity,
-                   1 if capacity == MIN_KEYS else splits(2 * kv_heads, capacity, 0))
+    for shape in _supported(shapes):
+        compile_shape(*shape)
     return len(shapes)
+
+
+def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> None:
+    """:func:`compile_cached` for one attention shape: whole and split, a key a warp
+    (RuntimeError where either does not compile, launch or agree), then a key a lane
+    where it fits (:func:`fits`), whose failure only keeps it from being used (logged)."""
+    forms = [(MIN_KEYS, 1), (16 * MIN_KEYS, splits(2 * kv_heads, 16 * MIN_KEYS, 0))]  # one block a head, then split
+    for capacity, n in forms:
+        _check(heads, kv_heads, d, scale, dtype, capacity, n)
+    key = (heads, kv_heads, d, str(dtype))
+    _lane_agrees[key] = False
+    if fits(heads // kv_heads, d, "lane"):
+        try:
+            for capacity, n in forms:
+                _check(heads, kv_heads, d, scale, dtype, capacity, n, "lane")
+            _lane_agrees[key] = True
+        except RuntimeError as error:
+            log.warning("cuda: the in-place attention's key-a-lane form is not used: %s",
+                        str(error).splitlines()[0][:200])
 
 
 def _in_place_shapes(model: Any) -> set[tuple]:
@@ -320,48 +487,74 @@ def tune_splits(model: Any) -> list[str]:
 
 
 def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> str:
-    """Where a split starts to pay for one attention shape on this GPU: one stream's call
-    timed whole and split at each of :data:`TUNE_CAPACITIES` (:func:`_call_time`, in the
-    order whole, split, split, whole), and the smallest capacity from which the split form
-    won at every capacity timed becomes the shape's positions a block (:func:`splits`;
-    none: twice the largest timed). Kept for the process (the decision is the GPU's and
-    the shape's, not a model's). Returns what it timed and took, in a line."""
+    """How one attention shape runs on this GPU, timed on one stream's calls
+    (:func:`_call_time`, each pair in the order a, b, b, a, so a drifting clock favours
+    neither): where the lane form agreed at the load's check (:func:`compile_cached`),
+    which layout the whole form takes (at 1,024 positions) and which the split form (at
+    the longest of :data:`TUNE_CAPACITIES`); then, with those, whole against split at each
+    of :data:`TUNE_CAPACITIES`, and the smallest capacity from which the split form won at
+    every capacity timed becomes the shape's positions a block (:func:`splits`; none:
+    twice the largest timed). Kept for the process (the decision is the GPU's and the
+    shape's, not a model's). Returns what it timed and took, in a line."""
     import mlx.core as mx
 
-    timed = []
-    for capacity in TUNE_CAPACITIES:
+    def call(capacity: int) -> tuple:
         keys = mx.random.split(mx.random.key(capacity), 5)
         q = mx.random.normal((1, heads, 1, d), key=keys[0]).astype(dtype)
         k_new, v_new = (mx.random.normal((1, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
         k, v = (mx.random.normal((1, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
         args = (q, k_new, v_new, k, v, mx.zeros((1,), mx.int32), mx.array([capacity - 1], mx.int32), scale)
         mx.eval(*args[:-1])
+        return args
+
+    def pair(args: tuple, a: tuple, b: tuple) -> tuple[float, float]:
+        if a == b:  # no split at this length: nothing to compare
+            return (t := _call_time(args, *a)), t
+        times = {a: 0.0, b: 0.0}
+        for each in (a, b, b, a):
+            times[each] += _call_time(args, *each)
+        return times[a] / 2, times[b] / 2
+
+    key = (heads, kv_heads, d, str(dtype))
+    _layouts.pop(key, None)
+    said = []
+    if _lane_agrees.get(key, False):
+        chosen = []
+        for capacity in (1024, TUNE_CAPACITIES[-1]):
+            n = 1 if capacity == 1024 else splits(kv_heads, capacity, 0)
+            warp, lane = pair(call(capacity), (n, "warp"), (n, "lane"))
+            chosen.append("lane" if lane < warp else "warp")
+            said.append(f"{'whole' if n == 1 else 'split'} form a key a {chosen[-1]} "
+                        f"({capacity:,}: {warp * 1e6:.1f} warp / {lane * 1e6:.1f} lane us)")
+        _layouts[key] = (chosen[0], chosen[1])
+    timed = []
+    for capacity in TUNE_CAPACITIES:
         n = splits(kv_heads, capacity, 0)
-        times = {1: 0.0, n: 0.0}
-        for each in (1, n, n, 1):
-            times[each] += _call_time(args, each)
-        timed.append((capacity, times[1] / 2, times[n] / 2))
+        whole, split = pair(call(capacity), (1, None), (n, None))
+        timed.append((capacity, whole, split))
     from_ = 2 * TUNE_CAPACITIES[-1]
     for capacity, whole, split in reversed(timed):
         if split >= whole:
             break
         from_ = capacity
-    _split_keys[(heads, kv_heads, d, str(dtype))] = from_ // kv_heads
-    return (f"{heads} heads over {kv_heads}, head size {d}: split from {from_:,} positions at one stream ("
-            + ", ".join(f"{c:,}: {w * 1e6:.1f} whole / {s * 1e6:.1f} split us" for c, w, s in timed) + ")")
+    _split_keys[key] = from_ // kv_heads
+    said.append(f"split from {from_:,} positions at one stream ("
+                + ", ".join(f"{c:,}: {w * 1e6:.1f} whole / {s * 1e6:.1f} split us" for c, w, s in timed) + ")")
+    return f"{heads} heads over {kv_heads}, head size {d}: " + "; ".join(said)
 
 
-def _call_time(args: tuple, n: int, reps: int = 20) -> float:
-    """Seconds a call of :func:`attend_cached` over ``args`` with ``n`` splits, ``reps``
-    calls queued before one wait (as a step queues its layers; each writes the same
-    position again)."""
+def _call_time(args: tuple, n: int, layout: str | None, reps: int = 20) -> float:
+    """Seconds a call of :func:`attend_cached` over ``args`` with ``n`` splits in
+    ``layout`` (None: the shape's), ``reps`` calls queued before one wait (as a step
+    queues its layers; each writes the same position again)."""
     from gmlx.engine.kernels.timing import product_time
 
-    return product_time(lambda: attend_cached(*args, n=n), reps) / reps
+    return product_time(lambda: attend_cached(*args, n=n, layout=layout), reps) / reps
 
 
-def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int) -> None:
-    """One :func:`attend_cached` call with ``n`` splits on random inputs (two streams, the second padded)
+def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int,
+           layout: str = "warp") -> None:
+    """One :func:`attend_cached` call with ``n`` splits in ``layout`` on random inputs (two streams, the second padded)
     against MLX's attention over the same keys with the step's written at the middle
     position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
     these values is ~0.004) or the cache's arrays are not the old ones with that one
@@ -374,17 +567,18 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
     k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
     k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
     padding = mx.array([0, 3], dtype=mx.int32)
-    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n)
+    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout)
     if not (err <= 0.05 and written):
-        raise RuntimeError(f"the in-place attention disagrees with MLX's ({heads} heads over {kv_heads}, head size "
+        raise RuntimeError(f"the in-place attention (a key a {layout}) disagrees with MLX's ({heads} heads over "
+                           f"{kv_heads}, head size "
                            f"{d}, {capacity} positions: largest difference {err:.3g}"
                            f"{'' if written else ', the cache not written as it should be'})")
 
 
 def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float,
-              n: int | None = None) -> tuple[float, bool]:
-    """One :func:`attend_cached` call writing at ``at`` (``n`` splits: as it would be
-    launched where None), against MLX's attention over the
+              n: int | None = None, layout: str | None = None) -> tuple[float, bool]:
+    """One :func:`attend_cached` call writing at ``at`` (``n`` splits in ``layout``: as
+    it would be launched where None), against MLX's attention over the
     same keys with the step's written there (each stream's from its ``padding``): the
     largest difference, and whether the cache's arrays are then the old ones with that
     one position replaced, bit for bit."""
@@ -396,7 +590,7 @@ def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: 
     want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
                                                 scale=scale, mask=mask)
     mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
-    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n)
+    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n, layout=layout)
     mx.eval(got)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
     return err, mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()

@@ -42,6 +42,7 @@ static std::barrier<>* block_barrier;
 static std::barrier<>* warp_barrier[32];
 static float exchange[32][32];
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_barrier[threadIdx.x >> 5]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     exchange[warp][lane] = v;

@@ -12,6 +12,7 @@ routing tests put that replay where the kernel would be, said in each.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -162,15 +163,17 @@ def _made(factory, *args) -> list[dict]:
 
 
 def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int,
-              group: int | None = None) -> tuple[str, str]:
+              group: int | None = None, layout: str = "warp") -> tuple[str, str]:
     """A kernel's source (``factory``: the routed or the cached one) as the host function
     ``kernel``, whole or split, and the C++ lines that run it over ``args``: whole, a
     block a (stream, head) writing ``out``; split, ``S`` blocks a head writing float32
     shares, then the combine kernel's source (``combine``) over them. With ``group`` (the
-    cached kernel's query heads a key-value head), a block a (stream, key-value head)."""
+    cached kernel's query heads a key-value head), a block a (stream, key-value head), in
+    ``layout``."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1)
+    made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1,
+                 *([] if group is None else [layout]))
     blocks = "B * H" if group is None else "B * HK"
     source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
     if splits == 1:
@@ -283,14 +286,15 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
     return out, k, v
 
 
-def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1):
-    """The cached kernel's own source run here (emulated); with ``splits``, the split
-    form (each head's keys over that many blocks) and then the combine kernel's source
-    over the shares it wrote."""
+def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1,
+                       layout: str = "warp"):
+    """The cached kernel's own source in ``layout`` run here (emulated); with ``splits``,
+    the split form (each head's keys over that many blocks) and then the combine kernel's
+    source over the shares it wrote."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
     kernel, run = _emulated(cached_attention_cuda._kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
-                            "pad.data(), pt, at.data()", splits, q.shape[1] // k.shape[1])
+                            "pad.data(), pt, at.data()", splits, q.shape[1] // k.shape[1], layout)
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
@@ -325,7 +329,7 @@ int main(int argc, char** argv) {
     return read("out.bin", (b, 1, heads * d)), read("k.bin", k.shape), read("v.bin", v.shape)
 
 
-def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1) -> tuple[mx.array, mx.array]:
+def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1, layout: str = "warp") -> tuple[mx.array, mx.array]:
     """The cached kernel's source run (emulated) over ``_cached_state(*state)``: its output
     is MLX's attention over the keys so far with the step's at ``at``, and the cache's
     arrays after it are the old ones with that position replaced, nothing else touched.
@@ -333,7 +337,7 @@ def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1) -> tuple[mx.ar
     q, k_new, v_new, k, v, pad = _cached_state(*state)
     at, d = state[4], state[5]
     scale = d ** -0.5
-    got, k_after, v_after = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits)
+    got, k_after, v_after = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits, layout)
     want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
     want = want.reshape(got.shape)
     assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
@@ -346,14 +350,15 @@ def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1) -> tuple[mx.ar
                                                          (mx.float16, 64, 256, 40, [0, 3, 40]),
                                                          (mx.bfloat16, 64, 512, 256, [0, 0, 255]),
                                                          (mx.float16, 256, 512, 270, [0, 9, 261])])
+@pytest.mark.parametrize("layout", cached_attention_cuda.LAYOUTS)
 def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
-        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int]) -> None:
+        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int], layout: str) -> None:
     """The cached kernel's own source, emulated: its output is MLX's masked attention
     over the keys so far with the step's written at ``at`` (a stream whose only key is
     the new one; the new key at a tile's first position), shaped for the output
     projection; the cache arrays after it are the old ones with position ``at`` replaced
     and nothing else touched; neither the padding nor what lies past ``at`` was read."""
-    k, k_after = _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype))
+    k, k_after = _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), 1, layout)
     assert not mx.array_equal(k_after, k).item()  # it wrote
 
 
@@ -361,26 +366,28 @@ def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
 @pytest.mark.parametrize("dtype,d,capacity,at,padding,splits", [(mx.bfloat16, 128, 1536, 1300, [0, 17, 600], 3),
                                                                 (mx.float16, 64, 1024, 700, [0, 300, 513], 4),
                                                                 (mx.bfloat16, 64, 1024, 100, [0, 5, 90], 2)])
+@pytest.mark.parametrize("layout", cached_attention_cuda.LAYOUTS)
 def test_the_split_cached_kernel_and_its_combine_attend_as_mlx_does(tmp_path: Path, dtype, d: int, capacity: int,
-                                                                     at: int, padding: list[int], splits: int) -> None:
+                                                                     at: int, padding: list[int], splits: int, layout: str) -> None:
     """A long cache's keys shared evenly between several blocks a key-value head, their
     shares combined by the second kernel: the same attention as mlx-lm's cache and
     MLX's, the step's position written in place once; streams padded far (splits of
     few keys each)."""
-    _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), splits)
+    _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), splits, layout)
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("dtype,heads,kv_heads,d,at,splits", [(mx.float16, 8, 2, 128, 5, 8),
                                                               (mx.bfloat16, 8, 1, 128, 600, 5),
                                                               (mx.float16, 6, 2, 256, 77, 3)])
+@pytest.mark.parametrize("layout", cached_attention_cuda.LAYOUTS)
 def test_the_cached_kernel_serves_a_whole_group_of_query_heads(tmp_path: Path, dtype, heads: int, kv_heads: int,
-                                                               d: int, at: int, splits: int) -> None:
+                                                               d: int, at: int, splits: int, layout: str) -> None:
     """One stream, as a decode step of one conversation runs it: each block reads its
     key-value head's keys once for the whole group of query heads (4, 8 and 3 of
     them), more splits than keys (six keys over eight blocks: two of them empty), the
     largest head size; MLX's attention over the same keys."""
-    _cached_matches_mlx(tmp_path, (1, heads, kv_heads, 768, at, d, [0], dtype), splits)
+    _cached_matches_mlx(tmp_path, (1, heads, kv_heads, 768, at, d, [0], dtype), splits, layout)
 
 
 def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
@@ -408,21 +415,33 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     calls: list[tuple] = []
     replaying = _cached_replaying([])
 
-    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None):
-        calls.append((q.shape, k.shape, q.dtype, scale, n))
+    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
+        calls.append((q.shape, k.shape, q.dtype, scale, n, layout))
         return replaying(q, k_new, v_new, k, v, padding, position, scale)
 
+    monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
     assert cached_attention_cuda.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
     assert cached_attention_cuda.compile_cached(model) == 1  # two layers, one shape
-    assert [(k[2], n) for _, k, *_, n in calls] == [(32, 1), (512, 16)]  # whole, then split
-    assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, _ in calls)
+    # whole, then split, a key a warp, then a key a lane
+    assert [(k[2], n, layout) for _, k, *_, n, layout in calls] == [(32, 1, "warp"), (512, 16, "warp"),
+                                                                    (32, 1, "lane"), (512, 16, "lane")]
+    assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, *_ in calls)
+    assert cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
 
-    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None):
+    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
 
-    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None):
+    def lane_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
+        return replaying(q, k_new, v_new, k, v, padding, position, scale) + (0.25 if layout == "lane" else 0)
+
+    # a key-a-lane kernel that disagrees is only never used; the load goes on
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", lane_wrong)
+    assert cached_attention_cuda.compile_cached(model) == 1
+    assert not cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
+
+    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
         k_old, v_old = np.array(k), np.array(v)
         out = replaying(q, k_new, v_new, k, v, padding, position, scale)
         np.array(k, copy=False)[...], np.array(v, copy=False)[...] = k_old, v_old  # the write undone
@@ -542,12 +561,7 @@ def test_the_cached_kernel_splits_toward_its_target() -> None:
     assert splits(8, 2048, split_keys=256) == 33  # a load that measured the split paying sooner
 
 
-def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tune_splits`` times one stream's call whole and split at each capacity it tries
-    (the clock a stand-in here: no GPU) and takes the smallest capacity from which the
-    split won at every one after it, for each in-place shape; ``attend_cached`` then
-    splits that shape from there and other shapes by the default. A split that never wins
-    keeps the whole form up to twice the longest timed; the timing is in the log line."""
+def _tuned_model():
     from mlx_lm.models.llama import Model, ModelArgs
 
     from gmlx.engine.kernels import one_token
@@ -556,41 +570,106 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
                             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64))
     model.set_dtype(mx.float16)
     one_token.attach(model, in_place=True)
+    return model
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list, Any]:
+    """What ``attend_cached`` launches (splits, whole or split, layout), nothing run, and
+    a call of it over a cache of ``capacity`` positions (``kv`` key-value heads)."""
+    launched: list = []
+    monkeypatch.setattr(cached_attention_cuda, "_kernel", lambda dtype, d, scale, group, split, layout: (split, layout))
+    monkeypatch.setattr(attention_cuda, "in_blocks",
+                        lambda kernel, inputs, q, n, *rest: launched.append((n, *kernel(n > 1))))
+
+    def attend(capacity: int, kv: int = 2) -> None:
+        k = mx.zeros((1, kv, capacity, 64), mx.float16)
+        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
+                                            k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
+    return launched, attend
+
+
+def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tune_splits`` times one stream's call whole and split at each capacity it tries
+    (the clock a stand-in here: no GPU) and takes the smallest capacity from which the
+    split won at every one after it, for each in-place shape; ``attend_cached`` then
+    splits that shape from there and other shapes by the default. A split that never wins
+    keeps the whole form up to twice the longest timed; the timing is in the log line.
+    Where the key-a-lane form did not agree at the load's check, only the key-a-warp
+    form is timed and used."""
+    from gmlx.engine.kernels import one_token
+
+    model = _tuned_model()
     timed: list[tuple[int, int]] = []
 
     def clock(wins_from: int):
-        def call_time(args, n):
+        def call_time(args, n, layout):
             capacity = args[3].shape[2]
             timed.append((capacity, n))
-            assert args[0].shape == (1, 4, 1, 64) and args[3].shape == (1, 2, capacity, 64)
+            assert args[0].shape == (1, 4, 1, 64) and args[3].shape == (1, 2, capacity, 64) and layout is None
             # noisy at 1,024 (the split wins there by chance), then whole until wins_from
             wins = capacity >= wins_from or capacity == 1024
             return (10e-6 if n == 1 else 12e-6) if not wins else (20e-6 if n == 1 else 15e-6)
         return call_time
 
-    monkeypatch.setattr(cached_attention_cuda, "_split_keys", {})
+    for name in ("_split_keys", "_layouts", "_lane_agrees"):
+        monkeypatch.setattr(cached_attention_cuda, name, {})
     try:
         monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(4096))
         (line,) = cached_attention_cuda.tune_splits(model)
         assert timed[:4] == [(1024, 1), (1024, 32), (1024, 32), (1024, 1)]  # whole, split, split, whole
         assert [c for c, _ in timed[::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
-        assert "4 heads over 2, head size 64: split from 4,096 positions at one stream" in line
+        assert line.startswith("4 heads over 2, head size 64: split from 4,096 positions at one stream")
         assert "2,048: 10.0 whole / 12.0 split us" in line
         assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 2048}
-        launched = []
-        monkeypatch.setattr(attention_cuda, "in_blocks", lambda kernel, inputs, q, n, *rest: launched.append(n))
-        for capacity in (2048, 4096):
-            k = mx.zeros((1, 2, capacity, 64), mx.float16)
-            cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
-                                                k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
-        k = mx.zeros((1, 1, 1024, 64), mx.float16)  # another shape: the default (512 a block)
-        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
-                                            k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
-        assert launched == [1, 128, 32]
+        assert cached_attention_cuda._layouts == {}
+        launched, attend = _launches(monkeypatch)
+        attend(2048)
+        attend(4096)
+        attend(1024, kv=1)  # another shape: the default (512 a block)
+        assert launched == [(1, False, "warp"), (128, True, "warp"), (32, True, "warp")]
         monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(1 << 30))
         (line,) = cached_attention_cuda.tune_splits(model)
         assert "split from 32,768 positions" in line
         assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 16384}
+    finally:
+        one_token.detach(model)
+
+
+def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the key-a-lane form agreed at the load's check, ``tune_split`` times it
+    against the key-a-warp form whole (1,024 positions) and split (the longest capacity),
+    each pair in the order a, b, b, a, keeps the faster for each form, and times the split
+    threshold with those; ``attend_cached`` then launches each form in its layout."""
+    from gmlx.engine.kernels import one_token
+
+    model = _tuned_model()
+    key = (4, 2, 64, str(mx.float16))
+    timed: list[tuple[int, int, str | None]] = []
+
+    def call_time(args, n, layout):
+        timed.append((args[3].shape[2], n, layout))
+        layout = layout or cached_attention_cuda._layouts[key][n > 1]
+        lane_faster = n == 1  # the lane form whole, the warp form split
+        return (5e-6 if (layout == "lane") == lane_faster else 9e-6) * (1 if n == 1 else 0.5)
+
+    for name in ("_split_keys", "_layouts"):
+        monkeypatch.setattr(cached_attention_cuda, name, {})
+    monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {key: True})
+    monkeypatch.setattr(cached_attention_cuda, "_call_time", call_time)
+    try:
+        (line,) = cached_attention_cuda.tune_splits(model)
+        longest = cached_attention_cuda.TUNE_CAPACITIES[-1]
+        assert timed[:8] == [(1024, 1, "warp"), (1024, 1, "lane"), (1024, 1, "lane"), (1024, 1, "warp"),
+                             (longest, 132, "warp"), (longest, 132, "lane"), (longest, 132, "lane"),
+                             (longest, 132, "warp")]
+        assert all(layout is None for *_, layout in timed[8:])  # the threshold, in the layouts taken
+        assert cached_attention_cuda._layouts == {key: ("lane", "warp")}
+        assert "whole form a key a lane (1,024: 9.0 warp / 5.0 lane us)" in line
+        assert "split form a key a warp (16,384: 2.5 warp / 4.5 lane us)" in line
+        launched, attend = _launches(monkeypatch)
+        attend(256)
+        attend(1 << 16)
+        assert launched == [(1, False, "lane"), (132, True, "warp")]
     finally:
         one_token.detach(model)
 

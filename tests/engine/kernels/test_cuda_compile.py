@@ -95,10 +95,18 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_]))
                 attention_cuda._kernel(dtype, d, d ** -0.5, True)
                 kernels.append((made[-1], [dtype, dtype, dtype, mx.bool_], [mx.float32] * 3))
-                cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4)
-                kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
-                cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, True)  # split: float shares out
-                kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
+                for layout in cached_attention_cuda.LAYOUTS:
+                    cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, False, layout)
+                    kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
+                    cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, True, layout)  # split: float shares out
+                    kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
+                # the largest group each layout is built for (its shared memory within the limit)
+                for layout in cached_attention_cuda.LAYOUTS:
+                    group = max(g for g in range(1, 64) if cached_attention_cuda.fits(g, d, layout))
+                    assert not cached_attention_cuda.fits(group + 1, d, layout)
+                    if group != 4:  # made above
+                        cached_attention_cuda._kernel(dtype, d, d ** -0.5, group, True, layout)
+                        kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
                 attention_cuda._combine_kernel(dtype, d)
                 kernels.append((made[-1], [mx.float32] * 3, [dtype]))
             for d in (2048, 4096):
@@ -120,3 +128,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert done.returncode == 0, done.stderr[-4000:]
     ptx = (tmp_path / "kernels.ptx").read_text()
     assert all(re.search(rf"\.entry\s+\S*{re.escape(n)}", ptx) for n in names)
+    # and assembled for the card, as the driver does at a launch: ptxas refuses a block's
+    # static shared memory past 48 KB (which PTX alone does not)
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "kernels.cubin"),
+                           str(tmp_path / "kernels.ptx")], check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
