@@ -473,10 +473,12 @@ def _in_place_shapes(model: Any) -> set[tuple]:
 
 def _supported(shapes: set[tuple]) -> list[tuple]:
     """Those of ``shapes`` the kernel is built for (float16 or bfloat16, a head size of
-    :data:`attention_cuda.HEAD_DIMS`), in a fixed order."""
+    :data:`attention_cuda.HEAD_DIMS`, a group that :func:`fits`), in a fixed order: no
+    other reaches it (:func:`supports_cached`)."""
     import mlx.core as mx
 
-    return sorted((s for s in shapes if s[4] in (mx.float16, mx.bfloat16) and s[2] in attention_cuda.HEAD_DIMS), key=str)
+    return sorted((s for s in shapes if s[4] in (mx.float16, mx.bfloat16) and s[2] in attention_cuda.HEAD_DIMS
+                   and fits(s[0] // s[1], s[2])), key=str)
 
 
 def tune_splits(model: Any) -> list[str]:

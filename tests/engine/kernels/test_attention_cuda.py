@@ -691,6 +691,10 @@ def test_which_steps_take_the_cached_kernel() -> None:
     assert not cached_attention_cuda.supports_cached(q[:, :5], k_new, v_new, k, v, None, 11)  # 5 heads over 2
     assert not cached_attention_cuda.supports_cached(q.astype(mx.float32), *(a.astype(mx.float32) for a in
                                                                       (k_new, v_new, k, v)), None, 11)
+    q24, k1, v1, kc, vc, _ = _cached_state(1, 24, 2, 64, 10, 128, [0], mx.bfloat16)
+    assert not cached_attention_cuda.supports_cached(q24, k1, v1, kc, vc, None, 11)  # 12 heads of 128 a group: no room
+    q22 = q24[:, :22]
+    assert cached_attention_cuda.supports_cached(q22, k1, v1, kc, vc, None, 11)  # 11 fit in the warps' 48 KB
 
 
 def _cached_replaying(calls: list[int]):
