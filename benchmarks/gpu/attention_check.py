@@ -12,7 +12,10 @@ its largest difference, whether the cache arrays after it are the old ones with 
 position replaced, bit for bit, and nothing else; and its us per call beside MLX's
 one-query attention, up to a 32k-position cache at one stream (each head's keys split
 over several blocks there). ``--reps N``: N calls a timing instead of 100 (under ``ncu``,
-whose per-launch GPU times leave the host's share out: lease.sh's ``prepare``). ``--whole``: a small float16 llama
+whose per-launch GPU times leave the host's share out: lease.sh's ``prepare``);
+``--marked`` launches a marker kernel before each timing (``kernel_times``' windows), and
+``--ncu-csv FILE --reps N`` reads ncu's CSV of such a run back into the same table in GPU
+microseconds a call. ``--whole``: a small float16 llama
 (head size 128) decoding a padded batch through the cached variant with the whole
 one-token step one compiled call (``whole_step``) against the same without it: the
 largest logit difference, the greedy tokens and the caches, over a growth of the cache.
@@ -25,6 +28,7 @@ evaluated together: the host's building and launching included, as in a decode s
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +37,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.gemv_check import per_product
+from benchmarks.gpu.kernel_times import _marker, kernel_table
 from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
 
 
@@ -56,6 +61,44 @@ def reference(q, k, v, scale: float, mask):
     return mx.softmax(scores, axis=-1) @ vf
 
 
+# (dtype, head size, streams, cache capacity, write position) of each row of the cached table
+CASES = ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130), (mx.bfloat16, 128, 32, 512, 300),
+         (mx.bfloat16, 128, 8, 512, 300), (mx.float16, 128, 32, 2304, 2100), (mx.bfloat16, 64, 4, 256, 255),
+         (mx.bfloat16, 128, 1, 2304, 2100), (mx.bfloat16, 128, 1, 8192, 8000), (mx.bfloat16, 128, 1, 32768, 32000),
+         (mx.bfloat16, 128, 8, 8192, 8000))
+VARIANTS = ("as launched", "warp whole", "warp split", "lane whole", "lane split", "MLX unmasked", "MLX masked")
+MARKED = "--marked" in sys.argv
+UNTIMED = 9000  # windows from here hold launches no timing made
+
+
+def timed(window: int, fn, reps: int) -> float:
+    """``per_product`` (us a call, host included), after a marker kernel opening ``window``
+    under ``--marked``."""
+    if MARKED:
+        _marker(window)
+    return per_product(fn, reps)
+
+
+def ncu_table(path: Path, reps: int) -> None:
+    """The cached table's timings from ncu's CSV of a ``--marked`` run: for each row and
+    variant, GPU microseconds a call (every kernel launched in its window, over the
+    window's ``3 + 3 * reps`` calls) and each kernel's share."""
+    calls = 3 + 3 * reps
+    table = kernel_table(path, 1)
+    print("| row (dtype, D, streams, capacity, at) | variant | GPU us a call | kernels (us a launch x launches a call) |")
+    print("|---|---|---:|---|")
+    for window in sorted(w for w in table if 0 <= w < UNTIMED):
+        case, variant = CASES[window // len(VARIANTS)], VARIANTS[window % len(VARIANTS)]
+        kernels = table[window]
+        total = sum(us for us, *_ in kernels.values()) / calls
+        parts = ", ".join(f"{re.sub(r'_[0-9a-f]{12}$', '', name).removeprefix('gmlx_')[:48]} {us / n:.1f} "
+                          f"x {n / calls:.2g}"
+                          for name, (us, n, *_) in sorted(kernels.items(), key=lambda kv: -kv[1][0]))
+        dtype, d, batch, capacity, at = case
+        print(f"| {str(dtype).removeprefix('mlx.core.')}, {d}, {batch}, {capacity}, {at} | {variant} | {total:.1f} "
+              f"| {parts} |")
+
+
 def check_cached(reps: int = 100) -> bool:
     """The cached variant against a cache's own writes and MLX's masked attention, and
     us per call against MLX's unmasked one-query attention over the same keys (what
@@ -67,11 +110,7 @@ def check_cached(reps: int = 100) -> bool:
           "| MLX unmasked us | MLX masked us |")
     print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     good = True
-    for dtype, d, batch, capacity, at in ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130),
-                                          (mx.bfloat16, 128, 32, 512, 300), (mx.bfloat16, 128, 8, 512, 300),
-                                          (mx.float16, 128, 32, 2304, 2100), (mx.bfloat16, 64, 4, 256, 255),
-                                          (mx.bfloat16, 128, 1, 2304, 2100), (mx.bfloat16, 128, 1, 8192, 8000),
-                                          (mx.bfloat16, 128, 1, 32768, 32000), (mx.bfloat16, 128, 8, 8192, 8000)):
+    for index, (dtype, d, batch, capacity, at) in enumerate(CASES):
         heads, kv_heads = (32, 8) if d == 128 else (16, 2)
         mx.random.seed(capacity + at)
         q = mx.random.normal((batch, heads, 1, d)).astype(dtype)
@@ -80,26 +119,29 @@ def check_cached(reps: int = 100) -> bool:
         padding = mx.array([(i * 37) % max(1, at // 2) for i in range(batch)], dtype=mx.int32)
         scale = d ** -0.5
         lane = cached_attention_cuda.fits(heads // kv_heads, d, "lane")
+        if MARKED:
+            _marker(UNTIMED + index)  # the checks' launches, apart from any timing's window
         err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, layout="warp")
         err_lane, written_lane = (cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale,
                                                                   layout="lane") if lane else (err, written))
         good &= written and err < 0.05 and written_lane and err_lane < 0.05
         position = mx.array([at], dtype=mx.int32)
-        t_k = per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
-                          cached_attention_cuda.attend_cached(*a, s), reps)  # writes the same position again
+        w = index * len(VARIANTS)
+        t_k = timed(w, lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
+                    cached_attention_cuda.attend_cached(*a, s), reps)  # writes the same position again
         # the same with every head's keys in one block (no split, no combine), and split
         # toward the target whatever the length (where a split starts to pay), in each layout
         n = cached_attention_cuda.splits(batch * kv_heads, capacity, 0)
         t_whole, t_split, t_lane_whole, t_lane_split = (
-            per_product(lambda a=(q, k_new, v_new, k, v, padding, position), s=scale, parts=parts, layout=layout:
-                        cached_attention_cuda.attend_cached(*a, s, n=parts, layout=layout), reps)
+            timed(w + 1 + i, lambda a=(q, k_new, v_new, k, v, padding, position), s=scale, parts=parts, layout=layout:
+                  cached_attention_cuda.attend_cached(*a, s, n=parts, layout=layout), reps)
             if layout == "warp" or lane else float("nan")
-            for layout in ("warp", "lane") for parts in (1, n))
+            for i, (layout, parts) in enumerate((lay, p) for lay in ("warp", "lane") for p in (1, n)))
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
         mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
-        t_u = per_product(lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
-        t_m = per_product(lambda a=(q, *kv), s=scale, m=mask:
-                          mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), reps)
+        t_u = timed(w + 5, lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
+        t_m = timed(w + 6, lambda a=(q, *kv), s=scale, m=mask:
+                    mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
               f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} / {err_lane:.4f} "
               f"| {written and written_lane} | {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_split:.1f} ({n}) "
@@ -155,6 +197,9 @@ def check_whole() -> bool:
 
 
 def main() -> None:
+    if "--ncu-csv" in sys.argv:  # reads a file: anywhere
+        ncu_table(Path(sys.argv[sys.argv.index("--ncu-csv") + 1]), int(sys.argv[sys.argv.index("--reps") + 1]))
+        return
     if not cuda_source.available():
         sys.exit("the kernel is built only on CUDA")
     print(f"device {mx.default_device()}")

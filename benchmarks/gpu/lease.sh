@@ -14,7 +14,8 @@
 #
 # start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
 # prepare: part 3 and the kernel cache staged, the wheels installed, the kernel check
-#   (attention_check --cached, then again under ncu: each launch's GPU time), the 8B's F16 GGUF, the build waited
+#   (attention_check --cached, then again under ncu: each timing's GPU us a call, printed as a
+#   table: attention-gpu.txt), the 8B's F16 GGUF, the build waited
 #   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
 # gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
 #   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here).
@@ -52,7 +53,8 @@ case ${1:-} in
     # each launch's GPU time (the host left out), a few calls a timing: the kernels' own cost
     timeout 150 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none --csv \
       --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \
-      python3 $GPU/attention_check.py --cached --reps 2 > "$OUT/attention-ncu.csv" 2>&1
+      python3 $GPU/attention_check.py --cached --reps 2 --marked > "$OUT/attention-ncu.csv" 2>&1
+    python3 $GPU/attention_check.py --ncu-csv "$OUT/attention-ncu.csv" --reps 2 > "$OUT/attention-gpu.txt" 2>&1
     python3 $GPU/models.py --shape llama3-8b --only gguf-f16 2>&1 | tail -2
     bash $GPU/setup.sh llama --wait 2>&1 | tail -2
     python3 $GPU/models.py --shape llama3-8b --quantize /tmp/llama/build/bin/llama-quantize \
@@ -60,13 +62,15 @@ case ${1:-} in
     rm -f /tmp/models/llama3-8b/*f16.gguf
     "${BENCH[@]}" --servers llama --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
       > "$OUT/bench-llama.txt" 2>&1
-    cat "$OUT/attention.txt"; tail -3 "$OUT/attention-ncu.csv"; tail -8 "$OUT/bench.md"
+    cat "$OUT/attention.txt" "$OUT/attention-gpu.txt"; tail -8 "$OUT/bench.md"
     ;;
   gmlx)
     with_env
     "${BENCH[@]}" --servers gmlx --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
       > "$OUT/bench-gmlx.txt" 2>&1
     grep -E "whole steps of|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | head -20
+    # the load's attention timing (layouts, where a split pays), from the load's log in the results
+    grep -o '"[^"]*in-place attention[^"]*"' "$OUT/bench.json" | head -8
     bash $GPU/setup.sh kernels "$OUT" | tail -1
     tail -14 "$OUT/bench.md"
     ;;
