@@ -202,9 +202,11 @@ _BODY = compact(_COMMON + _WARP_LOOP + _MERGE)
 # the total, summed over the warp at the end. Per key the form above shuffles five times
 # and takes two exp2f a head on every lane; this one takes about 5/32 and 2/32.
 _LANE_LOOP = """
-constexpr int UNROLL = 8;
+constexpr int UNROLL = VEC == 8 ? 8 : 16;  // a tile's values: rows in flight (their raw words held)
 __shared__ float qs[GROUP][D];
 __shared__ float ps[WARPS][32][GROUP];
+alignas(16) __shared__ T own_k[D];  // the step's own key and value, dense, for the wide loads
+alignas(16) __shared__ T own_v[D];
 // eight dimensions of a row from c on (dense: one 16-byte load), as floats
 auto eight = [&](float* dst, const T* r, int c, int64_t step, bool dense) {
     if (dense) {
@@ -219,6 +221,10 @@ for (int i = t; i < GROUP * D; i += THREADS) {
     const int g = i / D;
     const int e = i % D;
     qs[g][e] = static_cast<float>(q[b * q_strides[0] + (kvh * GROUP + g) * q_strides[1] + e * q_strides[3]]) * QSCALE;
+}
+if (t < D) {
+    own_k[t] = kn[t * k_new_strides[3]];
+    own_v[t] = vn[t * v_new_strides[3]];
 }
 __syncthreads();
 float m[GROUP], l[GROUP], acc[GROUP][VEC];
@@ -236,10 +242,10 @@ for (int j0 = start + warp * 32; j0 < end; j0 += WARPS * 32) {
     #pragma unroll
     for (int g = 0; g < GROUP; ++g) s[g] = 0.0f;
     if (live) {
-        const bool own = j == at;  // the step's own key, from its array
-        const T* kr = own ? kn : kb + (int64_t)j * k_strides[2];
-        const int64_t step = own ? k_new_strides[3] : k_strides[3];
-        const bool dense = !own && kdense;
+        const bool own = j == at;
+        const T* kr = own ? own_k : kb + (int64_t)j * k_strides[2];
+        const int64_t step = own ? 1 : k_strides[3];
+        const bool dense = own || kdense;
         #pragma unroll
         for (int c = 0; c < D; c += 8) {
             float kf[8];
@@ -268,22 +274,38 @@ for (int j0 = start + warp * 32; j0 < end; j0 += WARPS * 32) {
     __syncwarp();
     const int n = min(32, end - j0);
     for (int u0 = 0; u0 < n; u0 += UNROLL) {
-        float vf[UNROLL][VEC];
+        // UNROLL rows' raw words (this lane's VEC dimensions of each) loaded before any use
+        uint32_t raw[UNROLL][VEC / 2];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int jj = j0 + u0 + u;
             if (u0 + u >= n) break;
-            if (jj == at) row(vf[u], vn, v_new_strides[3], false);
-            else row(vf[u], vb + (int64_t)jj * v_strides[2], v_strides[3], vdense);
+            const T* r = (jj == at ? own_v : vb + (int64_t)jj * v_strides[2]) + lane * VEC;
+            if (jj != at && !vdense) {  // a strided cache: a dimension at a time
+                for (int e = 0; e < VEC; ++e)
+                    reinterpret_cast<T*>(raw[u])[e] = vb[(int64_t)jj * v_strides[2] + (lane * VEC + e) * v_strides[3]];
+            } else if constexpr (VEC == 2) {
+                raw[u][0] = *reinterpret_cast<const uint32_t*>(r);
+            } else if constexpr (VEC == 4) {
+                const uint2 w = *reinterpret_cast<const uint2*>(r);
+                raw[u][0] = w.x; raw[u][1] = w.y;
+            } else {
+                const uint4 w = *reinterpret_cast<const uint4*>(r);
+                raw[u][0] = w.x; raw[u][1] = w.y; raw[u][2] = w.z; raw[u][3] = w.w;
+            }
         }
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             if (u0 + u >= n) break;
+            const T* x = reinterpret_cast<const T*>(raw[u]);
+            float vf[VEC];
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) vf[e] = static_cast<float>(x[e]);
             #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 const float p = ps[warp][u0 + u][g];
                 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[g][e] += p * vf[u][e];
+                for (int e = 0; e < VEC; ++e) acc[g][e] += p * vf[e];
             }
         }
     }
@@ -368,11 +390,11 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
 def fits(group: int, d: int, layout: str = "warp") -> bool:
     """Whether the kernel in ``layout`` is built for ``group`` query heads a key-value
     head of size ``d``: its shared memory (the warps' shares of every head's output,
-    maximum and total; a key a lane, also the group's queries and a tile's weights a
-    warp) within :data:`SHARED_BYTES`."""
+    maximum and total; a key a lane, also the group's queries, a tile's weights a warp
+    and the step's key and value) within :data:`SHARED_BYTES`."""
     warps = attention_cuda.THREADS // 32
-    floats = warps * group * d + 2 * warps * group + (group * d + warps * 32 * group if layout == "lane" else 0)
-    return 4 * floats <= SHARED_BYTES
+    floats = warps * group * d + 2 * warps * group + (group * d + warps * 32 * group + d if layout == "lane" else 0)
+    return 4 * floats <= SHARED_BYTES  # (the lane form's key and value of the step: 2 x d halves, d floats)
 
 
 def splits(blocks: int, capacity: int, split_keys: int = SPLIT_KEYS) -> int:
