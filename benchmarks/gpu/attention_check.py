@@ -37,7 +37,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.gemv_check import per_product
-from benchmarks.gpu.kernel_times import _marker, kernel_table
+from benchmarks.gpu.kernel_times import kernel_table, marker
 from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
 
 
@@ -75,7 +75,7 @@ def timed(window: int, fn, reps: int) -> float:
     """``per_product`` (us a call, host included), after a marker kernel opening ``window``
     under ``--marked``."""
     if MARKED:
-        _marker(window)
+        marker(window)
     return per_product(fn, reps)
 
 
@@ -120,7 +120,7 @@ def check_cached(reps: int = 100) -> bool:
         scale = d ** -0.5
         lane = cached_attention_cuda.fits(heads // kv_heads, d, "lane")
         if MARKED:
-            _marker(UNTIMED + index)  # the checks' launches, apart from any timing's window
+            marker(UNTIMED + index)  # the checks' launches, apart from any timing's window
         err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, layout="warp")
         err_lane, written_lane = (cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale,
                                                                   layout="lane") if lane else (err, written))

@@ -58,7 +58,7 @@ def _profiler(start: bool) -> None:
     (lib.cuProfilerStart if start else lib.cuProfilerStop)()
 
 
-def _marker(index: int) -> None:
+def marker(index: int) -> None:
     """A kernel whose name says a window begins (``index``), run and waited for."""
     import mlx.core as mx
 
@@ -110,7 +110,7 @@ def child(args: argparse.Namespace) -> None:
                     mx.eval(current)
                 if profiled:
                     _profiler(True)
-                    _marker(index)
+                    marker(index)
                 with tracer.window(index) if tracer else contextlib.nullcontext():
                     start = time.perf_counter()
                     for _ in range(args.steps):
