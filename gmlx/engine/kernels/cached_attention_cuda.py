@@ -51,13 +51,9 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 log = logging.getLogger(__name__)
 
-# The kernel: a block a (stream, key-value head, split), its WARPS warps taking the
-# split's keys in turn, a key a warp, each lane VEC dimensions of it (one wide load of the
-# key, one of the values). The warp's lanes hold the query of every head of the group, so
-# each key and value is read once for all of them; a key's score per head is the lanes'
-# dot products summed by shuffles, and each warp keeps its own running maximum, total and
-# values per head (no barrier until the end). UNROLL keys' loads go out before their use.
-# Then the warps' shares meet in shared memory, a thread an output (head, dimension).
+# Both layouts' start: a block a (stream, key-value head, split) and its share of the keys
+# (``start`` to ``end``), the cache's rows of this head, the warps' shares in shared
+# memory, and ``row``: this lane's VEC dimensions of a row in one wide load.
 _COMMON = """
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = D / 32;
@@ -106,7 +102,12 @@ auto row = [&](float* dst, const T* r, int64_t step, bool dense) {
 };
 """
 
-# A key a warp (the served form since 12-05).
+# A key a warp (the served form since 12-05): the WARPS warps take the split's keys in
+# turn, each lane VEC dimensions of the key and of its values. The warp's lanes hold the
+# query of every head of the group, so each key and value is read once for all of them; a
+# key's score per head is the lanes' dot products summed by shuffles, and each warp keeps
+# its own running maximum, total and values per head (no barrier until the end). UNROLL
+# keys' loads go out before their use.
 _WARP_LOOP = """
 constexpr int UNROLL = 4;
 float qv[GROUP][VEC];
