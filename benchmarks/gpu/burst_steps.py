@@ -7,6 +7,8 @@ the round's number (so a round may differ in shape from the last).
 
     python benchmarks/gpu/burst_steps.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 8,32
     python benchmarks/gpu/burst_steps.py demo --widths 4 --prompt 64     # here, on the CPU
+    python benchmarks/gpu/burst_steps.py synthetic:llama3-8b --widths 1 --prompt 7800 --tokens 300 \
+        --all-steps --dtype float16    # a long conversation's decode steps, no model file
 
 Prints, per round, every worker step until the last first token: when it started and how
 long it took (ms from the round's first request), the prompt tokens each waiting prompt
@@ -14,6 +16,9 @@ had left before it (``7x127``: seven prompts of 127), the rows it prefilled
 (``prefill_batch_size``), the chunk, the requests decoding; then each request's TTFT.
 On the H200 a served width-8 burst of 128-token prompts took 580 ms to its first tokens
 where llama-server took 241 and one prompt alone 72: this says which step holds them.
+``--all-steps`` prints every step of the round instead, and the decode steps' median,
+90th percentile and slowest (a stall among them: a trace, a compile, a cache's growth).
+``synthetic:SHAPE`` loads served_step's random weights in Q4_K_M's layouts (``--dtype``).
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def run_round(worker: Any, steps: StepLog, width: int, prompt: int, tokens: int,
     """One burst; returns each request's TTFT (seconds from the first request's arrival)."""
     from gmlx.engine.types import GenerateRequest, SamplingParams
 
-    greedy = SamplingParams(temperature=0)
+    # greedy, never ending early: the ends of sequence banned
+    greedy = SamplingParams(temperature=0, logit_bias={t: -100.0 for t in worker.loaded.tokenizer.eos_token_ids})
     vocab = worker.vocab_size
     firsts: dict[int, float] = {}
 
@@ -105,16 +111,18 @@ def main() -> None:
     parser.add_argument("--spread-ms", type=float, default=2.0, help="between two requests' arrivals")
     parser.add_argument("--decode-batch", type=int, help="the worker's decode width (default: the widest burst)")
     parser.add_argument("--no-warm-up", action="store_true", help="skip the server's warm-up")
+    parser.add_argument("--all-steps", action="store_true", help="every step of a round, and the decode steps' spread")
+    parser.add_argument("--dtype", default="float16", help="synthetic: float type")
     args = parser.parse_args()
 
+    from benchmarks.gpu.served_step import load
     from gmlx.engine.kernels import prepare_layers
-    from gmlx.engine.loading import load_model
     from gmlx.engine.worker import ModelWorker
 
     steps = StepLog()
     steps.patch()
     started = time.perf_counter()
-    loaded = load_model(args.model)
+    loaded = load(args.model, args.dtype)
     notes = prepare_layers(loaded.model)
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s; {'; '.join(notes) or 'no notes'}",
           flush=True)
@@ -133,10 +141,17 @@ def main() -> None:
                       f"{statistics.median(ttfts) * 1000:.0f} ms, last {last * 1000:.0f} ms", flush=True)
                 print(f"{'start ms':>9} {'took ms':>8}  {'prompts left':<22} {'rows':>4} {'chunk':>6} {'running':>7}")
                 for t, took, left, rows, chunk, running in steps.rows:
-                    if t > last:
+                    if t > last and not args.all_steps:
                         break
                     print(f"{t * 1000:9.1f} {took * 1000:8.1f}  {left:<22} {rows:>4} {chunk:>6} {running:>7}")
                 print("TTFT ms: " + " ".join(f"{x * 1000:.0f}" for x in ttfts), flush=True)
+                decode = [(i, took) for i, (_, took, left, *_) in enumerate(steps.rows) if left == "-"]
+                if args.all_steps and decode:
+                    times = sorted(took for _, took in decode)
+                    slowest = sorted(decode, key=lambda d: -d[1])[:5]
+                    print(f"decode steps: {len(decode)}, median {statistics.median(times) * 1000:.2f} ms, "
+                          f"p90 {times[int(0.9 * (len(times) - 1))] * 1000:.2f}, slowest "
+                          + ", ".join(f"#{i} {took * 1000:.1f}" for i, took in slowest), flush=True)
     finally:
         worker.close()
 
