@@ -22,8 +22,10 @@ largest logit difference, the greedy tokens and the caches, over a growth of the
 
 Each row: streams, keys (the cache's arrays are longer: the keys are a view, as the
 cache hands them over), the largest difference from the float32 attention for the kernel
-and for MLX's masked attention, and microseconds per call (100 calls built, then
-evaluated together: the host's building and launching included, as in a decode step).
+and for MLX's masked attention, and microseconds per call (100 calls in a chain, each call's queries the last one's
+output, built before the clock starts and evaluated together, as a step's layers run:
+calls that do not depend on each other run at once on the GPU and would time a kernel of
+a few blocks as if it filled it).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.gemv_check import per_product
 from benchmarks.gpu.kernel_times import kernel_table, marker
 from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
+from gmlx.engine.kernels.timing import chain_time
 
 
 def inputs(batch: int, keys: int, heads: int, kv_heads: int, d: int, dtype, capacity: int):
@@ -71,19 +73,27 @@ MARKED = "--marked" in sys.argv
 UNTIMED = 9000  # windows from here hold launches no timing made
 
 
-def timed(window: int, fn, reps: int) -> float:
-    """``per_product`` (us a call, host included), after a marker kernel opening ``window``
-    under ``--marked``."""
+def timed(window: int, fn, x, reps: int) -> float:
+    """us a call of ``fn`` (the queries ``x`` in, an output of their shape out) in a chain
+    of ``reps``, each call's queries the last one's output (as a step's layers follow each
+    other: independent calls queued together run at once on the GPU, and time a kernel
+    that fills a few SMs as if it filled them all), the best of three, the host's
+    building left out; after a marker kernel opening ``window`` under ``--marked``."""
     if MARKED:
         marker(window)
-    return per_product(fn, reps)
+    return chained(fn, x, reps)
+
+
+def chained(fn, x, reps: int) -> float:
+    """us a call of ``fn`` in a chain of ``reps`` (``timed``), the best of three."""
+    return min(chain_time(fn, x, reps) for _ in range(3)) / reps * 1e6
 
 
 def ncu_table(path: Path, reps: int) -> None:
     """The cached table's timings from ncu's CSV of a ``--marked`` run: for each row and
     variant, GPU microseconds a call (every kernel launched in its window, over the
-    window's ``3 + 3 * reps`` calls) and each kernel's share."""
-    calls = 3 + 3 * reps
+    window's ``3 * (3 + reps)`` calls) and each kernel's share."""
+    calls = 3 * (3 + reps)
     table = kernel_table(path, 1)
     print("| row (dtype, D, streams, capacity, at) | variant | GPU us a call | kernels (us a launch x launches a call) |")
     print("|---|---|---:|---|")
@@ -127,21 +137,22 @@ def check_cached(reps: int = 100) -> bool:
         good &= written and err < 0.05 and written_lane and err_lane < 0.05
         position = mx.array([at], dtype=mx.int32)
         w = index * len(VARIANTS)
-        t_k = timed(w, lambda a=(q, k_new, v_new, k, v, padding, position), s=scale:
-                    cached_attention_cuda.attend_cached(*a, s), reps)  # writes the same position again
+        rest = (k_new, v_new, k, v, padding, position)
+        t_k = timed(w, lambda x, a=rest, s=scale: cached_attention_cuda.attend_cached(x, *a, s).reshape(x.shape), q,
+                    reps)  # writes the same position again
         # the same with every head's keys in one block (no split, no combine), and split
         # toward the target whatever the length (where a split starts to pay), in each layout
         n = cached_attention_cuda.splits(batch * kv_heads, capacity, 0)
         t_whole, t_split, t_lane_whole, t_lane_split = (
-            timed(w + 1 + i, lambda a=(q, k_new, v_new, k, v, padding, position), s=scale, parts=parts, layout=layout:
-                  cached_attention_cuda.attend_cached(*a, s, n=parts, layout=layout), reps)
+            timed(w + 1 + i, lambda x, a=rest, s=scale, parts=parts, layout=layout:
+                  cached_attention_cuda.attend_cached(x, *a, s, n=parts, layout=layout).reshape(x.shape), q, reps)
             if layout == "warp" or lane else float("nan")
             for i, (layout, parts) in enumerate((lay, p) for lay in ("warp", "lane") for p in (1, n)))
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
         mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
-        t_u = timed(w + 5, lambda a=(q, *kv), s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
-        t_m = timed(w + 6, lambda a=(q, *kv), s=scale, m=mask:
-                    mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m), reps)
+        t_u = timed(w + 5, lambda x, a=kv, s=scale: mx.fast.scaled_dot_product_attention(x, *a, scale=s), q, reps)
+        t_m = timed(w + 6, lambda x, a=kv, s=scale, m=mask:
+                    mx.fast.scaled_dot_product_attention(x, *a, scale=s, mask=m), q, reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
               f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} / {err_lane:.4f} "
               f"| {written and written_lane} | {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_split:.1f} ({n}) "
@@ -226,11 +237,11 @@ def main() -> None:
         mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         err_k = mx.abs(got.astype(mx.float32) - ref).max().item()
         err_m = mx.abs(mlx.astype(mx.float32) - ref).max().item()
-        args = (q, k, v)
-        t_k = per_product(lambda a=args, s=scale, m=mask: attention_cuda.attend(*a, s, m), reps)
-        t_m = per_product(lambda a=args, s=scale, m=mask: mx.fast.scaled_dot_product_attention(*a, scale=s, mask=m),
-                          reps)
-        t_u = per_product(lambda a=args, s=scale: mx.fast.scaled_dot_product_attention(*a, scale=s), reps)
+        kv = (k, v)
+        t_k = chained(lambda x, a=kv, s=scale, m=mask: attention_cuda.attend(x, *a, s, m).reshape(x.shape), q, reps)
+        t_m = chained(lambda x, a=kv, s=scale, m=mask: mx.fast.scaled_dot_product_attention(x, *a, scale=s, mask=m),
+                      q, reps)
+        t_u = chained(lambda x, a=kv, s=scale: mx.fast.scaled_dot_product_attention(x, *a, scale=s), q, reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {keys} | {err_k:.4f} | {err_m:.4f} "
               f"| {t_k:.1f} | {t_m:.1f} | {t_u:.1f} |", flush=True)
 

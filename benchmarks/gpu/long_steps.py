@@ -9,7 +9,8 @@ that each leave one part of the step out or swap it:
     no attention the served step with the attention replaced by a free stand-in (its
                  queries, reshaped): what the rest of the step costs at this length
     warp / lane  the served step with the in-place attention's layout forced
-    whole / split  ... and its splits forced (one block a head, or the split form)
+    whole / split  ... and its splits forced (one block a head, or the split form: toward
+                 two blocks an SM; ``split x2`` twice that)
 
 and the step's attention alone (the same kernel over the same arrays, each layer's call
 in a row). Then, with ``--served``, a worker's round of one ``L``-token prompt (a real
@@ -162,6 +163,20 @@ def free_attention(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddi
     return q.reshape(b, 1, heads * d)
 
 
+def split_attention(attend: Callable[..., Any], factor: int) -> Callable[..., Any]:
+    """``attend`` in its split form, ``factor`` times the splits it would make whatever
+    the length (at most one a ``MIN_KEYS`` positions of the capacity)."""
+    from gmlx.engine.kernels import cached_attention_cuda as cached
+
+    def call(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any, scale: float,
+             n: int | None = None, layout: str | None = None) -> Any:
+        capacity = keys.shape[2]
+        n = max(1, min(factor * cached.splits(q.shape[0] * keys.shape[1], capacity, 0), capacity // cached.MIN_KEYS))
+        return attend(q, k_new, v_new, keys, values, padding, position, scale, n=n, layout=layout)
+
+    return call
+
+
 def variants(model: Any) -> list[tuple[str, Callable[[], Any]]]:
     """The variants the model takes here, each a context manager's factory."""
     from gmlx.engine.kernels import cached_attention_cuda, traces
@@ -175,7 +190,8 @@ def variants(model: Any) -> list[tuple[str, Callable[[], Any]]]:
                 ("warp", lambda: swapped_attention(model, partial(attend, layout="warp"))),
                 ("lane", lambda: swapped_attention(model, partial(attend, layout="lane"))),
                 ("whole", lambda: swapped_attention(model, partial(attend, n=1))),
-                ("split", lambda: swapped_attention(model, partial(attend, n=8)))]
+                ("split", lambda: swapped_attention(model, split_attention(attend, 1))),
+                ("split x2", lambda: swapped_attention(model, split_attention(attend, 2)))]
     return out
 
 

@@ -339,7 +339,7 @@ LAYOUTS = ("warp", "lane")  # a key a warp (_WARP_LOOP), a key a lane (_LANE_LOO
 # against 18.4 whole) and at 256 (29.9 against 11.9), and won at 8,192 (43.6 against 50.8)
 # and 32,768 (154 against 287); 8 streams at 8,192 lost (294 against 267).
 SPLIT_KEYS = 512
-TUNE_CAPACITIES = (1024, 2048, 4096, 8192, 16384)  # one stream's cache lengths the load times both forms at
+TUNE_CAPACITIES = (256, 512, 1024, 2048, 4096, 8192, 16384)  # one stream's cache lengths the load times both forms at
 _split_keys: dict[tuple, int] = {}  # the load's measure (tune_splits), per (heads, kv heads, head size, dtype)
 _layouts: dict[tuple, tuple[str, str]] = {}  # likewise: the whole form's layout and the split form's
 _lane_agrees: dict[tuple, bool] = {}  # whether the lane form agreed with MLX at the load's check
@@ -570,11 +570,13 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
 
 def _call_time(args: tuple, n: int, layout: str | None, reps: int = 20) -> float:
     """Seconds a call of :func:`attend_cached` over ``args`` with ``n`` splits in
-    ``layout`` (None: the shape's), ``reps`` calls queued before one wait (as a step
-    queues its layers; each writes the same position again)."""
-    from gmlx.engine.kernels.timing import product_time
+    ``layout`` (None: the shape's), ``reps`` calls in a chain (each call's queries the
+    last one's output: :func:`timing.chain_time`, as a step's layers follow each other;
+    each writes the same position again)."""
+    from gmlx.engine.kernels.timing import chain_time
 
-    return product_time(lambda: attend_cached(*args, n=n, layout=layout), reps) / reps
+    q, rest = args[0], args[1:]
+    return chain_time(lambda x: attend_cached(x, *rest, n=n, layout=layout).reshape(q.shape), q, reps) / reps
 
 
 def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int,

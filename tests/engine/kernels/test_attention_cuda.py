@@ -616,7 +616,9 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
     try:
         monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(4096))
         (line,) = cached_attention_cuda.tune_splits(model)
-        assert timed[:4] == [(1024, 1), (1024, 32), (1024, 32), (1024, 1)]  # whole, split, split, whole
+        first = cached_attention_cuda.TUNE_CAPACITIES[0]
+        n = cached_attention_cuda.splits(2, first, 0)
+        assert n > 1 and timed[:4] == [(first, 1), (first, n), (first, n), (first, 1)]  # whole, split, split, whole
         assert [c for c, _ in timed[::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
         assert line.startswith("4 heads over 2, head size 64: split from 4,096 positions at one stream")
         assert "2,048: 10.0 whole / 12.0 split us" in line
@@ -667,7 +669,7 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
         assert "whole form a key a lane (1,024: 9.0 warp / 5.0 lane us)" in line
         assert "split form a key a warp (16,384: 2.5 warp / 4.5 lane us)" in line
         launched, attend = _launches(monkeypatch)
-        attend(256)
+        attend(128)  # below the shortest capacity timed (the split won at every one)
         attend(1 << 16)
         assert launched == [(1, False, "lane"), (132, True, "warp")]
     finally:
