@@ -333,14 +333,15 @@ TARGET_BLOCKS = 264  # about two blocks an SM on the H100 and H200 (132 SMs)
 MIN_KEYS = 32  # the fewest positions of the capacity a split is made for
 SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 LAYOUTS = ("warp", "lane")  # a key a warp (_WARP_LOOP), a key a lane (_LANE_LOOP)
-# Positions of the capacity for each block (stream x key-value head) before a split pays,
-# where the load has not measured it (:func:`tune_splits`): on the H100 (12-05,
-# attention_check) one stream of an 8B (8 blocks) split lost at 2,304 positions (29.7 us
-# against 18.4 whole) and at 256 (29.9 against 11.9), and won at 8,192 (43.6 against 50.8)
-# and 32,768 (154 against 287); 8 streams at 8,192 lost (294 against 267).
-SPLIT_KEYS = 512
+# Positions of the capacity from which a split pays, where the load has not measured it
+# (:func:`tune_splits`): on the H200 (12-06, timed in a chain of calls, as a step's layers
+# run) one stream of an 8B (8 blocks) split won from 1,024-2,048 positions (2,048: 45.5
+# against 86.1 us whole; 8,192: 69.5 against 309) and a 1.5B's (2 blocks) from 1,024; 8
+# streams of an 8B at 8,000 keys split 195 against 328 whole, 32 streams at 2,100 (256
+# blocks, a wave of the SMs filled) lost 138 against 127.
+SPLIT_KEYS = 1024
 TUNE_CAPACITIES = (256, 512, 1024, 2048, 4096, 8192, 16384)  # one stream's cache lengths the load times both forms at
-_split_keys: dict[tuple, int] = {}  # the load's measure (tune_splits), per (heads, kv heads, head size, dtype)
+_split_keys: dict[tuple, int] = {}  # the load's measure (tune_splits): capacity, per (heads, kv heads, head size, dtype)
 _layouts: dict[tuple, tuple[str, str]] = {}  # likewise: the whole form's layout and the split form's
 _lane_agrees: dict[tuple, bool] = {}  # whether the lane form agreed with MLX at the load's check
 
@@ -400,17 +401,21 @@ def fits(group: int, d: int, layout: str = "warp") -> bool:
 
 def splits(blocks: int, capacity: int, split_keys: int = SPLIT_KEYS) -> int:
     """Blocks each of ``blocks`` (streams x key-value heads) is split into over a cache of
-    ``capacity`` positions: one (the whole form, one launch) until the capacity reaches
-    ``split_keys`` positions for each block, then toward ``TARGET_BLOCKS`` in all, a
-    split for every ``MIN_KEYS`` positions at most. The keys so far are shared evenly
-    between the splits (in the kernel, from the write position), so a short cache in a
-    large capacity still gives every block some. One block a head over a long cache
-    leaves most of the GPU idle (8 blocks at one stream of an 8B), but a split costs a
-    second launch and its shares' round trip, which a short cache, or a wide batch whose
-    blocks already fill the GPU, does not earn back (:data:`SPLIT_KEYS`)."""
-    if capacity < split_keys * max(blocks, 1):
+    ``capacity`` positions: one (the whole form, one launch) under ``split_keys``
+    positions, or where the batch's blocks already fill a wave of the GPU (over half
+    ``TARGET_BLOCKS``); else toward ``TARGET_BLOCKS`` in all, a split for every
+    ``MIN_KEYS`` positions at most. ``split_keys=0`` forces the split wherever the target
+    leaves room (the load's check and timing). The keys so far are shared evenly between
+    the splits (in the kernel, from the write position), so a short cache in a large
+    capacity still gives every block some. A block streams a head's keys at a few tens
+    of GB/s, so one block a head over a long cache leaves most of the GPU idle (8 blocks
+    at one stream of an 8B: ~310 us a layer at 7,800 positions on the H100), but a split
+    costs a second launch and its shares' round trip, which a short cache, or a wide
+    batch whose blocks already fill the GPU, does not earn back (:data:`SPLIT_KEYS`)."""
+    blocks = max(blocks, 1)
+    if capacity < split_keys or (split_keys and 2 * blocks > TARGET_BLOCKS):
         return 1
-    return max(1, min(-(-TARGET_BLOCKS // max(blocks, 1)), capacity // MIN_KEYS))
+    return max(1, min(-(-TARGET_BLOCKS // blocks), capacity // MIN_KEYS))
 
 
 def _shape(q: Any, keys: Any) -> tuple:
@@ -518,7 +523,7 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
     which layout the whole form takes (at 1,024 positions) and which the split form (at
     the longest of :data:`TUNE_CAPACITIES`); then, with those, whole against split at each
     of :data:`TUNE_CAPACITIES`, and the smallest capacity from which the split form won at
-    every capacity timed becomes the shape's positions a block (:func:`splits`; none:
+    every capacity timed becomes the shape's split threshold (:func:`splits`; none:
     twice the largest timed). Kept for the process (the decision is the GPU's and the
     shape's, not a model's). Returns what it timed and took, in a line."""
     import mlx.core as mx
@@ -562,7 +567,7 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
         if split >= whole:
             break
         from_ = capacity
-    _split_keys[key] = from_ // kv_heads
+    _split_keys[key] = from_
     said.append(f"split from {from_:,} positions at one stream ("
                 + ", ".join(f"{c:,}: {w * 1e6:.1f} whole / {s * 1e6:.1f} split us" for c, w, s in timed) + ")")
     return f"{heads} heads over {kv_heads}, head size {d}: " + "; ".join(said)

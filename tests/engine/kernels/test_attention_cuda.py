@@ -523,7 +523,7 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
             k = mx.zeros((1, 1, keys, 64), mx.float16)
             mask = mx.ones((1, 1, 1, keys), mx.bool_)
             assert attention_cuda.attend(q, k, k, 0.125, mask).shape == (1, 2, 1, 64)
-        for capacity in (32, 512):
+        for capacity in (32, 1024):
             k = mx.zeros((1, 1, capacity, 64), mx.float16)
             assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
                                                        mx.array([7], mx.int32), 0.125).shape == (1, 1, 128)
@@ -536,29 +536,31 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
         ("gmlx_attend_half_64_split", 4, 256, [(4, 64), (4,), (4,)], [mx.float32] * 3),  # two blocks a head
         ("gmlx_attend_combine_half_64", 2, 64, [(1, 2, 1, 64)], [mx.float16]),
         ("gmlx_attend_cached_half_64_g2", 1, 256, *whole),  # a block the key-value head: its two query heads
-        ("gmlx_attend_cached_half_64_g2_split", 16, 256, [(32, 64), (32,), (32,)], [mx.float32] * 3),
+        ("gmlx_attend_cached_half_64_g2_split", 32, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
         ("gmlx_attend_combine_half_64", 2, 64, *whole),  # a block a query head
     ]
 
 
 def test_the_cached_kernel_splits_toward_its_target() -> None:
     """A block a (stream, key-value head) whole until the capacity reaches ``split_keys``
-    positions a block (by default ``SPLIT_KEYS``: 4,096 at one stream of an 8B), then
-    split toward ``TARGET_BLOCKS``, a split for every 32 positions of the capacity at
-    most; a wide batch needs a longer cache before it splits."""
+    positions (by default ``SPLIT_KEYS``), then split toward ``TARGET_BLOCKS``, a split
+    for every 32 positions of the capacity at most; never where the batch's blocks
+    already fill a wave of the GPU's SMs (half the target), unless forced
+    (``split_keys=0``: the load's check and timing)."""
     splits = cached_attention_cuda.splits
-    assert cached_attention_cuda.SPLIT_KEYS == 512
+    assert cached_attention_cuda.SPLIT_KEYS == 1024
     assert splits(8, 32) == 1  # one stream of an 8B, a tiny cache
-    assert splits(8, 256) == 1  # short: the split lost 2.5x on the H100
-    assert splits(8, 2304) == 1
-    assert splits(8, 4096) == 33  # 264 blocks
+    assert splits(8, 512) == 1  # short: the whole form won on the H200
+    assert splits(8, 1024) == 32  # a split for every 32 positions
+    assert splits(8, 2304) == 33  # 264 blocks
     assert splits(8, 32768) == 33
-    assert splits(64, 8192) == 1  # 8 streams: whole won at 8,192
-    assert splits(64, 32768) == 5
+    assert splits(64, 512) == 1
+    assert splits(64, 8192) == 5  # 8 streams: the split won at 8,000 keys (195 against 328 us)
+    assert splits(256, 8192) == 1  # 32 streams fill a wave: the whole form won at 2,100 keys
     assert splits(8, 256, split_keys=0) == 8  # as the load's check forces it
     assert splits(32 * 8, 8192, split_keys=0) == 2
     assert splits(64 * 8, 8192, split_keys=0) == 1  # enough blocks already
-    assert splits(8, 2048, split_keys=256) == 33  # a load that measured the split paying sooner
+    assert splits(8, 512, split_keys=256) == 16  # a load that measured the split paying sooner
 
 
 def _tuned_model():
@@ -622,17 +624,17 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
         assert [c for c, _ in timed[::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
         assert line.startswith("4 heads over 2, head size 64: split from 4,096 positions at one stream")
         assert "2,048: 10.0 whole / 12.0 split us" in line
-        assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 2048}
+        assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 4096}
         assert cached_attention_cuda._layouts == {}
         launched, attend = _launches(monkeypatch)
         attend(2048)
         attend(4096)
-        attend(1024, kv=1)  # another shape: the default (512 a block)
+        attend(1024, kv=1)  # another shape: the default (from 1,024 positions)
         assert launched == [(1, False, "warp"), (128, True, "warp"), (32, True, "warp")]
         monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(1 << 30))
         (line,) = cached_attention_cuda.tune_splits(model)
         assert "split from 32,768 positions" in line
-        assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 16384}
+        assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 32768}
     finally:
         one_token.detach(model)
 
