@@ -1,5 +1,5 @@
 """What a load's tuners measure with: whole decode steps pipelined as the worker runs them (:func:`step_time`, :func:`step_times`), a queue of
-products (:func:`product_time`, :func:`cycling`), a chain of calls (:func:`chain_time`), and the agreement every path must show
+products in a chain (:func:`chain_time`, :func:`chained`), and the agreement every path must show
 with a float32 product before it is timed (:func:`agrees`). Used by :mod:`fast_linear`
 (the products' paths) and :mod:`step_tuning` (the step kernels)."""
 
@@ -20,6 +20,24 @@ def cycling(product: Callable[..., Any], x: Any, weights: list[tuple[Any, ...]])
     """``product(x, *w)`` over each of ``weights`` in turn, one a call."""
     turn = itertools.count()
     return lambda: product(x, *weights[next(turn) % len(weights)])
+
+
+def chained(product: Callable[..., Any], weights: list[tuple[Any, ...]]) -> Callable[[Any], Any]:
+    """``product(x, *w)`` over each of ``weights`` in turn, one a call, for
+    :func:`chain_time`: each call's output made the next call's input (its elements from
+    the first on, shaped as ``x``: a view where the output has as many or more, no copy,
+    so only the products' own costs differ; repeated where it has fewer)."""
+    import mlx.core as mx
+
+    turn = itertools.count()
+
+    def call(x: Any) -> Any:
+        flat = product(x, *weights[next(turn) % len(weights)]).reshape(-1)
+        if flat.size < x.size:
+            flat = mx.concatenate([flat] * -(-x.size // flat.size))
+        return flat[:x.size].reshape(x.shape)
+
+    return call
 
 
 def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tuple[float, float]:
@@ -112,23 +130,6 @@ def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bit
     return x.astype(mx.float32) @ w.astype(mx.float32).T
 
 
-def product_time(fn: Any, reps: int) -> float:
-    """Seconds for ``reps`` products queued before one wait, as a decode step queues its
-    layers (a wait per product would time the synchronization instead). Their graphs are
-    built before the clock starts: building costs the host alone, which a pipelined step
-    overlaps with the GPU's work (the whole-step confirmation counts it), and timed here
-    it made a busy host pick MLX's product over faster kernels (the H200 with llama.cpp
-    compiling beside it, 12-03: every one-row kernel lost)."""
-    import mlx.core as mx
-
-    for _ in range(3):
-        mx.eval(fn())
-    products = [fn() for _ in range(reps)]
-    start = time.perf_counter()
-    mx.eval(products)
-    return time.perf_counter() - start
-
-
 def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     """Seconds for ``reps`` calls of ``call`` in a chain, each taking the last one's
     output (shaped as ``x``) as its input, queued before one wait: one after another, as
@@ -138,7 +139,10 @@ def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     on the H100 (12-06) one stream's attention over 7,800 positions in 8 blocks took 30
     us a call in such a queue and ~310 us inside the step, where a split form of 264
     blocks that the queue timed slower took ~70. The chain is built before the clock
-    starts (the host's building is the step's to overlap)."""
+    starts: building costs the host alone, which a pipelined step overlaps with the GPU's
+    work (the whole-step confirmations count it), and timed here it made a busy host pick
+    MLX's product over faster kernels (the H200 with llama.cpp compiling beside it, 12-03:
+    every one-row kernel lost)."""
     import mlx.core as mx
 
     for _ in range(3):

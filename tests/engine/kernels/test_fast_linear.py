@@ -387,12 +387,12 @@ def test_mlx_product_is_timed_first_and_last_so_a_warming_machine_does_not_lose_
     layer = _tiny_quantized_llama().layers[0].self_attn.q_proj
     order: list[int] = []
 
-    def warming(fn, reps: int) -> float:
-        mx.eval(fn())
+    def warming(call, x, reps: int) -> float:
+        mx.eval(call(x))
         order.append(len(order))
         return 1.0 - 0.05 * order[-1]
 
-    monkeypatch.setattr(timing, "product_time", warming)
+    monkeypatch.setattr(timing, "chain_time", warming)
     assert fast_linear._measure(layer) == {}  # MLX's product everywhere
     assert len(order) == 3 * len(fast_linear.BUCKETS)  # on this CPU: MLX, dense, MLX again
 
@@ -418,15 +418,17 @@ def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatc
         read.append(next(i for i, m in enumerate(layers) if m.weight is w))
         return real(x, w, *rest, **kw)
 
-    def clock(fn, reps: int) -> float:
+    def clock(call, x, reps: int) -> float:
         del read[:]
-        mx.eval([fn() for _ in range(reps)])
+        for _ in range(reps):
+            x = call(x)  # each product's input the last one's output
+        mx.eval(x)
         timed.append(list(read))
         return 1.0
 
     timed: list[list[int]] = []
     monkeypatch.setattr(mx, "quantized_matmul", recording)
-    monkeypatch.setattr(timing, "product_time", clock)
+    monkeypatch.setattr(timing, "chain_time", clock)
     fast_linear._measure(layers[0], layers[1:], reps=4)
     mlx_timings = timed[::3]  # per bucket on this CPU: MLX, dense (no matmul of MLX's), MLX again
     assert mlx_timings and all(t == [0, 1, 2, 0] for t in mlx_timings)
@@ -461,3 +463,29 @@ def test_steps_with_compiled_blocks_are_decided_apart(monkeypatch) -> None:
     assert all(block._pieces is None for block in compiled.layers)  # they trace the chosen paths next
     again = _tiny_quantized_llama()
     assert "none faster" in (use_fast_kernels(again) or "")  # each kept apart, on disk
+
+
+@pytest.mark.parametrize("n", [8, 24, 3])
+def test_a_chained_product_feeds_its_output_to_the_next_call(n: int) -> None:
+    """``timing.chained`` makes each product's output the next call's input, shaped as
+    the input (its first elements, repeated where the output is shorter), cycling
+    through the weights; ``chain_time`` runs its calls one after another from ``x``."""
+    k = 8
+    weights = [(mx.full((n, k), float(i + 1)),) for i in range(2)]
+    calls: list[float] = []
+
+    def product(x, w):
+        calls.append(w[0, 0].item())
+        return x @ w.T
+
+    call = timing.chained(product, weights)
+    x = mx.arange(2 * k, dtype=mx.float32).reshape(2, k) / 100
+    y = call(x)
+    full = (x @ weights[0][0].T).reshape(-1)
+    want = mx.concatenate([full] * -(-x.size // full.size))[:x.size].reshape(x.shape)
+    assert y.shape == x.shape and mx.array_equal(y, want)
+    z = call(y)  # the second weights
+    assert z.shape == x.shape and mx.array_equal(z[0, :min(n, k)], (y @ weights[1][0].T)[0, :min(n, k)])
+    calls.clear()
+    seconds = timing.chain_time(timing.chained(product, weights), x, 4)
+    assert seconds >= 0 and calls == [1.0, 2.0, 1.0] + [2.0, 1.0, 2.0, 1.0]  # three to warm up, then the chain
