@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,7 +29,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gmlx.engine.kernels import qgemv_cuda
-from gmlx.engine.kernels.timing import agrees
+from gmlx.engine.kernels.timing import agrees, chain_time, fed
 
 # (K, N, bits): an 8B's products in Q4_K_M's layouts
 SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4096, 1024, 6),
@@ -38,15 +37,17 @@ SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4
           (4096, 4096, 8)]
 
 
-def per_product(fn, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        mx.eval([fn() for _ in range(reps)])
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e6
+def per_product(fn, x, reps: int) -> float:
+    """us a product of ``fn`` (``x`` in, an output or a list of them out), ``reps`` in a
+    chain, each one's input the last one's first output (``timing.fed``): products that
+    do not depend on each other run at once on a GPU, which a step's do not; the best of
+    three."""
+
+    def call(y):
+        out = fn(y)
+        return fed(out[0] if isinstance(out, (list, tuple)) else out, y)
+
+    return min(chain_time(call, x, reps) for _ in range(3)) / reps * 1e6
 
 
 def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> str:
@@ -62,8 +63,8 @@ def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> s
         mx.eval(want, exact)
     configs = qgemv_cuda.configs(rows)
     ok = all(agrees(qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), want, exact) for c in configs)
-    mlx_us = per_product(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=g, bits=bits), reps)
-    times = {c: per_product(lambda c=c: qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), reps)
+    mlx_us = per_product(lambda y: mx.quantized_matmul(y, wq, s, b, transpose=True, group_size=g, bits=bits), x, reps)
+    times = {c: per_product(lambda y, c=c: qgemv_cuda.gemv(y, wq, s, b, g, bits, config=c), x, reps)
              for c in configs}
     best = min(times, key=times.get)
     nbytes = wq.nbytes + s.nbytes + b.nbytes
@@ -95,8 +96,8 @@ def gated_row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int) ->
     runs = {c: qgemv_cuda.bound(*gate, g, bits, c, up=up) for c in qgemv_cuda.gated_configs(bucket)}
     ok = all(agrees(run(x), want, exact) for run in runs.values())
     flat = x.reshape(rows, k)
-    mlx_us = per_product(lambda: swiglu(product(gate, flat), product(up, flat)), reps)
-    times = {c: per_product(lambda run=run: run(x), reps) for c, run in runs.items()}
+    mlx_us = per_product(lambda y: swiglu(product(gate, y), product(up, y)), flat, reps)
+    times = {c: per_product(run, x, reps) for c, run in runs.items()}
     best = min(times, key=times.get)
     nbytes = sum(a.nbytes for a in (*gate, *up))
     shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
@@ -125,8 +126,8 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
     ok = all(agrees(got, want, exact) for run in runs.values()
              for got, want, exact in zip(run(x), wants, exacts, strict=True))
     flat = x.reshape(rows, k)
-    mlx_us = per_product(lambda: [product(layer, flat) for layer in layers], reps)
-    times = {c: per_product(lambda run=run: run(x), reps) for c, run in runs.items()}
+    mlx_us = per_product(lambda y: [product(layer, y) for layer in layers], flat, reps)
+    times = {c: per_product(run, x, reps) for c, run in runs.items()}
     best = min(times, key=times.get)
     nbytes = sum(a.nbytes for layer in layers for a in layer)
     shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())

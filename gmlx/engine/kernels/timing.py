@@ -24,20 +24,21 @@ def cycling(product: Callable[..., Any], x: Any, weights: list[tuple[Any, ...]])
 
 def chained(product: Callable[..., Any], weights: list[tuple[Any, ...]]) -> Callable[[Any], Any]:
     """``product(x, *w)`` over each of ``weights`` in turn, one a call, for
-    :func:`chain_time`: each call's output made the next call's input (its elements from
-    the first on, shaped as ``x``: a view where the output has as many or more, no copy,
-    so only the products' own costs differ; repeated where it has fewer)."""
+    :func:`chain_time`: each call's output made the next call's input (:func:`fed`)."""
+    turn = itertools.count()
+    return lambda x: fed(product(x, *weights[next(turn) % len(weights)]), x)
+
+
+def fed(out: Any, x: Any) -> Any:
+    """``out`` as the next input of a chain that started from ``x``: its elements from the
+    first on, shaped as ``x`` (a view where ``out`` has as many or more, no copy, so only
+    the calls' own costs differ; repeated where it has fewer)."""
     import mlx.core as mx
 
-    turn = itertools.count()
-
-    def call(x: Any) -> Any:
-        flat = product(x, *weights[next(turn) % len(weights)]).reshape(-1)
-        if flat.size < x.size:
-            flat = mx.concatenate([flat] * -(-x.size // flat.size))
-        return flat[:x.size].reshape(x.shape)
-
-    return call
+    flat = out.reshape(-1)
+    if flat.size < x.size:
+        flat = mx.concatenate([flat] * -(-x.size // flat.size))
+    return flat[:x.size].reshape(x.shape)
 
 
 def step_times(model: nn.Module, rows: int, use: Callable[[bool], None]) -> tuple[float, float]:
