@@ -22,16 +22,21 @@ a call at 37-300 keys on an H200 (ncu: 32 blocks, 1.5% of the SMs' throughput, w
 waiting on their loads; MLX's one-query kernel 7 us) and 53 us at 8,000 keys (MLX 35),
 reading each key-value head's keys once for each of its query heads: a conversation of
 7,800 tokens decoded at 0.83x llama-server where a short one ran at 1.05-1.10x. This one
-took 11-12 us at 37-130 keys on the H100 and 51 us at 8,000 (MLX 4 and 37): each key
-still costs every lane five shuffles and two ``exp2f`` a head of the group.
+took 11-12 us at 37-130 keys on the H100 and 51 us at 8,000 (MLX 4 and 37) in a queue of
+independent calls; each key still costs every lane five shuffles and two ``exp2f`` a
+head of the group. (Those timings, like every one before 12-06, queued calls that do not
+depend on each other, which run at once on the GPU and flatter a form of few blocks; in a
+chain, as a step's layers run, the H200 took 16-23 us at 37-130 keys, MLX 7-10, and the
+whole form of one stream 290 us at 8,000 keys against the split form's 65.)
 
 A second form takes a key a lane (:data:`LAYOUTS`): each lane scores one key against the
 group's queries held in shared memory, a tile of 32 keys takes one shuffle reduction a
 head for its maximum and one ``exp2f`` a lane, and the warp adds the tile's values a key
 at a time with the weights read from shared memory. Which form runs, whole and split
 apart, and from what cache length a split pays, the load measures on its GPU for each
-attention shape (:func:`tune_split`); the lane form only where it also agreed with MLX at
-the load's check (it was built without a GPU at hand, 12-05, and is untimed).
+attention shape (:func:`tune_split`, in a chain of calls); the lane form only where it
+also agreed with MLX at the load's check (on the H100 and H200 it agreed everywhere and
+took both forms of the 8B's shape: whole 54 against 102 us at 1,024 keys in a chain).
 
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). The tests run its source
