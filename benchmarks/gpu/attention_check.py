@@ -38,9 +38,9 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.gpu.gemv_check import per_product
 from benchmarks.gpu.kernel_times import kernel_table, marker
 from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
-from gmlx.engine.kernels.timing import chain_time
 
 
 def inputs(batch: int, keys: int, heads: int, kv_heads: int, d: int, dtype, capacity: int):
@@ -74,19 +74,13 @@ UNTIMED = 9000  # windows from here hold launches no timing made
 
 
 def timed(window: int, fn, x, reps: int) -> float:
-    """us a call of ``fn`` (the queries ``x`` in, an output of their shape out) in a chain
-    of ``reps``, each call's queries the last one's output (as a step's layers follow each
-    other: independent calls queued together run at once on the GPU, and time a kernel
-    that fills a few SMs as if it filled them all), the best of three, the host's
-    building left out; after a marker kernel opening ``window`` under ``--marked``."""
+    """``per_product``: us a call of ``fn`` (the queries ``x`` in) in a chain of ``reps``,
+    each call's queries the last one's output (independent calls queued together run at
+    once on the GPU, and time a kernel that fills a few SMs as if it filled them all);
+    after a marker kernel opening ``window`` under ``--marked``."""
     if MARKED:
         marker(window)
-    return chained(fn, x, reps)
-
-
-def chained(fn, x, reps: int) -> float:
-    """us a call of ``fn`` in a chain of ``reps`` (``timed``), the best of three."""
-    return min(chain_time(fn, x, reps) for _ in range(3)) / reps * 1e6
+    return per_product(fn, x, reps)
 
 
 def ncu_table(path: Path, reps: int) -> None:
@@ -138,14 +132,14 @@ def check_cached(reps: int = 100) -> bool:
         position = mx.array([at], dtype=mx.int32)
         w = index * len(VARIANTS)
         rest = (k_new, v_new, k, v, padding, position)
-        t_k = timed(w, lambda x, a=rest, s=scale: cached_attention_cuda.attend_cached(x, *a, s).reshape(x.shape), q,
+        t_k = timed(w, lambda x, a=rest, s=scale: cached_attention_cuda.attend_cached(x, *a, s), q,
                     reps)  # writes the same position again
         # the same with every head's keys in one block (no split, no combine), and split
         # toward the target whatever the length (where a split starts to pay), in each layout
         n = cached_attention_cuda.splits(batch * kv_heads, capacity, 0)
         t_whole, t_split, t_lane_whole, t_lane_split = (
             timed(w + 1 + i, lambda x, a=rest, s=scale, parts=parts, layout=layout:
-                  cached_attention_cuda.attend_cached(x, *a, s, n=parts, layout=layout).reshape(x.shape), q, reps)
+                  cached_attention_cuda.attend_cached(x, *a, s, n=parts, layout=layout), q, reps)
             if layout == "warp" or lane else float("nan")
             for i, (layout, parts) in enumerate((lay, p) for lay in ("warp", "lane") for p in (1, n)))
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
@@ -238,10 +232,10 @@ def main() -> None:
         err_k = mx.abs(got.astype(mx.float32) - ref).max().item()
         err_m = mx.abs(mlx.astype(mx.float32) - ref).max().item()
         kv = (k, v)
-        t_k = chained(lambda x, a=kv, s=scale, m=mask: attention_cuda.attend(x, *a, s, m).reshape(x.shape), q, reps)
-        t_m = chained(lambda x, a=kv, s=scale, m=mask: mx.fast.scaled_dot_product_attention(x, *a, scale=s, mask=m),
-                      q, reps)
-        t_u = chained(lambda x, a=kv, s=scale: mx.fast.scaled_dot_product_attention(x, *a, scale=s), q, reps)
+        t_k = per_product(lambda x, a=kv, s=scale, m=mask: attention_cuda.attend(x, *a, s, m), q, reps)
+        t_m = per_product(lambda x, a=kv, s=scale, m=mask: mx.fast.scaled_dot_product_attention(x, *a, scale=s, mask=m),
+                          q, reps)
+        t_u = per_product(lambda x, a=kv, s=scale: mx.fast.scaled_dot_product_attention(x, *a, scale=s), q, reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {keys} | {err_k:.4f} | {err_m:.4f} "
               f"| {t_k:.1f} | {t_m:.1f} | {t_u:.1f} |", flush=True)
 

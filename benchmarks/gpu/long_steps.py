@@ -1,7 +1,7 @@
 """Why a long conversation's decode step is slower than a short one's: one model loaded
 as a server loads it (``prepare_layers``), its one-stream decode step timed over a batch
 cache already holding ``L`` positions (random keys and values, the arrays as long as a
-served cache of that length: whole steps of 256), for each ``--lengths``, in variants
+served cache of that length: whole steps of the cache's ``step``), for each ``--lengths``, in variants
 that each leave one part of the step out or swap it:
 
     served       the step as served (the whole step compiled, the in-place attention)
@@ -12,8 +12,9 @@ that each leave one part of the step out or swap it:
     whole / split  ... and its splits forced (one block a head, or the split form: toward
                  two blocks an SM; ``split x2`` twice that)
 
-and the step's attention alone (the same kernel over the same arrays, each layer's call
-in a row). Then, with ``--served``, a worker's round of one ``L``-token prompt (a real
+and the step's attention alone (the same kernel over the same arrays, the layers' calls
+queued together, independent of each other: what the load's timing measured before
+12-06). Then, with ``--served``, a worker's round of one ``L``-token prompt (a real
 prefill, as a server runs it): its decode steps' median and slowest, and the traces the
 whole step holds after it. Each step's first call (a trace, at a new cache length) is
 printed apart from the median of the rest.
@@ -39,16 +40,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-STEP = 256  # the batch cache's arrays grow by whole steps of this many positions
-
-
 def filled_cache(model: Any, length: int, room: int) -> list[Any]:
     """One stream's batch cache (gmlx's, as the worker holds it) whose layers hold
     ``length`` positions of random keys and values, the arrays long enough for ``room``
-    more steps (whole steps of :data:`STEP`)."""
+    more steps (whole steps of the cache's ``step``, as it grows them)."""
     import mlx.core as mx
 
-    from gmlx.engine.mlxlm import set_kv_used
     from gmlx.engine.prompt_cache import batch_cache
 
     layers = batch_cache(model, 1)
@@ -56,19 +53,19 @@ def filled_cache(model: Any, length: int, room: int) -> list[Any]:
         raise SystemExit("the model's layers are not all plain KV caches")
     attention = next(m for _, m in model.named_modules() if hasattr(m, "n_kv_heads"))
     dtype = attention.o_proj.scales.dtype if "scales" in attention.o_proj else attention.o_proj.weight.dtype
-    capacity = -(-(length + room) // STEP) * STEP
+    capacity = -(-(length + room) // layers[0].step) * layers[0].step
     head_dim = getattr(attention, "head_dim", None) or attention.k_proj.weight.shape[0] // attention.n_kv_heads
     shape = (1, attention.n_kv_heads, capacity, head_dim)
     for c in layers:
         c.keys = (0.5 * mx.random.normal(shape)).astype(dtype)
         c.values = mx.random.normal(shape).astype(dtype)
-        c.offset = mx.array([length])
-        set_kv_used(c, length)
+    rewind(layers, length)
     mx.eval([(c.keys, c.values) for c in layers])
     return layers
 
 
 def rewind(layers: list[Any], length: int) -> None:
+    """Make ``layers`` hold their first ``length`` positions (the rest free again)."""
     import mlx.core as mx
 
     from gmlx.engine.mlxlm import set_kv_used
@@ -97,7 +94,9 @@ def time_steps(model: Any, layers: list[Any], length: int, steps: int) -> tuple[
 
 def attention_alone(model: Any, layers: list[Any], length: int, reps: int = 20) -> float | None:
     """ms a step for the in-place attention alone: each layer's call over its own arrays,
-    a step's worth in a row (the queries random). None where the kernel is not built."""
+    a step's worth queued together (the queries random), independent of each other as no
+    step's are: the GPU runs them at once, so against the step's own attention this shows
+    what a queue of independent calls hides. None where the kernel is not built."""
     import mlx.core as mx
 
     from gmlx.engine.kernels import cached_attention_cuda

@@ -1,5 +1,5 @@
-"""What a load's tuners measure with: whole decode steps pipelined as the worker runs them (:func:`step_time`, :func:`step_times`), a queue of
-products in a chain (:func:`chain_time`, :func:`chained`), and the agreement every path must show
+"""What a load's tuners measure with: whole decode steps pipelined as the worker runs them (:func:`step_time`, :func:`step_times`),
+calls in a chain, each one's input the last one's output (:func:`chain_time`, :func:`chained`, :func:`fed`), and the agreement every path must show
 with a float32 product before it is timed (:func:`agrees`). Used by :mod:`fast_linear`
 (the products' paths) and :mod:`step_tuning` (the step kernels)."""
 
