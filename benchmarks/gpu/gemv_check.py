@@ -50,6 +50,12 @@ def per_product(fn, x, reps: int) -> float:
     return min(chain_time(call, x, reps) for _ in range(3)) / reps * 1e6
 
 
+def _shape(c: tuple[int, ...]) -> str:
+    """A launch shape as the tables name it: warps x rows a warp, its depth, its row tiles with x staged."""
+    warps, rpw, _, depth, tiles = qgemv_cuda.launch_shape(c)
+    return f"{warps}x{rpw}" + (f" d{depth}" if depth > 1 else "") + (f" x{tiles}" if tiles else "")
+
+
 def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> str:
     """One shape's table row: agreement at every launch shape, MLX's time and the kernel's."""
     mx.random.seed(k + n + bits)
@@ -61,14 +67,14 @@ def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> s
         w32 = mx.dequantize(wq, s, b, group_size=g, bits=bits).astype(mx.float32)
         exact = x.astype(mx.float32) @ w32.T
         mx.eval(want, exact)
-    configs = qgemv_cuda.configs(rows)
+    configs = qgemv_cuda.configs(rows, k)
     ok = all(agrees(qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), want, exact) for c in configs)
     mlx_us = per_product(lambda y: mx.quantized_matmul(y, wq, s, b, transpose=True, group_size=g, bits=bits), x, reps)
     times = {c: per_product(lambda y, c=c: qgemv_cuda.gemv(y, wq, s, b, g, bits, config=c), x, reps)
              for c in configs}
     best = min(times, key=times.get)
     nbytes = wq.nbytes + s.nbytes + b.nbytes
-    shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
+    shapes = ", ".join(f"{_shape(c)}: {t:.1f}" for c, t in times.items())
     return (f"| {k}x{n} | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
             f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
@@ -93,14 +99,14 @@ def gated_row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int) ->
         exact = exact_g * mx.sigmoid(exact_g) * exact_u
         mx.eval(want, exact)
     bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
-    runs = {c: qgemv_cuda.bound(*gate, g, bits, c, up=up) for c in qgemv_cuda.gated_configs(bucket)}
+    runs = {c: qgemv_cuda.bound(*gate, g, bits, c, up=up) for c in qgemv_cuda.gated_configs(bucket, k)}
     ok = all(agrees(run(x), want, exact) for run in runs.values())
     flat = x.reshape(rows, k)
     mlx_us = per_product(lambda y: swiglu(product(gate, y), product(up, y)), flat, reps)
     times = {c: per_product(run, x, reps) for c, run in runs.items()}
     best = min(times, key=times.get)
     nbytes = sum(a.nbytes for a in (*gate, *up))
-    shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
+    shapes = ", ".join(f"{_shape(c)}: {t:.1f}" for c, t in times.items())
     return (f"| {k}x{n} gate+up, swiglu | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | "
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
@@ -122,7 +128,7 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
                   for layer in layers]
         mx.eval(wants, exacts)
     bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
-    runs = {c: qgemv_cuda.bound(*layers[0], g, bits, c, more=tuple(layers[1:])) for c in qgemv_cuda.configs(bucket)}
+    runs = {c: qgemv_cuda.bound(*layers[0], g, bits, c, more=tuple(layers[1:])) for c in qgemv_cuda.configs(bucket, k)}
     ok = all(agrees(got, want, exact) for run in runs.values()
              for got, want, exact in zip(run(x), wants, exacts, strict=True))
     flat = x.reshape(rows, k)
@@ -130,7 +136,7 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
     times = {c: per_product(run, x, reps) for c, run in runs.items()}
     best = min(times, key=times.get)
     nbytes = sum(a.nbytes for layer in layers for a in layer)
-    shapes = ", ".join(f"{c[0]}x{c[1]}{f' d{c[3]}' if len(c) > 3 else ''}: {t:.1f}" for c, t in times.items())
+    shapes = ", ".join(f"{_shape(c)}: {t:.1f}" for c, t in times.items())
     return (f"| {k}x{'+'.join(map(str, sizes))} parts | {bits} | {rows} | {'yes' if ok else 'NO'} | {mlx_us:.1f} | "
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 

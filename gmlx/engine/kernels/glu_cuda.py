@@ -26,6 +26,7 @@ bit).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from functools import cache
@@ -33,11 +34,14 @@ from typing import Any
 
 from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
 
+log = logging.getLogger(__name__)
+
 ENV = "GMLX_GLU_KERNEL"
 FAMILIES = ("llama", "qwen2", "qwen3")  # their MLP is down(swiglu(gate(x), up(x)))
 BUCKETS = step_tuning.BUCKETS
 MAX_ROWS = step_tuning.MAX_ROWS
 bucket = step_tuning.bucket
+_shapes: dict[str, tuple[int, ...]] = {}  # the one-row launch shape the load timed fastest, per layer key
 
 
 def enabled() -> bool:
@@ -72,7 +76,8 @@ def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
             q = (gate.weight, gate.scales, gate.biases, group_size, bits)
             weights = (up.weight, up.scales, up.biases)
             if not step_tuning.tensor_cores(gate, b):
-                runs[b] = qgemv_cuda.bound(*q, qgemv_cuda.gated_configs(b)[0], up=weights)
+                shape = _shapes.get(_key(mlp), qgemv_cuda.gated_configs(b)[0]) if b == 1 else qgemv_cuda.gated_configs(b)[0]
+                runs[b] = qgemv_cuda.bound(*q, shape, up=weights)
             elif qmmw_cuda.supports(b, gate.weight.shape[1] * 32 // bits, group_size, bits):
                 runs[b] = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=weights)
             else:
@@ -127,14 +132,15 @@ def tune(model: Any) -> str | None:
     """Decide at which row buckets ``model``'s fused MLPs take the kernel
     (:func:`step_tuning.decide`: it agrees with MLX's products and swiglu, and a whole
     decode step gets faster), or read it from an earlier load on this machine; returns the
-    load note, None without fused MLPs. ``GMLX_GLU_KERNEL=1``: every bucket, untimed."""
-    from gmlx.engine.kernels.tuning import layer_key
-
+    load note, None without fused MLPs. ``GMLX_GLU_KERNEL=1``: every bucket, untimed.
+    First, where the CUDA-core source takes one row, its launch shape
+    (:func:`_time_shapes`)."""
     mlps = fused(model)
     if not mlps:
         return None
-    keys = [layer_key(m.gate_proj.scales.dtype, m.gate_proj.weight.shape[1] * 32 // m.gate_proj.bits,
-                      m.gate_proj.weight.shape[0], *reversed(layout(m))) for m in mlps]
+    keys = [_key(m) for m in mlps]
+    if os.environ.get(ENV) != "1":
+        _time_shapes(mlps, keys)
     note = step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
                             agrees, lambda buckets: use(model, buckets))
     if not mlps[0]._buckets:
@@ -142,22 +148,65 @@ def tune(model: Any) -> str | None:
     return note
 
 
+def _key(mlp: Any) -> str:
+    from gmlx.engine.kernels.tuning import layer_key
+
+    gate = mlp.gate_proj
+    return layer_key(gate.scales.dtype, gate.weight.shape[1] * 32 // gate.bits, gate.weight.shape[0],
+                     *reversed(layout(mlp)))
+
+
+def _time_shapes(mlps: list[Any], keys: list[str]) -> None:
+    """The one-row launch shape of each distinct MLP shape of ``mlps`` (``keys``, one
+    each), where the CUDA-core source takes one row: :func:`step_tuning.one_row_shape`
+    over every MLP of that shape, as a step reads them (kept on this machine)."""
+    members: dict[str, list[Any]] = {}
+    for m, key in zip(mlps, keys, strict=True):
+        members.setdefault(key, []).append(m)
+    for key, alike in members.items():
+        if not step_tuning.tensor_cores(alike[0].gate_proj, 1):
+            _shapes[key] = _time_shape(key, alike)
+
+
+def _time_shape(key: str, alike: list[Any]) -> tuple[int, ...]:
+    first = alike[0]
+    group, bits = layout(first)
+    k, dtype = first.gate_proj.weight.shape[1] * 32 // bits, first.gate_proj.scales.dtype
+
+    def calls(shape: tuple[int, ...]) -> list[Any]:
+        return [qgemv_cuda.bound(m.gate_proj.weight, m.gate_proj.scales, m.gate_proj.biases, group, bits, shape,
+                                 up=(m.up_proj.weight, m.up_proj.scales, m.up_proj.biases)) for m in alike]
+
+    def agrees(call: Any) -> bool:
+        return _close(first, step_tuning.tried(lambda x, n: call(x), k, dtype, rows=(1,)))
+
+    shape, timed = step_tuning.one_row_shape(f"{key}:{ENV}:shape", qgemv_cuda.gated_configs(1, k), calls, agrees,
+                                             k, dtype)
+    log.info("cuda: gate, up and swiglu of %s at one row: launch shape %s (%s)", key, "x".join(map(str, shape)), timed)
+    return shape
+
+
 def agrees(mlp: Any) -> bool:
     """Whether ``mlp``'s fused path gives what MLX's products and swiglu give, as closely
     as those are to float32 products through a float32 swiglu (:func:`timing.agrees`),
     on random rows of input."""
+    gate = mlp.gate_proj
+    return _close(mlp, step_tuning.tried(lambda x, n: mlp._gated(mlp, x, n), gate.weight.shape[1] * 32 // gate.bits,
+                                         gate.scales.dtype, rows=(1, 2, 3, 20)))  # each source, one and four row tiles
+
+
+def _close(mlp: Any, results: list | None) -> bool:
+    """Whether each of ``results`` (:func:`step_tuning.tried`'s) is as close to a float32
+    gate, up and swiglu as MLX's products and swiglu are; None (it did not run): no."""
     import mlx.core as mx
 
     from gmlx.engine.kernels.timing import agrees as close_enough
     from gmlx.engine.kernels.timing import exact_product
 
-    gate, up = mlp.gate_proj, mlp.up_proj
-    results = step_tuning.tried(lambda x, n: mlp._gated(mlp, x, n), gate.weight.shape[1] * 32 // gate.bits,
-                                gate.scales.dtype, rows=(1, 2, 3, 20))  # each source, one and four row tiles
     if results is None:
         return False
     for x, n, got in results:
-        g, u = (exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
+        g, u = (exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (mlp.gate_proj, mlp.up_proj))
         if not close_enough(got, _mlx_gated(mlp, x, n), g * mx.sigmoid(g) * u):
             return False
     return True

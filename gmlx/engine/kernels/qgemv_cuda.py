@@ -59,8 +59,9 @@ BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
 MAX_ROWS = 8  # rows of x the few-rows source takes (a bucket of at most 8 streams)
 
-# Both sources' start: the layout's sizes, this lane's place, this warp's weight rows.
-_START = r"""
+# Every source's start: the layout's sizes, this lane's place; then (``_START``) this
+# warp's weight rows.
+_LAYOUT = r"""
     constexpr unsigned MASK = (1u << BITS) - 1u;
     // a chunk's share from its codes' sum against x (dot) and x's sum (xs): codes of 4 and
     // 6 bits are the floats 0.5 + q / 256 (one byte permute or one or, no subtract), so
@@ -73,6 +74,8 @@ _START = r"""
     const int groups = K / G;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+"""
+_START = _LAYOUT + r"""
     const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
     if (n0 >= N) return;
 """
@@ -274,6 +277,104 @@ _ROWS_SOURCE = _START + r"""
 """
 
 
+# One row of x staged in shared memory (a launch shape's fifth number, ``TILES``, past 0):
+# the block first copies x in (``xs4[v][c]``: values 8v..8v+7 of chunk c, so the lanes'
+# 16-byte reads of consecutive chunks are consecutive) with each chunk's sum (``xsum``),
+# then each warp takes TILES row tiles of the block in turn, its loads only the weights'.
+# Why: the one-row source's lanes load their 64 bytes of x per chunk from L1 beside the
+# 16 bytes of each 4-bit weight row, held in registers while the weights are in flight,
+# and sum them again per warp; on the H100 the 4-bit products stayed at ~52% of the
+# card's bandwidth at every launch shape and depth, where the 6-bit output layer (fewer
+# x loads a weight byte) reached 81%. Not yet timed on a GPU: the tuner times it beside
+# the other shapes and keeps whichever is fastest.
+_STAGED_SOURCE = _LAYOUT + r"""
+    __shared__ uint4 xs4[4][XCHUNKS];
+    __shared__ float xsum[XCHUNKS];
+    {
+        const uint4* xg = reinterpret_cast<const uint4*>(x);
+        for (int base = 0; base < 4 * XCHUNKS; base += 32 * WARPS) {
+            const int i = base + threadIdx.x;
+            float part = 0.0f;
+            if (i < 4 * XCHUNKS) {
+                const uint4 raw = xg[i];
+                xs4[i & 3][i >> 2] = raw;
+                const T* e = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) part += static_cast<float>(e[j]);
+            }
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            if (i < 4 * XCHUNKS && (i & 3) == 0) xsum[i >> 2] = part;
+        }
+    }
+    __syncthreads();
+    for (int tile = 0; tile < TILES; ++tile) {
+        const int n0 = ((blockIdx.x * TILES + tile) * WARPS + warp) * OUTS;
+        if (n0 >= N) break;
+        float acc[RPW];
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+        for (int c0 = lane; c0 < chunks; c0 += 32 * DEPTH) {
+            uint32_t qd[DEPTH][RPW][BITS];
+            float sd[DEPTH][RPW], bd[DEPTH][RPW];
+            #pragma unroll
+            for (int di = 0; di < DEPTH; ++di) {
+                const int c = c0 + 32 * di;
+                if (c < chunks) {
+                    uint32_t (&q)[RPW][BITS] = qd[di];
+                    float (&s)[RPW] = sd[di];
+                    float (&b)[RPW] = bd[di];
+""" + _ROW_LOADS + r"""                }
+            }
+            #pragma unroll
+            for (int di = 0; di < DEPTH; ++di) {
+                const int c = c0 + 32 * di;
+                if (c >= chunks) break;
+                uint32_t (&q)[RPW][BITS] = qd[di];
+                uint4 xr[4];
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) xr[v] = xs4[v][c];
+                float xf[32];
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    const T* e = reinterpret_cast<const T*>(&xr[v]);
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
+                }
+                const float xs = xsum[c];
+                #pragma unroll
+                for (int r = 0; r < RPW; ++r) {
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    #pragma unroll
+                    for (int j = 0; j < 32; ++j) {
+""" + _CODE + r"""                        d[j & 3] += xf[j] * f;
+                    }
+                    acc[r] += CHUNK(sd[di][r], bd[di][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
+                }
+            }
+        }
+        float red[RPW];
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            float v = acc[r];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            red[r] = v;
+        }
+        #pragma unroll
+        for (int r = 0; r < OUTS; ++r) {
+            if (lane == r && n0 + r < N) STORE(0, n0 + r, OUTPUT(red[r], red[(r + OUTS) % RPW]));
+        }
+    }
+"""
+STAGED_BYTES = 48 * 1024  # a block's static shared memory at most: x (2 bytes a value) and its chunks' sums
+
+
+def stages(k: int) -> bool:
+    """Whether one row of ``k`` values fits the staged source's shared memory."""
+    return 2 * k + 4 * (k // 32) <= STAGED_BYTES
+
+
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
     """Whether a product of this shape may take the kernel (the tuner still measures)."""
     return (mode == "affine" and 1 <= rows <= MAX_ROWS and bits in BITS and group_size in GROUPS
@@ -295,26 +396,36 @@ def layout(layer: Any) -> tuple[int, int, str, int, Any] | None:
     return layer.group_size, layer.bits, mode, k, layer.scales.dtype
 
 
-def configs(rows: int = 1) -> list[tuple[int, ...]]:
+# one row, x staged in shared memory: (warps, rows a warp, 1, chunks a lane in flight, row tiles a block)
+STAGED = [(8, 2, 1, 1, 1), (8, 2, 1, 2, 2), (8, 4, 1, 1, 2), (16, 2, 1, 2, 1)]
+
+
+def configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     """The launch shapes the load-time tuner times for a bucket of ``rows`` rows: (warps
     per block, weight rows per warp), and for more than one row of x the rows it takes
     at most (the bucket); at one row a fourth, the chunks each lane has in flight
-    (``DEPTH``, 1 where absent)."""
+    (``DEPTH``, 1 where absent), and a fifth, the row tiles a block takes with x staged
+    in its shared memory (:data:`STAGED`; given ``k``, the row's width, where it fits)."""
     if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last three, depth 2
-        return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2)]
+        return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2),
+                *(STAGED if k and stages(k) else [])]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
-def gated_configs(rows: int = 1) -> list[tuple[int, ...]]:
+def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     """The launch shapes of the gated product (:func:`bound` with ``up``) for a bucket of
     ``rows`` rows: (warps per block, weight rows per warp (half gate, half up), rows of x
-    at most[, chunks a lane in flight]). Not tuned yet: the first is what it runs; the
-    others are for ``benchmarks/gpu/gemv_check.py --gated`` to time beside it."""
-    return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2)] if rows == 1 else [(4, 2, rows)]
+    at most[, chunks a lane in flight[, row tiles a block, x staged]]). The first is the
+    default; at one row the load times them all (:func:`glu_cuda.tune`)."""
+    if rows > 1:
+        return [(4, 2, rows)]
+    return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2),
+            *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else [])]
 
 
 _BODY = compact(_SOURCE)
 _ROWS_BODY = compact(_ROWS_SOURCE)
+_STAGED_BODY = compact(_STAGED_SOURCE)
 
 
 # What a product's rows are and what it writes: a plain product's warp takes RPW weight
@@ -368,37 +479,43 @@ def _parts_head(sizes: tuple[int, ...]) -> str:
 
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
-            gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1) -> Any:
+            gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
     of two or three layers of one layout read as one, each written to its own output;
-    ``depth``: at one row, the chunks a lane loads before using any."""
+    ``depth``: at one row, the chunks a lane loads before using any; ``tiles``: at one
+    row, x staged in shared memory (``k`` values) and that many row tiles a block."""
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
-            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};") + "\n"
+            + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
+            + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "") + "\n"
             + (_GATED if gated else _parts_head(parts) if parts else _PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
     kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemv"
+    body = _ROWS_BODY if max_rows > 1 else _STAGED_BODY if tiles else _BODY
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
-                 + (f"_d{depth}" if depth > 1 else ""),
-                 head, _BODY if max_rows == 1 else _ROWS_BODY, inputs, outputs=outputs)
+                 + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else ""),
+                 head, body, inputs, outputs=outputs)
 
 
-def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int]:
+def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
     """A launch shape of :func:`configs` or :func:`gated_configs` in full: (warps per
-    block, weight rows per warp, rows of x at most, chunks a lane in flight)."""
+    block, weight rows per warp, rows of x at most, chunks a lane in flight, row tiles a
+    block with x staged (0: not staged))."""
     warps, rpw, *most = config
-    return warps, rpw, most[0] if most else 1, most[1] if len(most) > 1 else 1
+    return (warps, rpw, most[0] if most else 1, most[1] if len(most) > 1 else 1,
+            most[2] if len(most) > 2 else 0)
 
 
 def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
-              parts: tuple[int, ...] = ()) -> Any:
-    """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`)."""
-    warps, rpw, max_rows, depth = launch_shape(config)
-    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth)
+              parts: tuple[int, ...] = (), k: int = 0) -> Any:
+    """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
+    for rows of ``k`` values (the staged shapes are built for one width)."""
+    warps, rpw, max_rows, depth, tiles = launch_shape(config)
+    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
@@ -413,9 +530,12 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]
-    warps, rpw = config[:2]
+    warps, rpw, _, _, tiles = launch_shape(config)
+    k = w.shape[1] * 32 // bits
+    if tiles and not stages(k):
+        raise ValueError(f"a row of {k} values does not fit the staged source's shared memory")
     outs = rpw // 2 if up is not None else rpw
-    grid = (-(-n // (warps * outs)) * 32 * warps, 1, 1)
+    grid = (-(-n // (warps * outs * max(tiles, 1))) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
     inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
     kernels: dict[Any, Any] = {}  # per activation dtype
@@ -424,7 +544,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes)
+            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k)
         lead = x.shape[:-1]
         outs = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
                       output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))

@@ -24,14 +24,18 @@ with MLX's products standing in for it (the same logits, bit for bit).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
 
+log = logging.getLogger(__name__)
+
 ENV = "GMLX_QKV_KERNEL"
 NAMES = ("q_proj", "k_proj", "v_proj")
+_shapes: dict[str, tuple[int, ...]] = {}  # the one-row launch shape the load timed fastest, per layer key
 
 
 def enabled() -> bool:
@@ -67,7 +71,8 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
             more = tuple((m.weight, m.scales, m.biases) for m in others)
             config = qmmw_cuda.configs(b)[0]
             if not step_tuning.tensor_cores(first, b):
-                runs[b] = qgemv_cuda.bound(*q, qgemv_cuda.configs(b)[0], more=more)
+                shape = _shapes.get(_key(attention), qgemv_cuda.configs(b)[0]) if b == 1 else qgemv_cuda.configs(b)[0]
+                runs[b] = qgemv_cuda.bound(*q, shape, more=more)
             elif (qmmw_cuda.supports(b, first.weight.shape[1] * 32 // first.bits, first.group_size, first.bits)
                   and qmmw_cuda.parts_fit(tuple(m.weight.shape[0] for m in layers), config)):
                 runs[b] = qmmw_cuda.bound(*q, config, more=more)
@@ -136,6 +141,8 @@ def tune(model: Any) -> str | None:
     layers = projected(model)
     if not layers:
         return None
+    if os.environ.get(ENV) != "1":
+        _time_shapes(layers)
     note = step_tuning.tune(model, ENV, f"queries, keys and values in one product in {len(layers)} attention layer(s)",
                             layers, [_key(a) for a in layers], agrees, lambda buckets: use(model, buckets))
     if not layers[0]._project_buckets:
@@ -149,19 +156,56 @@ def _key(attention: Any) -> str:
     return f"{dtype}:{k}x" + "+".join(str(attention[n].weight.shape[0]) for n in names) + f":{bits}/{group}"
 
 
+def _time_shapes(layers: list[Any]) -> None:
+    """The one-row launch shape of each distinct projection shape of ``layers``, where
+    the CUDA-core source takes one row: :func:`step_tuning.one_row_shape` over every
+    layer of that shape, as a step reads them (kept on this machine)."""
+    members: dict[str, list[Any]] = {}
+    for attention in layers:
+        members.setdefault(_key(attention), []).append(attention)
+    for key, alike in members.items():
+        if not step_tuning.tensor_cores(alike[0].q_proj, 1):
+            _shapes[key] = _time_shape(key, alike)
+
+
+def _time_shape(key: str, alike: list[Any]) -> tuple[int, ...]:
+    first = alike[0]
+    names = joined(first)
+    group, bits, _, k, dtype = qgemv_cuda.layout(first.q_proj)
+
+    def calls(shape: tuple[int, ...]) -> list[Any]:
+        return [qgemv_cuda.bound(a.q_proj.weight, a.q_proj.scales, a.q_proj.biases, group, bits, shape,
+                                 more=tuple((a[n].weight, a[n].scales, a[n].biases) for n in names[1:])) for a in alike]
+
+    def agrees(call: Any) -> bool:
+        return _close(first, step_tuning.tried(lambda x, n: call(x), k, dtype, rows=(1,)))
+
+    shape, timed = step_tuning.one_row_shape(f"{key}:{ENV}:shape", qgemv_cuda.configs(1, k), calls, agrees, k, dtype)
+    log.info("cuda: queries, keys and values of %s at one row: launch shape %s (%s)", key, "x".join(map(str, shape)),
+             timed)
+    return shape
+
+
 def agrees(attention: Any) -> bool:
     """Whether the one product gives each projection what its own layer gives, as closely
     as that is to a float32 product (:func:`timing.agrees`), on random input rows."""
+    q = attention.q_proj
+    return _close(attention, step_tuning.tried(lambda x, n: attention._project(attention, x, n),
+                                               q.weight.shape[1] * 32 // q.bits, q.scales.dtype,
+                                               rows=(1, 2, 3, 20)))  # each source, one and four row tiles
+
+
+def _close(attention: Any, results: list | None) -> bool:
+    """Whether each of ``results`` (:func:`step_tuning.tried`'s: the queries, keys and
+    values, or the first two of them) is as close to a float32 product as the layer's
+    own is; None (it did not run): no."""
     from gmlx.engine.kernels.timing import agrees as close_enough
     from gmlx.engine.kernels.timing import exact_product
 
-    q = attention.q_proj
-    results = step_tuning.tried(lambda x, n: attention._project(attention, x, n), q.weight.shape[1] * 32 // q.bits,
-                                q.scales.dtype, rows=(1, 2, 3, 20))  # each source, one and four row tiles
     if results is None:
         return False
     for x, n, got in results:
-        for g, w, name in zip(got, _mlx_project(attention, x, n), NAMES, strict=True):
+        for g, w, name in zip(got, _mlx_project(attention, x, n), NAMES, strict=False):
             m = attention[name]
             if not close_enough(g, w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits)):
                 return False

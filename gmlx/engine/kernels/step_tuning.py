@@ -84,6 +84,51 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
     return kept
 
 
+def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[tuple[int, ...]], list[Any]],
+                  agrees: Callable[[Any], bool], k: int, dtype: Any, reps: int = 32) -> tuple[tuple[int, ...], str]:
+    """The launch shape (of ``shapes``, the first the default) a step kernel takes at one
+    row, and what was timed, for the log: from an earlier load on this machine (``key``),
+    else each shape's ``calls(shape)`` (the kernel bound to each of its layers, as the
+    step binds it) timed in a chain over the layers in turn (:func:`timing.chain_time`:
+    each call's input the last one's output, the weights read from memory as a step
+    reads them), where its first call ``agrees``; the first shape timed again last (a
+    GPU still speeding up favours what it meets later). A shape that does not build or
+    launch is no shape."""
+    import itertools
+
+    import mlx.core as mx
+
+    from gmlx.engine.kernels.timing import chain_time, fed
+    from gmlx.engine.kernels.tuning import Tuning
+
+    tuning = Tuning()
+    known = tuning.layer(key)
+    if known and 1 in known:
+        return known[1][1], "from an earlier load"
+    x = (mx.random.normal((1, 1, k), key=mx.random.key(k)) * 0.5).astype(dtype)
+    times: dict[tuple[int, ...], float] = {}
+    for shape in [*shapes, shapes[0]]:
+        try:
+            bound = calls(shape)
+            if shape not in times and not agrees(bound[0]):
+                continue
+            turn = itertools.count()
+
+            def chain(y: Any, bound: list[Any] = bound, turn: Any = turn) -> Any:
+                out = bound[next(turn) % len(bound)](y)
+                return fed(out[0] if isinstance(out, tuple) else out, y)
+
+            took = chain_time(chain, x, max(reps, len(bound))) / max(reps, len(bound))
+        except (TypeError, ValueError, RuntimeError) as error:
+            log.warning("cuda: a launch shape %s is not used: %s", shape, str(error).splitlines()[0][:200])
+            continue
+        times[shape] = min(times.get(shape, took), took)
+    best = min(times, key=lambda s: times[s]) if times else shapes[0]
+    tuning.set_layer(key, {1: ("gemv", best)})
+    tuning.save()
+    return best, ", ".join(f"{'x'.join(map(str, s))}: {t * 1e6:.1f}" for s, t in times.items()) + " us"
+
+
 def tried(run: Callable[[Any, int], Any], k: int, dtype: Any, rows: tuple[int, ...] = (1, 3)) -> list | None:
     """``(x, rows, run(x, rows))`` for random inputs of ``rows`` rows, ``k`` wide, each
     evaluated; None when the kernel would not build or run here (what ``agrees`` checks

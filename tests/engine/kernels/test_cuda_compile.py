@@ -69,14 +69,16 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
     try:
         for dtype in (mx.float16, mx.bfloat16):
             for bits in qgemv_cuda.BITS:
-                for config in [*qgemv_cuda.configs()[:2], qgemv_cuda.configs()[-1], *qgemv_cuda.configs(8)[:2]]:
-                    qgemv_cuda.kernel_of(dtype, bits, 64, config)
+                one = qgemv_cuda.configs(1, 14336)
+                for config in [*one[:2], one[6], *qgemv_cuda.STAGED, *qgemv_cuda.configs(8)[:2]]:
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, k=14336)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
-                for config in qgemv_cuda.gated_configs(1) + qgemv_cuda.gated_configs(8):
-                    qgemv_cuda.kernel_of(dtype, bits, 64, config, gated=True)
+                for config in qgemv_cuda.gated_configs(1, 4096) + qgemv_cuda.gated_configs(8):
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, gated=True, k=4096)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
-                for sizes, config in (((4096, 1024, 1024), (4, 2)), ((4096, 1024), (4, 2, 8))):
-                    qgemv_cuda.kernel_of(dtype, bits, 64, config, parts=sizes)
+                for sizes, config in (((4096, 1024, 1024), (4, 2)), ((4096, 1024), (4, 2, 8)),
+                                      ((4096, 1024, 1024), qgemv_cuda.STAGED[0])):
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, parts=sizes, k=4096)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes)]))
             for rows in (1, 16, 64):
                 for bits in qmmw_cuda.BITS:

@@ -121,13 +121,14 @@ _MAIN = r"""
 int main(int argc, char** argv) {
     const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]);
     const int BITS_ = std::atoi(argv[5]), warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
+    const int tiles = std::max(1, std::atoi(argv[8]));
     auto x = load<E>("x.bin", (size_t)rows * K);
     auto w = load<uint32_t>("w.bin", (size_t)N * K / 32 * BITS_);
     auto s = load<E>("s.bin", (size_t)N * K / G_);
     auto b = load<E>("b.bin", (size_t)N * K / G_);
     std::vector<E> out((size_t)rows * N);
     Shape xs{rows, K}, ws{N, K / 32 * BITS_};
-    const int blocks = (N + warps * rpw - 1) / (warps * rpw);
+    const int blocks = (N + warps * rpw * tiles - 1) / (warps * rpw * tiles);
     run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
     save("out.bin", out);
 }
@@ -144,40 +145,48 @@ _GATED_MAIN = _MAIN.replace("    std::vector<E> out(", """    auto w2 = load<uin
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
     (4, 32, 1, (4, 2)), (6, 64, 1, (8, 1)), (8, 32, 1, (4, 4)),
     (4, 32, 1, (4, 2, 1, 2)), (6, 64, 1, (8, 1, 1, 3)), (8, 32, 1, (4, 4, 1, 2)),
-    (4, 32, 3, (4, 1, 4)), (6, 32, 8, (4, 2, 8)), (8, 64, 2, (8, 1, 2)), (4, 128, 5, (4, 2, 8))])
+    (4, 32, 3, (4, 1, 4)), (6, 32, 8, (4, 2, 8)), (8, 64, 2, (8, 1, 2)), (4, 128, 5, (4, 2, 8)),
+    (4, 32, 1, (2, 2, 1, 1, 2)), (6, 64, 1, (2, 1, 1, 2, 3)), (8, 32, 1, (4, 2, 1, 2, 1)), (4, 128, 1, (2, 4, 1, 1, 1))])
 def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int, rows: int, config) -> None:
-    """The one-row and the few-rows sources, each warp run as 32 host threads with CUDA's
-    shuffles and bit instructions emulated: 1,088 columns (lanes take a second chunk; at
-    depths 2 and 3 in the same round of loads, some lanes one chunk, none a third), 12
-    weight rows (a block's last warp past the end), fewer rows of x than the kernel takes
-    (5 of 8), against MLX's own product on the CPU, as closely as MLX's is to float32."""
+    """The one-row, the few-rows and the staged sources, each warp run as 32 host threads
+    with CUDA's shuffles and bit instructions emulated: 1,088 columns (lanes take a second
+    chunk; at depths 2 and 3 in the same round of loads, some lanes one chunk, none a
+    third), 12 weight rows (a block's last warp past the end; staged, a block's last
+    tile or warp of a tile), fewer rows of x than the kernel takes (5 of 8), against
+    MLX's own product on the CPU, as closely as MLX's is to float32."""
     dtype = mx.bfloat16
     k, n = 1088 if group != 128 else 1152, 12
     mx.random.seed(bits * rows + group)
     wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 3).astype(dtype)
-    body = emulation.function(_made(dtype, bits, group, config), ["bfloat16", "uint32", "bfloat16", "bfloat16"], "bfloat16")
+    body = emulation.function(_made(dtype, bits, group, config, k=k), ["bfloat16", "uint32", "bfloat16", "bfloat16"],
+                              "bfloat16")
     args = ", ".join({"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
                       "scales": "s.data()", "biases": "b.data()", "out": "out.data()"}[name]
                      for name in _parameters(body))
     program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _MAIN.replace("ARGS", args)
     for name, a in (("x", x.view(mx.uint16)), ("w", wq), ("s", s.view(mx.uint16)), ("b", b.view(mx.uint16))):
         (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1]])
+    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config)])
     got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
     assert agrees(got, want, exact_product(x, wq, s, b, group, bits))
 
 
+def _tiles(config: tuple[int, ...]) -> int:
+    return qgemv_cuda.launch_shape(config)[4]
+
+
 def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
-          parts: tuple[int, ...] = ()) -> dict:
-    """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape."""
+          parts: tuple[int, ...] = (), k: int = 0) -> dict:
+    """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape
+    (``k``: the row width the staged shapes are built for)."""
     made: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         qgemv_cuda._kernel.cache_clear()
         try:
-            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts)
+            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
@@ -192,7 +201,7 @@ def _parameters(function: str) -> list[str]:
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
     (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 1, (4, 4, 1, 2)), (4, 32, 3, (4, 2, 4)),
-    (6, 64, 8, (4, 4, 8))])
+    (6, 64, 8, (4, 4, 8)), (4, 32, 1, (2, 4, 1, 1, 2)), (6, 64, 1, (2, 2, 1, 2, 1))])
 def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config) -> None:
     """The gated product (an MLP's gate and up projections and its swiglu in one
     kernel), each source run on the CPU as above: 11 output rows (a warp's second row and
@@ -206,7 +215,7 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     gate = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     up = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 0.5).astype(dtype)
-    made = _made(dtype, bits, group, config, gated=True)
+    made = _made(dtype, bits, group, config, gated=True, k=k)
     assert made["input_names"] == ["x", "w", "scales", "biases", "w2", "scales2", "biases2"]
     body = emulation.function(made, ["bfloat16", "uint32", "bfloat16", "bfloat16", "uint32", "bfloat16",
                                         "bfloat16"], "bfloat16")
@@ -219,7 +228,7 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
              ("w2", up[0]), ("s2", up[1].view(mx.uint16)), ("b2", up[2].view(mx.uint16)))
     for name, a in files:
         (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1]])
+    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config)])
     got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
 
     def product(layer):
@@ -235,7 +244,7 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "sizes", "rows", "config"), [
     (4, (10, 3, 3), 1, (4, 2)), (4, (12, 4), 1, (4, 4)), (6, (10, 3, 3), 1, (8, 1)),
-    (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8))])
+    (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8)), (4, (10, 3, 3), 1, (2, 2, 1, 1, 2))])
 def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tuple[int, ...], rows: int,
                                                  config) -> None:
     """Two or three layers of one layout read as one product (an attention's queries, keys
@@ -246,7 +255,7 @@ def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tup
     mx.random.seed(bits * rows + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     x = (mx.random.normal((rows, k)) * 2).astype(dtype)
-    made = _made(dtype, bits, group, config, parts=sizes)
+    made = _made(dtype, bits, group, config, parts=sizes, k=k)
     suffix = ["", "2", "3"][:len(sizes)]
     assert made["output_names"] == [f"out{i}" for i in suffix]
     body = emulation.function(made, ["bfloat16", *["uint32", "bfloat16", "bfloat16"] * len(sizes)], "bfloat16")
@@ -268,8 +277,8 @@ int main(int argc, char** argv) {
     auto x = load<E>("x.bin", (size_t)rows * K);
     LOADS
     Shape xs{rows, K}, ws{SIZE0, K / 32 * BITS_};
-    const int N = std::atoi(argv[3]);
-    const int blocks = (N + warps * rpw - 1) / (warps * rpw);
+    const int N = std::atoi(argv[3]), tiles = std::max(1, std::atoi(argv[8]));
+    const int blocks = (N + warps * rpw * tiles - 1) / (warps * rpw * tiles);
     run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
     SAVES
 }
@@ -280,7 +289,7 @@ int main(int argc, char** argv) {
     for i, (wq, sc, bi) in enumerate(layers):
         for name, a in ((f"w{i}", wq), (f"s{i}", sc.view(mx.uint16)), (f"b{i}", bi.view(mx.uint16))):
             (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [rows, k, total, group, bits, config[0], config[1]])
+    emulation.compile_and_run(tmp_path, program, [rows, k, total, group, bits, config[0], config[1], _tiles(config)])
     for i, (n, (wq, sc, bi)) in enumerate(zip(sizes, layers, strict=True)):
         got = mx.array(np.frombuffer((tmp_path / f"o{i}.bin").read_bytes(), dtype=np.uint16).reshape(rows, n))
         got = got.view(dtype)

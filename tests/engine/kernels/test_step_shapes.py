@@ -1,0 +1,141 @@
+"""The step kernels' launch shapes at one row (``step_tuning.one_row_shape``): each shape
+that agrees timed in a chain over the kernel's layers, the fastest kept per machine, and
+the gated (``glu_cuda``) and q-k-v (``qkv_cuda``) kernels bound with it at one stream.
+The kernels cannot run here: their ``bound`` and the chain's clock stand in, as said at
+each test."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx import nn
+
+from gmlx.engine.kernels import glu_cuda, one_token, qgemv_cuda, qkv_cuda, step_tuning, timing
+from tests.engine.kernels.models import tiny
+
+SHAPES = [(4, 4, 1), (8, 4, 1, 1, 1), (4, 2, 1), (16, 2, 1, 2, 1)]
+
+
+def _clock(monkeypatch: pytest.MonkeyPatch, took: dict[tuple[int, ...], list[float]]) -> list[tuple[int, ...]]:
+    """``timing.chain_time`` as ``took[shape]``'s next number a call (per call of the
+    chain), the shape read from the bound calls (each records its shape when called);
+    returns the shapes in the order they were timed."""
+    order: list[tuple[int, ...]] = []
+
+    def chain_time(call, x, reps):
+        call(x)
+        shape = _last[0]
+        order.append(shape)
+        return took[shape].pop(0) * reps
+
+    monkeypatch.setattr(timing, "chain_time", chain_time)
+    return order
+
+
+_last: list[tuple[int, ...]] = [()]
+
+
+def _calls(shape: tuple[int, ...], layers: int = 3) -> list:
+    def call(x, shape=shape):
+        _last[0] = shape
+        return mx.zeros((1, 1, 64), x.dtype)
+
+    return [call] * layers
+
+
+def test_the_fastest_shape_that_agrees_is_kept_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every shape that agrees is timed, the first again last (the lower of its two
+    kept); one that disagrees is never timed, however fast; one that does not launch is
+    skipped; the choice is kept, so a second load times nothing."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    took = {SHAPES[0]: [9.0, 5.0], SHAPES[1]: [6.0], SHAPES[3]: [7.0]}
+    order = _clock(monkeypatch, took)
+
+    def calls(shape):
+        if shape == SHAPES[3]:
+            raise RuntimeError("NVRTC: too much shared memory")
+        return _calls(shape)
+
+    def agrees(call):
+        call(mx.zeros((1, 1, 64)))
+        return _last[0] != SHAPES[2]
+
+    shape, said = step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, mx.bfloat16)
+    assert order == [SHAPES[0], SHAPES[1], SHAPES[0]]
+    assert (shape, said) == (SHAPES[0], "4x4x1: 5000000.0, 8x4x1x1x1: 6000000.0 us")  # the clock's seconds
+    again = _clock(monkeypatch, {})
+    assert step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, mx.bfloat16) == (
+        SHAPES[0], "from an earlier load")
+    assert again == []
+
+
+def test_no_shape_that_agrees_leaves_the_first(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    order = _clock(monkeypatch, {})
+    shape, _ = step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: False, 64, mx.bfloat16)
+    assert shape == SHAPES[0] and order == []
+
+
+def test_the_gated_kernel_takes_the_timed_shape_at_one_stream(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``glu_cuda.tune`` times the one-row shape once per MLP shape, over all the MLPs of
+    that shape (the gated ``bound`` standing in, recording what it binds), before the
+    buckets are decided; the kernel then binds that shape at one stream and the default
+    at two."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv(glu_cuda.ENV, raising=False)
+    model = tiny("llama", 2, quantized=True, dtype=mx.bfloat16, seed=11)
+    glu_cuda.attach(model, buckets=())
+    bound: list[tuple] = []
+
+    def fake_bound(w, scales, biases, group_size, bits, config, up):
+        bound.append((config, w.shape))
+        return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+
+    timed: list[tuple] = []
+
+    def one_row_shape(key, shapes, calls, agrees, k, dtype):
+        timed.append((key, shapes, len(calls(shapes[1]))))
+        return shapes[1], "timed"
+
+    monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", fake_bound)
+    monkeypatch.setattr(step_tuning, "one_row_shape", one_row_shape)
+    monkeypatch.setattr(step_tuning, "decide", lambda model, key, agrees, use: use({1, 2}) or {})
+    glu_cuda.tune(model)
+    mlps = glu_cuda.fused(model)
+    k = mlps[0].gate_proj.weight.shape[1] * 32 // 4
+    assert timed == [(f"{glu_cuda._key(mlps[0])}:{glu_cuda.ENV}:shape", qgemv_cuda.gated_configs(1, k), 2)]
+    bound.clear()
+    for rows in (1, 2):
+        mlps[0]._gated(mlps[0], mx.zeros((rows, 1, k), mx.bfloat16), rows)
+    assert [c for c, _ in bound] == [qgemv_cuda.gated_configs(1, k)[1], qgemv_cuda.gated_configs(2)[0]]
+
+
+def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Likewise for the queries, keys and values in one product (their ``bound``
+    standing in)."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv(qkv_cuda.ENV, raising=False)
+    model = tiny("llama", 2, dtype=mx.bfloat16, seed=13)
+    nn.quantize(model, group_size=32, bits=4)
+    one_token.attach(model, rotation=lambda attention: None)
+    qkv_cuda.attach(model, buckets=())
+    bound: list[tuple] = []
+
+    def fake_bound(w, scales, biases, group_size, bits, config, more):
+        bound.append(config)
+        return lambda x: tuple(mx.zeros((*x.shape[:-1], a.shape[0]), x.dtype) for a in (w, *(m[0] for m in more)))
+
+    def one_row_shape(key, shapes, calls, agrees, k, dtype):
+        assert len(calls(shapes[-1])) == 2
+        return shapes[-1], "timed"
+
+    monkeypatch.setattr(qkv_cuda.qgemv_cuda, "bound", fake_bound)
+    monkeypatch.setattr(step_tuning, "one_row_shape", one_row_shape)
+    monkeypatch.setattr(step_tuning, "decide", lambda model, key, agrees, use: use({1, 2}) or {})
+    qkv_cuda.tune(model)
+    attention = qkv_cuda.projected(model)[0]
+    k = attention.q_proj.weight.shape[1] * 32 // 4
+    bound.clear()
+    for rows in (1, 2):
+        attention._project(attention, mx.zeros((rows, 1, k), mx.bfloat16), rows)
+    assert bound == [qgemv_cuda.configs(1, k)[-1], qgemv_cuda.configs(2)[0]]
