@@ -8,19 +8,20 @@
 #   call 2, carry [".gpu/part2"]:              bash benchmarks/gpu/lease.sh part2
 #   call 3, carry [".gpu/part3", ".gpu/ptx"]:  bash benchmarks/gpu/lease.sh prepare   (~320 s)
 #   call 4:                                    bash benchmarks/gpu/lease.sh gmlx      (~140-400 s)
-#   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~120 s)
+#   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~300 s)
 #   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
 #   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
 #
 # start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
-# prepare: part 3 and the kernel cache staged, the wheels installed, the kernel check
-#   (attention_check --cached, then again under ncu: each timing's GPU us a call, printed as a
-#   table: attention-gpu.txt), the 8B's F16 GGUF, the build waited
+# prepare: part 3 and the kernel cache staged, the wheels installed, the kernel checks
+#   (attention_check --cached; gemv_check's one-row products, plain, gated and q-k-v, at every
+#   launch shape: gemv.txt), the 8B's F16 GGUF, the build waited
 #   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
 # gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
 #   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here).
 # trace: every kernel of the served step (the load's tuning from gmlx's run, the whole step
-#   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler.
+#   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler; then one
+#   stream's kernels under ncu (each kind's DRAM and SM throughput in % of peak).
 # long: a 7,800-token prompt at one stream, llama-server and gmlx.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
@@ -51,11 +52,10 @@ case ${1:-} in
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     with_env
     timeout 120 python3 $GPU/attention_check.py --cached > "$OUT/attention.txt" 2>&1
-    # each launch's GPU time (the host left out), a few calls a timing: the kernels' own cost
-    timeout 150 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none --csv \
-      --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \
-      python3 $GPU/attention_check.py --cached --reps 2 --marked > "$OUT/attention-ncu.csv" 2>&1
-    python3 $GPU/attention_check.py --ncu-csv "$OUT/attention-ncu.csv" --reps 2 > "$OUT/attention-gpu.txt" 2>&1
+    # the one-row products at every launch shape, x staged or not (each compiled here is one
+    # the load finds in the kernel cache): the plain products, the gated and the q-k-v ones
+    { timeout 150 python3 $GPU/gemv_check.py --reps 30; timeout 60 python3 $GPU/gemv_check.py --gated --reps 30
+      timeout 60 python3 $GPU/gemv_check.py --qkv --reps 30; } > "$OUT/gemv.txt" 2>&1
     python3 $GPU/models.py --shape llama3-8b --only gguf-f16 2>&1 | tail -2
     bash $GPU/setup.sh llama --wait 2>&1 | tail -2
     python3 $GPU/models.py --shape llama3-8b --quantize /tmp/llama/build/bin/llama-quantize \
@@ -63,13 +63,13 @@ case ${1:-} in
     rm -f /tmp/models/llama3-8b/*f16.gguf
     "${BENCH[@]}" --servers llama --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
       > "$OUT/bench-llama.txt" 2>&1
-    cat "$OUT/attention.txt" "$OUT/attention-gpu.txt"; tail -8 "$OUT/bench.md"
+    cat "$OUT/attention.txt" "$OUT/gemv.txt"; tail -8 "$OUT/bench.md"
     ;;
   gmlx)
     with_env
     "${BENCH[@]}" --servers gmlx --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
       > "$OUT/bench-gmlx.txt" 2>&1
-    grep -E "whole steps of|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | head -20
+    grep -E "whole steps of|launch shape|decode-sized paths|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | cut -c1-400 | head -24
     # the load's attention timing (layouts, where a split pays), from the load's log in the results
     grep -o '"[^"]*in-place attention[^"]*"' "$OUT/bench.json" | head -8
     bash $GPU/setup.sh kernels "$OUT" | tail -1
@@ -77,9 +77,14 @@ case ${1:-} in
     ;;
   trace)
     with_env
-    GMLX_HOME=/tmp/gmlx-home timeout 300 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1,8 \
+    GMLX_HOME=/tmp/gmlx-home timeout 240 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1,8 \
       --loops "tuned whole" --steps 8 --trace --dtype float16 > "$OUT/trace.txt" 2>&1
     grep -v "^tuned:" "$OUT/trace.txt" | tail -60
+    # one stream's kernels under ncu: each kernel's DRAM and SM throughput (% of peak) in the served step
+    GMLX_HOME=/tmp/gmlx-home timeout 300 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1 \
+      --loops "tuned whole" --steps 2 --dtype float16 --no-plain --limit 240 \
+      --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu.txt" 2>&1
+    grep -v "^tuned:" "$OUT/ncu.txt" | tail -30
     ;;
   long)
     with_env

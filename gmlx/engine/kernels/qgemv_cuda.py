@@ -35,6 +35,11 @@ row's; lane 0 writes them. (Its first form loaded and converted ``x`` again for 
 weight row: about 32 instructions a code at 8 rows, where this is about half.) New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
 buckets beside MLX's product and the tensor-core kernel, and keeps whichever is fastest.
 
+At one row a launch shape may also stage x in the block's shared memory first (its
+fifth number, the row tiles a block takes; :data:`STAGED`), so a lane's loads in flight
+are the weights' alone (see ``_STAGED_SOURCE``); the load times those shapes beside the
+others.
+
 Gated (``bound(..., up=...)``, :mod:`glu_cuda`): both sources also compute an MLP's
 ``silu(x @ gate.T) * (x @ up.T)`` in one kernel, a warp taking half its rows from each
 layer's weights (the same rows of both) and writing the swiglu of each pair.
