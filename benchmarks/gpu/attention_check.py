@@ -11,7 +11,9 @@ MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention sha
 its largest difference, whether the cache arrays after it are the old ones with the one
 position replaced, bit for bit, and nothing else; and its us per call beside MLX's
 one-query attention, up to a 32k-position cache at one stream (each head's keys split
-over several blocks there). ``--reps N``: N calls a timing instead of 100 (under ``ncu``,
+over several blocks there), each form apart: whole, split, in each layout, and whole with
+the head split (``hsplit`` the group: a block a query head, the column the load's choice
+of head split is to be read against). ``--reps N``: N calls a timing instead of 100 (under ``ncu``,
 whose per-launch GPU times leave the host's share out: lease.sh's ``prepare``);
 ``--marked`` launches a marker kernel before each timing (``kernel_times``' windows), and
 ``--ncu-csv FILE --reps N`` reads ncu's CSV of such a run back into the same table in GPU
@@ -68,7 +70,8 @@ CASES = ((mx.bfloat16, 128, 1, 256, 37), (mx.bfloat16, 128, 1, 512, 130), (mx.bf
          (mx.bfloat16, 128, 8, 512, 300), (mx.float16, 128, 32, 2304, 2100), (mx.bfloat16, 64, 4, 256, 255),
          (mx.bfloat16, 128, 1, 2304, 2100), (mx.bfloat16, 128, 1, 8192, 8000), (mx.bfloat16, 128, 1, 32768, 32000),
          (mx.bfloat16, 128, 8, 8192, 8000))
-VARIANTS = ("as launched", "warp whole", "warp split", "lane whole", "lane split", "MLX unmasked", "MLX masked")
+VARIANTS = ("as launched", "warp whole", "warp split", "lane whole", "lane split", "MLX unmasked", "MLX masked",
+            "warp whole, a query head a block")
 MARKED = "--marked" in sys.argv
 UNTIMED = 9000  # windows from here hold launches no timing made
 
@@ -109,10 +112,10 @@ def check_cached(reps: int = 100) -> bool:
     mlx-lm runs for one unpadded stream) and its masked one; long caches split each
     head's keys over several blocks (``splits``). ``reps`` calls a timing (a few under
     ncu, which times each launch on the GPU's own clock: the host left out)."""
-    print("| dtype | D | streams | write at | splits | err vs MLX warp / lane | cache as written | padding "
-          "| kernel us | warp whole us | warp split us (splits) | lane whole us | lane split us "
-          "| MLX unmasked us | MLX masked us |")
-    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| dtype | D | streams | write at | splits | err vs MLX warp / lane / head split | cache as written | padding "
+          "| kernel us | warp whole us | warp whole, a query head a block us | warp split us (splits) | lane whole us "
+          "| lane split us | MLX unmasked us | MLX masked us |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     good = True
     for index, (dtype, d, batch, capacity, at) in enumerate(CASES):
         heads, kv_heads = (32, 8) if d == 128 else (16, 2)
@@ -128,7 +131,10 @@ def check_cached(reps: int = 100) -> bool:
         err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, layout="warp")
         err_lane, written_lane = (cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale,
                                                                   layout="lane") if lane else (err, written))
-        good &= written and err < 0.05 and written_lane and err_lane < 0.05
+        group = heads // kv_heads  # the head split: each key-value head's query heads a block each
+        err_head, written_head = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, n=1,
+                                                                 layout="warp", hsplit=group)
+        good &= written and err < 0.05 and written_lane and err_lane < 0.05 and written_head and err_head < 0.05
         position = mx.array([at], dtype=mx.int32)
         w = index * len(VARIANTS)
         rest = (k_new, v_new, k, v, padding, position)
@@ -142,14 +148,17 @@ def check_cached(reps: int = 100) -> bool:
                   cached_attention_cuda.attend_cached(x, *a, s, n=parts, layout=layout), q, reps)
             if layout == "warp" or lane else float("nan")
             for i, (layout, parts) in enumerate((lay, p) for lay in ("warp", "lane") for p in (1, n)))
+        t_head = timed(w + 7, lambda x, a=rest, s=scale, g=group:
+                       cached_attention_cuda.attend_cached(x, *a, s, n=1, layout="warp", hsplit=g), q, reps)
         kv = (k[..., :at + 1, :], v[..., :at + 1, :])  # the keys so far, the step's written in (``written``)
         mask = (padding[:, None, None, None] <= mx.arange(at + 1)[None]).reshape(batch, 1, 1, at + 1)
         t_u = timed(w + 5, lambda x, a=kv, s=scale: mx.fast.scaled_dot_product_attention(x, *a, scale=s), q, reps)
         t_m = timed(w + 6, lambda x, a=kv, s=scale, m=mask:
                     mx.fast.scaled_dot_product_attention(x, *a, scale=s, mask=m), q, reps)
         print(f"| {str(dtype).removeprefix('mlx.core.')} | {d} | {batch} | {at} "
-              f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} / {err_lane:.4f} "
-              f"| {written and written_lane} | {padding.tolist()[:4]} | {t_k:.1f} | {t_whole:.1f} | {t_split:.1f} ({n}) "
+              f"| {cached_attention_cuda.splits(batch * kv_heads, capacity)} | {err:.4f} / {err_lane:.4f} / "
+              f"{err_head:.4f} | {written and written_lane and written_head} | {padding.tolist()[:4]} | {t_k:.1f} "
+              f"| {t_whole:.1f} | {t_head:.1f} | {t_split:.1f} ({n}) "
               f"| {t_lane_whole:.1f} | {t_lane_split:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
     for heads, kv_heads, d in () if MARKED else ((32, 8, 128), (12, 2, 128)):  # the 8B's and the 1.5B's, as a load times them
         cached_attention_cuda.compile_shape(heads, kv_heads, d, d ** -0.5, mx.bfloat16)  # as a load checks it
@@ -202,6 +211,9 @@ def check_whole() -> bool:
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv):
+        print(__doc__)
+        return
     if "--ncu-csv" in sys.argv:  # reads a file: anywhere
         ncu_table(Path(sys.argv[sys.argv.index("--ncu-csv") + 1]), int(sys.argv[sys.argv.index("--reps") + 1]))
         return

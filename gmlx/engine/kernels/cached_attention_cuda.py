@@ -9,7 +9,7 @@ A block a (stream, key-value head, split): its warps take the split's keys in tu
 key a warp, each lane a few dimensions of the key and of its values in one wide load
 each, and every lane holds its dimensions of the query of each head of the group, so the
 keys and values are read once for the group (grouped-query models: an 8B's 32 query heads
-share 8 key-value heads). Each warp keeps its own running maximum, total and values per
+share 8 key-value heads; or once for each part of it, the head split below). Each warp keeps its own running maximum, total and values per
 head, without a barrier; the warps' shares meet in shared memory at the end. The keys so
 far are shared evenly between a head's splits (:func:`splits`, toward two blocks an SM),
 whose shares the combine kernel of :mod:`attention_cuda` sums. The step's own key and
@@ -38,6 +38,26 @@ attention shape (:func:`tune_split`, in a chain of calls); the lane form only wh
 also agreed with MLX at the load's check (on the H100 and H200 it agreed everywhere and
 took both forms of the 8B's shape: whole 54 against 102 us at 1,024 keys in a chain).
 
+A key-value head's query heads may also be shared between blocks (the head split,
+:func:`hsplits`): each block then holds ``GROUP`` of the group's ``GROUP * HSPLIT``, so
+one stream's whole form launches key-value heads x ``HSPLIT`` blocks (the 8B's: 32, a
+query head a block), each key costing a block's lanes 1/``HSPLIT`` of the dot products,
+shuffles and ``exp2f``, and each key and value is read by ``HSPLIT`` blocks (from L2 at
+a short cache). Why: at one stream over 37-1,024 keys the whole form's 8 blocks took
+16-23 us a call in a chain on the H200 where MLX's one-query kernel took 7-10; each warp
+walks its keys one after another, a key costing four heads' dot products, five shuffles
+and two ``exp2f`` each, while 124 of the 132 SMs sit idle; and a split (a second launch)
+pays only from ~1,024 keys. Measured since (H100, 12-06, in a chain, bf16, 1 / 2 / 4
+blocks a key-value head of the 8B, one stream): that is not what a short cache costs:
+38 keys 20.0 / 19.7 / 21.3 us a key a warp, 25.3 / 24.4 / 25.3 a key a lane; 256 keys
+33.1 / 32.6 / 33.6 and 25.4 / 25.5 / 26.3; it pays from ~1,000 (warp 92.1 / 87.4 /
+84.9, lane 51.0 / 45.8 / 45.8; 2,100: lane 94.7 / 82.9 / 81.3), and more for the 1.5B's
+groups of 6 (lane at 2,100 keys, 1 / 2 / 3 / 6 blocks: 98.5 / 84.7 / 78.1 / 72.8). At 8
+streams it lost at every short cache (the 8B at 38 keys: 26.0 / 33.6 / 33.8), so only a
+single stream takes it unasked. The load times the whole form at each head split at
+:data:`HSPLIT_CAPACITY` positions and takes the fastest, then times the split threshold
+with it (:func:`tune_split`); the split form keeps one block a key-value head.
+
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). The tests run its source
 on the CPU (each block as host threads, shuffles and barriers emulated) against MLX's
@@ -56,9 +76,11 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 
 log = logging.getLogger(__name__)
 
-# Both layouts' start: a block a (stream, key-value head, split) and its share of the keys
-# (``start`` to ``end``), the cache's rows of this head, the warps' shares in shared
-# memory, and ``row``: this lane's VEC dimensions of a row in one wide load.
+# Both layouts' start: a block a (stream, key-value head, part of its group, split), its
+# GROUP query heads from ``h0`` (the key-value head's GROUP * HSPLIT split in HSPLIT parts)
+# and its share of the keys (``start`` to ``end``), the cache's rows of this head, the
+# warps' shares in shared memory, and ``row``: this lane's VEC dimensions of a row in one
+# wide load.
 _COMMON = """
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = D / 32;
@@ -70,10 +92,12 @@ const int lane = t & 31;
 const int warp = t >> 5;
 const int heads = q_shape[1];
 const int kv_heads = k_shape[1];
-const int splits = gridDim.x / (q_shape[0] * kv_heads);
+const int splits = gridDim.x / (q_shape[0] * kv_heads * HSPLIT);
 const int split = blockIdx.x % splits;
-const int kvh = blockIdx.x / splits % kv_heads;
-const int b = blockIdx.x / splits / kv_heads;
+const int sub = blockIdx.x / splits % HSPLIT;
+const int kvh = blockIdx.x / splits / HSPLIT % kv_heads;
+const int b = blockIdx.x / splits / HSPLIT / kv_heads;
+const int h0 = (kvh * HSPLIT + sub) * GROUP;  // the block's first query head
 const int at = position[0];
 const int first = padding[b * padding_strides[0]];
 const int span = max(0, (at + 1 - first + splits - 1) / splits);
@@ -119,7 +143,7 @@ float qv[GROUP][VEC];
 float m[GROUP], l[GROUP], acc[GROUP][VEC];
 #pragma unroll
 for (int g = 0; g < GROUP; ++g) {
-    const T* qr = q + b * q_strides[0] + (kvh * GROUP + g) * q_strides[1];
+    const T* qr = q + b * q_strides[0] + (h0 + g) * q_strides[1];
     #pragma unroll
     for (int e = 0; e < VEC; ++e) {
         qv[g][e] = static_cast<float>(qr[(lane * VEC + e) * q_strides[3]]) * QSCALE;
@@ -164,7 +188,8 @@ for (int j0 = start + warp; j0 < end; j0 += WARPS * UNROLL) {
 """
 
 # The warps' shares meet in shared memory, a thread an output (head, dimension); one block
-# of each key-value head writes the step's key and value into the cache.
+# of each key-value head (its first split of its first part) writes the step's key and
+# value into the cache.
 _MERGE = """
 #pragma unroll
 for (int g = 0; g < GROUP; ++g) {
@@ -187,10 +212,10 @@ for (int i = t; i < GROUP * D; i += THREADS) {
         total += wl[w][g] * wt;
         r += wacc[w][g][d] * wt;
     }
-    const int h = kvh * GROUP + g;
+    const int h = h0 + g;
     FINISH(r);
 }
-if (split == 0 && t < D) {
+if (split == 0 && sub == 0 && t < D) {
     kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = kn[t * k_new_strides[3]];
     vb[(int64_t)at * v_strides[2] + t * v_strides[3]] = vn[t * v_new_strides[3]];
 }
@@ -226,7 +251,7 @@ auto eight = [&](float* dst, const T* r, int c, int64_t step, bool dense) {
 for (int i = t; i < GROUP * D; i += THREADS) {
     const int g = i / D;
     const int e = i % D;
-    qs[g][e] = static_cast<float>(q[b * q_strides[0] + (kvh * GROUP + g) * q_strides[1] + e * q_strides[3]]) * QSCALE;
+    qs[g][e] = static_cast<float>(q[b * q_strides[0] + (h0 + g) * q_strides[1] + e * q_strides[3]]) * QSCALE;
 }
 if (t < D) {
     own_k[t] = kn[t * k_new_strides[3]];
@@ -348,6 +373,11 @@ SPLIT_KEYS = 1024
 TUNE_CAPACITIES = (256, 512, 1024, 2048, 4096, 8192, 16384)  # one stream's cache lengths the load times both forms at
 _split_keys: dict[tuple, int] = {}  # the load's measure (tune_splits): capacity, per (heads, kv heads, head size, dtype)
 _layouts: dict[tuple, tuple[str, str]] = {}  # likewise: the whole form's layout and the split form's
+_hsplits: dict[tuple, tuple[int, int]] = {}  # likewise: the whole form's blocks a key-value head and the split form's
+# The cache length at which the load times the whole form's head splits: where they pay
+# (the H100, 12-06: within 3% of each other at 38-256 keys, 10% apart at 1,000), below the
+# split threshold (1,024-2,048 positions), so the whole form still runs there.
+HSPLIT_CAPACITY = 1024
 _lane_agrees: dict[tuple, bool] = {}  # whether the lane form agreed with MLX at the load's check
 
 
@@ -380,15 +410,18 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 
 @cache
-def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp") -> Any:
+def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp",
+            hsplit: int = 1) -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
-    share of the keys, for the combine), a key a warp or a key a lane (``layout``): four
-    kernels per float type, head size, scale and group of query heads, whatever the
-    cache's length."""
-    head = (attention_cuda.kernel_head(dtype, head_dim, scale) + f"constexpr int GROUP = {group};\n"
+    share of the keys, for the combine), a key a warp or a key a lane (``layout``), each
+    block ``group // hsplit`` of the key-value head's ``group`` query heads (the head
+    split, :func:`hsplits`): four kernels a head split per float type, head size, scale
+    and group, whatever the cache's length."""
+    head = (attention_cuda.kernel_head(dtype, head_dim, scale)
+            + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit};\n"
             + (_FINISH_SPLIT if split else _FINISH_ONE))
-    name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}{'_lane' if layout == 'lane' else ''}"
-            f"{'_split' if split else ''}")
+    name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
+            f"{f'_h{hsplit}' if hsplit > 1 else ''}{'_lane' if layout == 'lane' else ''}{'_split' if split else ''}")
     return build(name, head, _LANE_BODY if layout == "lane" else _BODY,
                  ["q", "k_new", "v_new", "k", "v", "padding", "position"],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
@@ -404,11 +437,19 @@ def fits(group: int, d: int, layout: str = "warp") -> bool:
     return 4 * floats <= SHARED_BYTES  # (the lane form's key and value of the step: 2 x d halves, d floats)
 
 
+def hsplits(group: int) -> tuple[int, ...]:
+    """The head splits a key-value head of ``group`` query heads may take: the blocks it
+    is shared between, each an equal part of the group (the divisors of ``group``)."""
+    return tuple(h for h in range(1, group + 1) if group % h == 0)
+
+
 def splits(blocks: int, capacity: int, split_keys: int = SPLIT_KEYS) -> int:
-    """Blocks each of ``blocks`` (streams x key-value heads) is split into over a cache of
-    ``capacity`` positions: one (the whole form, one launch) under ``split_keys``
-    positions, or where the batch's blocks already fill a wave of the GPU (over half
-    ``TARGET_BLOCKS``); else toward ``TARGET_BLOCKS`` in all, a split for every
+    """Blocks each of ``blocks`` (streams x key-value heads x blocks a key-value head,
+    :func:`hsplits`) is split into over a cache of ``capacity`` positions: one (the whole
+    form, one launch) under ``split_keys`` positions, or where the batch's blocks already
+    fill a wave of the GPU (over half ``TARGET_BLOCKS``: :func:`attend_cached` asks with
+    the whole form's blocks, then counts the split form's own toward the target, where
+    they differ); else toward ``TARGET_BLOCKS`` in all, a split for every
     ``MIN_KEYS`` positions at most. ``split_keys=0`` forces the split wherever the target
     leaves room (the load's check and timing). The keys so far are shared evenly between
     the splits (in the kernel, from the write position), so a short cache in a large
@@ -428,7 +469,7 @@ def _shape(q: Any, keys: Any) -> tuple:
 
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
-                  scale: float, n: int | None = None, layout: str | None = None) -> Any:
+                  scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -439,7 +480,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     for this shape where it took one) and a second launch combines their shares;
     ``n`` sets the splits instead (1: whole). A key a warp, or a key a lane where the
     load measured that form faster for this shape (whole and split apart); ``layout``
-    sets it instead.
+    sets it instead. Each key-value head's query heads in one block, or shared between
+    ``hsplit`` blocks (:func:`hsplits`; None: at one stream as the load measured for this
+    shape and form, else one).
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -450,19 +493,26 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     b, heads, _, d = q.shape
     kv_heads = keys.shape[1]
     shape = _shape(q, keys)
-    if n is None:
-        n = splits(b * kv_heads, keys.shape[2], _split_keys.get(shape, SPLIT_KEYS))
+    # the load's head split at one stream alone, where it timed it: 8 streams lost at every short cache
+    chosen = (hsplit, hsplit) if hsplit else _hsplits.get(shape, (1, 1)) if b == 1 else (1, 1)
+    if n is None:  # whole where the whole form's blocks fill a wave; split, toward the target in the split form's
+        n = splits(b * kv_heads * chosen[0], keys.shape[2], _split_keys.get(shape, SPLIT_KEYS))
+        n = splits(b * kv_heads * chosen[1], keys.shape[2], 0) if n > 1 else 1
     if layout is None:
         layout = _layouts.get(shape, ("warp", "warp"))[n > 1]
-    return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout),
-                                    [q, k_new, v_new, keys, values, padding, position], q, n, b * kv_heads,
+    hsplit = chosen[n > 1]
+    if (heads // kv_heads) % hsplit:
+        raise ValueError(f"a head split of {hsplit} for {heads // kv_heads} query heads a key-value head")
+    return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
+                                                          hsplit),
+                                    [q, k_new, v_new, keys, values, padding, position], q, n, b * kv_heads * hsplit,
                                     (b, 1, heads * d))
 
 
 def compile_cached(model: Any) -> int:
-    """Run :func:`attend_cached` whole and split, in both layouts, for every distinct
-    attention shape among ``model``'s layers that write in place (one_token's
-    ``_in_place``), so the kernels and the combine are compiled before the model reports
+    """Run :func:`attend_cached` whole, split and with a head split, in both layouts, for
+    every distinct attention shape among ``model``'s layers that write in place
+    (one_token's ``_in_place``), so the kernels and the combine are compiled before the model reports
     ready (a cache reaches the split form only once it has grown, inside some later
     request), each call checked against MLX's attention (:func:`_check`). Returns how
     many shapes; raises RuntimeError where a key-a-warp kernel does not compile, launch
@@ -474,18 +524,21 @@ def compile_cached(model: Any) -> int:
 
 
 def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> None:
-    """:func:`compile_cached` for one attention shape: whole and split, a key a warp
-    (RuntimeError where either does not compile, launch or agree), then a key a lane
-    where it fits (:func:`fits`), whose failure only keeps it from being used (logged)."""
-    forms = [(MIN_KEYS, 1), (16 * MIN_KEYS, splits(2 * kv_heads, 16 * MIN_KEYS, 0))]  # one block a head, then split
-    for capacity, n in forms:
-        _check(heads, kv_heads, d, scale, dtype, capacity, n)
+    """:func:`compile_cached` for one attention shape: whole, split and whole with the
+    largest head split (where the group has more than one head), a key a warp
+    (RuntimeError where any does not compile, launch or agree), then a key a lane where it
+    fits (:func:`fits`), whose failure only keeps it from being used (logged)."""
+    # one block a head, then split, then the group's heads a block each (the load times it)
+    forms = [(MIN_KEYS, 1, 1), (16 * MIN_KEYS, splits(2 * kv_heads, 16 * MIN_KEYS, 0), 1)]
+    forms += [(MIN_KEYS, 1, h) for h in hsplits(heads // kv_heads)[-1:] if h > 1]
+    for form in forms:
+        _check(heads, kv_heads, d, scale, dtype, *form)
     key = (heads, kv_heads, d, str(dtype))
     _lane_agrees[key] = False
     if fits(heads // kv_heads, d, "lane"):
         try:
-            for capacity, n in forms:
-                _check(heads, kv_heads, d, scale, dtype, capacity, n, "lane")
+            for form in forms:
+                _check(heads, kv_heads, d, scale, dtype, *form, "lane")
             _lane_agrees[key] = True
         except RuntimeError as error:
             log.warning("cuda: the in-place attention's key-a-lane form is not used: %s",
@@ -526,7 +579,10 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
     (:func:`_call_time`, each pair in the order a, b, b, a, so a drifting clock favours
     neither): where the lane form agreed at the load's check (:func:`compile_cached`),
     which layout the whole form takes (at 1,024 positions) and which the split form (at
-    the longest of :data:`TUNE_CAPACITIES`); then, with those, whole against split at each
+    the longest of :data:`TUNE_CAPACITIES`); where the group has more than one query head,
+    how many blocks the whole form shares each key-value head's between (each of
+    :func:`hsplits`, at :data:`HSPLIT_CAPACITY` positions, in its layout; the split form
+    keeps one); then, with those, whole against split at each
     of :data:`TUNE_CAPACITIES`, and the smallest capacity from which the split form won at
     every capacity timed becomes the shape's split threshold (:func:`splits`; none:
     twice the largest timed). Kept for the process (the decision is the GPU's and the
@@ -542,30 +598,38 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
         mx.eval(*args[:-1])
         return args
 
-    def pair(args: tuple, a: tuple, b: tuple) -> tuple[float, float]:
-        if a == b:  # no split at this length: nothing to compare
-            return (t := _call_time(args, *a)), t
-        times = {a: 0.0, b: 0.0}
-        for each in (a, b, b, a):
+    def pair(args: tuple, *forms: tuple) -> list[float]:
+        """Each of ``forms``' seconds a call, timed in their order, then back (a, b, b, a)."""
+        if len(set(forms)) == 1:  # no split at this length: nothing to compare
+            return [_call_time(args, *forms[0])] * len(forms)
+        times = dict.fromkeys(forms, 0.0)
+        for each in (*forms, *reversed(forms)):
             times[each] += _call_time(args, *each)
-        return times[a] / 2, times[b] / 2
+        return [times[form] / 2 for form in forms]
 
     key = (heads, kv_heads, d, str(dtype))
-    _layouts.pop(key, None)
+    for chosen_before in (_layouts, _hsplits):
+        chosen_before.pop(key, None)
     said = []
     if _lane_agrees.get(key, False):
         chosen = []
         for capacity in (1024, TUNE_CAPACITIES[-1]):
             n = 1 if capacity == 1024 else splits(kv_heads, capacity, 0)
-            warp, lane = pair(call(capacity), (n, "warp"), (n, "lane"))
+            warp, lane = pair(call(capacity), (n, "warp", 1), (n, "lane", 1))
             chosen.append("lane" if lane < warp else "warp")
             said.append(f"{'whole' if n == 1 else 'split'} form a key a {chosen[-1]} "
                         f"({capacity:,}: {warp * 1e6:.1f} warp / {lane * 1e6:.1f} lane us)")
         _layouts[key] = (chosen[0], chosen[1])
+    if len(options := hsplits(heads // kv_heads)) > 1:  # the whole form in its layout, its group split or not
+        took = pair(call(HSPLIT_CAPACITY), *((1, None, h) for h in options))
+        best = options[took.index(min(took))]
+        _hsplits[key] = (best, 1)
+        said.append(f"whole form {best} block{'s' if best > 1 else ''} a key-value head ({HSPLIT_CAPACITY:,}: "
+                    + " / ".join(f"{t * 1e6:.1f}" for t in took) + f" us at {' / '.join(map(str, options))})")
     timed = []
     for capacity in TUNE_CAPACITIES:
         n = splits(kv_heads, capacity, 0)
-        whole, split = pair(call(capacity), (1, None), (n, None))
+        whole, split = pair(call(capacity), (1, None, None), (n, None, None))
         timed.append((capacity, whole, split))
     from_ = 2 * TUNE_CAPACITIES[-1]
     for capacity, whole, split in reversed(timed):
@@ -578,22 +642,23 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
     return f"{heads} heads over {kv_heads}, head size {d}: " + "; ".join(said)
 
 
-def _call_time(args: tuple, n: int, layout: str | None, reps: int = 20) -> float:
+def _call_time(args: tuple, n: int, layout: str | None, hsplit: int | None = None, reps: int = 20) -> float:
     """Seconds a call of :func:`attend_cached` over ``args`` with ``n`` splits in
-    ``layout`` (None: the shape's), ``reps`` calls in a chain (each call's queries the
-    last one's output: :func:`timing.chain_time`, as a step's layers follow each other;
-    each writes the same position again)."""
+    ``layout`` and ``hsplit`` blocks a key-value head (None: the shape's), ``reps`` calls
+    in a chain (each call's queries the last one's output: :func:`timing.chain_time`, as
+    a step's layers follow each other; each writes the same position again)."""
     from gmlx.engine.kernels.timing import chain_time
 
     q, rest = args[0], args[1:]
-    return chain_time(lambda x: attend_cached(x, *rest, n=n, layout=layout).reshape(q.shape), q, reps) / reps
+    return chain_time(lambda x: attend_cached(x, *rest, n=n, layout=layout, hsplit=hsplit).reshape(q.shape), q,
+                      reps) / reps
 
 
-def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int,
+def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int, hsplit: int = 1,
            layout: str = "warp") -> None:
-    """One :func:`attend_cached` call with ``n`` splits in ``layout`` on random inputs (two streams, the second padded)
-    against MLX's attention over the same keys with the step's written at the middle
-    position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
+    """One :func:`attend_cached` call with ``n`` splits and ``hsplit`` blocks a key-value
+    head in ``layout`` on random inputs (two streams, the second padded) against MLX's
+    attention over the same keys with the step's written at the middle position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
     these values is ~0.004) or the cache's arrays are not the old ones with that one
     position replaced. A wrong kernel must not serve a token."""
     import mlx.core as mx
@@ -604,21 +669,21 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
     k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
     k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
     padding = mx.array([0, 3], dtype=mx.int32)
-    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout)
+    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout, hsplit)
     if not (err <= 0.05 and written):
-        raise RuntimeError(f"the in-place attention (a key a {layout}) disagrees with MLX's ({heads} heads over "
-                           f"{kv_heads}, head size "
-                           f"{d}, {capacity} positions: largest difference {err:.3g}"
+        raise RuntimeError(f"the in-place attention (a key a {layout}, {hsplit} block(s) a key-value head) disagrees "
+                           f"with MLX's ({heads} heads over {kv_heads}, head size {d}, {capacity} positions: "
+                           f"largest difference {err:.3g}"
                            f"{'' if written else ', the cache not written as it should be'})")
 
 
 def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float,
-              n: int | None = None, layout: str | None = None) -> tuple[float, bool]:
-    """One :func:`attend_cached` call writing at ``at`` (``n`` splits in ``layout``: as
-    it would be launched where None), against MLX's attention over the
-    same keys with the step's written there (each stream's from its ``padding``): the
-    largest difference, and whether the cache's arrays are then the old ones with that
-    one position replaced, bit for bit."""
+              n: int | None = None, layout: str | None = None, hsplit: int | None = None) -> tuple[float, bool]:
+    """One :func:`attend_cached` call writing at ``at`` (``n`` splits in ``layout``,
+    ``hsplit`` blocks a key-value head: as it would be launched where None), against
+    MLX's attention over the same keys with the step's written there (each stream's from
+    its ``padding``): the largest difference, and whether the cache's arrays are then the
+    old ones with that one position replaced, bit for bit."""
     import mlx.core as mx
 
     k_want, v_want = (mx.concatenate([a[..., :at, :], new, a[..., at + 1:, :]], axis=2)
@@ -627,7 +692,8 @@ def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: 
     want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
                                                 scale=scale, mask=mask)
     mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
-    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n, layout=layout)
+    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n, layout=layout,
+                        hsplit=hsplit)
     mx.eval(got)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
     return err, mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()

@@ -11,6 +11,7 @@ routing tests put that replay where the kernel would be, said in each.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 
 from gmlx.engine import mlxlm
 from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
-from tests.engine.kernels import emulation
+from tests.engine.kernels import emulation, test_cuda_compile
 from tests.engine.kernels.emulation import PRELUDE, compile_and_run
 
 
@@ -163,18 +164,18 @@ def _made(factory, *args) -> list[dict]:
 
 
 def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int,
-              group: int | None = None, layout: str = "warp") -> tuple[str, str]:
+              group: int | None = None, layout: str = "warp", hsplit: int = 1) -> tuple[str, str]:
     """A kernel's source (``factory``: the routed or the cached one) as the host function
     ``kernel``, whole or split, and the C++ lines that run it over ``args``: whole, a
     block a (stream, head) writing ``out``; split, ``S`` blocks a head writing float32
     shares, then the combine kernel's source (``combine``) over them. With ``group`` (the
-    cached kernel's query heads a key-value head), a block a (stream, key-value head), in
-    ``layout``."""
+    cached kernel's query heads a key-value head), a block a (stream, key-value head), or
+    ``hsplit`` blocks each, in ``layout``."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
     made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1,
-                 *([] if group is None else [layout]))
-    blocks = "B * H" if group is None else "B * HK"
+                 *([] if group is None else [layout, hsplit]))
+    blocks = "B * H" if group is None else f"B * HK * {hsplit}"
     source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
     if splits == 1:
         return source, f"run_blocks({blocks}, THREADS_, [&] {{ kernel({args}, out.data()); }});"
@@ -287,14 +288,20 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
 
 
 def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1,
-                       layout: str = "warp"):
-    """The cached kernel's own source in ``layout`` run here (emulated); with ``splits``,
-    the split form (each head's keys over that many blocks) and then the combine kernel's
-    source over the shares it wrote."""
+                       layout: str = "warp", hsplit: int = 1):
+    """The cached kernel's own source in ``layout`` run here (emulated), ``hsplit`` blocks
+    a key-value head; with ``splits``, the split form (each head's keys over that many
+    blocks) and then the combine kernel's source over the shares it wrote. Each store
+    into the cache's keys is counted too, a count a (stream, key-value head): the fourth
+    array returned."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
     kernel, run = _emulated(cached_attention_cuda._kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
-                            "pad.data(), pt, at.data()", splits, q.shape[1] // k.shape[1], layout)
+                            "pad.data(), pt, at.data()", splits, q.shape[1] // k.shape[1], layout, hsplit)
+    store = "kb[(int64_t)at * k_strides[2]"  # the key's store (as the value's, by the same threads)
+    assert kernel.count(store) == 1
+    kernel = "static std::atomic<int> stores[1024];\n" + kernel.replace(
+        store, "stores[b * kv_heads + kvh].fetch_add(1), " + store)
     main = r"""
 int main(int argc, char** argv) {
     int a[8]; for (int i = 0; i < 8; ++i) a[i] = std::atoi(argv[i + 1]);
@@ -312,6 +319,9 @@ int main(int argc, char** argv) {
     Strides qt{(int64_t)H * D, D, D, 1}, nt{(int64_t)HK * D, D, D, 1}, kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}, pt{1};
     SPLIT_RUN
     save("out.bin", out); save("k.bin", k); save("v.bin", v);
+    std::vector<int32_t> counted(B * HK);
+    for (int i = 0; i < B * HK; ++i) counted[i] = stores[i].load();
+    save("stores.bin", counted);
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
     main = main.replace("SPLIT_RUN", run)
@@ -319,29 +329,34 @@ int main(int argc, char** argv) {
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
     (tmp / "pad.bin").write_bytes(np.array(pad).astype(np.int32).tobytes())
     b, heads, _, d = q.shape
-    compile_and_run(tmp, PRELUDE + kernel + main,
+    compile_and_run(tmp, "#include <atomic>\n" + PRELUDE + kernel + main,
                     [b, heads, k.shape[1], k.shape[2], d, attention_cuda.THREADS, at, splits])
 
     def read(name: str, shape: tuple) -> mx.array:
         raw = np.frombuffer((tmp / name).read_bytes(), dtype=np.uint16).reshape(shape)
         return mx.array(raw).view(q.dtype)
 
-    return read("out.bin", (b, 1, heads * d)), read("k.bin", k.shape), read("v.bin", v.shape)
+    stores = np.frombuffer((tmp / "stores.bin").read_bytes(), dtype=np.int32).reshape(b, k.shape[1])
+    return read("out.bin", (b, 1, heads * d)), read("k.bin", k.shape), read("v.bin", v.shape), stores
 
 
-def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1, layout: str = "warp") -> tuple[mx.array, mx.array]:
+def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1, layout: str = "warp",
+                        hsplit: int = 1) -> tuple[mx.array, mx.array]:
     """The cached kernel's source run (emulated) over ``_cached_state(*state)``: its output
     is MLX's attention over the keys so far with the step's at ``at``, and the cache's
-    arrays after it are the old ones with that position replaced, nothing else touched.
-    Returns the keys before and after."""
+    arrays after it are the old ones with that position replaced, nothing else touched,
+    each dimension of each (stream, key-value head) stored once (by one block of the
+    ``splits`` x ``hsplit`` sharing it). Returns the keys before and after."""
     q, k_new, v_new, k, v, pad = _cached_state(*state)
     at, d = state[4], state[5]
     scale = d ** -0.5
-    got, k_after, v_after = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits, layout)
+    got, k_after, v_after, stores = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits, layout,
+                                                       hsplit)
     want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
     want = want.reshape(got.shape)
     assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
     assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
+    assert (stores == d).all(), stores
     return k, k_after
 
 
@@ -390,6 +405,54 @@ def test_the_cached_kernel_serves_a_whole_group_of_query_heads(tmp_path: Path, d
     _cached_matches_mlx(tmp_path, (1, heads, kv_heads, 768, at, d, [0], dtype), splits, layout)
 
 
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,heads,hsplit", [(mx.bfloat16, 128, 8, 4), (mx.float16, 64, 8, 2),
+                                                  (mx.bfloat16, 64, 6, 3)])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("layout", cached_attention_cuda.LAYOUTS)
+def test_a_head_split_shares_each_group_between_blocks_and_attends_as_mlx_does(
+        tmp_path: Path, dtype, d: int, heads: int, hsplit: int, splits: int, layout: str) -> None:
+    """The head split: each key-value head's query heads (4, and 3) shared between
+    ``hsplit`` blocks (one query head a block where it is the whole group), whole and
+    split, a second stream padded far: MLX's attention, the step's key and value stored
+    into the cache once (by the first part's first split), nothing else touched."""
+    _cached_matches_mlx(tmp_path, (2, heads, 2, 512, 300, d, [0, 130], dtype), splits, layout, hsplit)
+
+
+@pytest.mark.skipif(test_cuda_compile.NVCC is None, reason="no nvcc here (the CUDA toolkit) to compile the kernels with")
+def test_the_head_split_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The head split's kernels (a group of 4 in 2 and 4 blocks, and the largest group
+    each layout is built for in as many blocks: one query head a block), whole and split,
+    both layouts, each head size and float type, compiled and assembled for sm_90 as MLX
+    compiles them (``test_cuda_compile`` wraps them; it builds one block a key-value
+    head)."""
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    factory = cached_attention_cuda._kernel
+    factory.cache_clear()
+    kernels: list[tuple] = []
+    try:
+        for dtype in (mx.float16, mx.bfloat16):
+            for d in attention_cuda.HEAD_DIMS:
+                for layout in cached_attention_cuda.LAYOUTS:
+                    largest = max(g for g in range(1, 64) if cached_attention_cuda.fits(g, d, layout))
+                    for group, hsplit in dict.fromkeys(((4, 2), (4, 4), (largest, largest))):
+                        for split in (False, True):
+                            factory(dtype, d, d ** -0.5, group, split, layout, hsplit)
+                            kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32],
+                                            [mx.float32] * 3 if split else None))
+    finally:
+        factory.cache_clear()
+    names = [kernel[0]["name"] for kernel in kernels]
+    assert len(set(names)) == len(names)
+    source = test_cuda_compile._HEADER + "\n".join(test_cuda_compile._wrapped(*k) for k in kernels) + "} // namespace\n"
+    (tmp_path / "kernels.cu").write_text(source)
+    for args in (["--ptx", "-o", "kernels.ptx", "kernels.cu"], ["-cubin", "-o", "kernels.cubin", "kernels.ptx"]):
+        done = subprocess.run([test_cuda_compile.NVCC, "-arch=sm_90", "-std=c++17", *args], check=False, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]  # (ptxas: a block's static shared memory within 48 KB)
+
+
 def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
     assert attention_cuda.splits(32, 512) == 1  # one stream of an 8B, a short cache: one launch
     assert attention_cuda.splits(32, 1024) == 2
@@ -415,8 +478,8 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     calls: list[tuple] = []
     replaying = _cached_replaying([])
 
-    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
-        calls.append((q.shape, k.shape, q.dtype, scale, n, layout))
+    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+        calls.append((q.shape, k.shape, q.dtype, scale, n, hsplit, layout))
         return replaying(q, k_new, v_new, k, v, padding, position, scale)
 
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {})
@@ -424,30 +487,35 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     assert cached_attention_cuda.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
     assert cached_attention_cuda.compile_cached(model) == 1  # two layers, one shape
-    # whole, then split, a key a warp, then a key a lane
-    assert [(k[2], n, layout) for _, k, *_, n, layout in calls] == [(32, 1, "warp"), (512, 16, "warp"),
-                                                                    (32, 1, "lane"), (512, 16, "lane")]
+    # whole, split, then whole a query head a block (the group of two split), a key a warp, then a key a lane
+    assert [(k[2], n, hsplit, layout) for _, k, *_, n, hsplit, layout in calls] == [
+        (32, 1, 1, "warp"), (512, 16, 1, "warp"), (32, 1, 2, "warp"),
+        (32, 1, 1, "lane"), (512, 16, 1, "lane"), (32, 1, 2, "lane")]
     assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, *_ in calls)
     assert cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
 
-    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
+    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
 
-    def lane_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
+    def lane_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + (0.25 if layout == "lane" else 0)
+
+    def head_split_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+        return replaying(q, k_new, v_new, k, v, padding, position, scale) + (0.25 if hsplit > 1 else 0)
 
     # a key-a-lane kernel that disagrees is only never used; the load goes on
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", lane_wrong)
     assert cached_attention_cuda.compile_cached(model) == 1
     assert not cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
 
-    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None):
+    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
         k_old, v_old = np.array(k), np.array(v)
         out = replaying(q, k_new, v_new, k, v, padding, position, scale)
         np.array(k, copy=False)[...], np.array(v, copy=False)[...] = k_old, v_old  # the write undone
         return out
 
-    for bad, says in ((wrong, "largest difference 0.25"), (unwritten, "the cache not written")):
+    for bad, says in ((wrong, "largest difference 0.25"), (unwritten, "the cache not written"),
+                      (head_split_wrong, "a key a warp, 2 block")):  # the head split too fails the load
         monkeypatch.setattr(cached_attention_cuda, "attend_cached", bad)
         with pytest.raises(RuntimeError, match=says):
             cached_attention_cuda.compile_cached(model)
@@ -503,7 +571,8 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """What MLX is asked to launch (``mx.fast.cuda_kernel`` recorded: no CUDA here): a
     short cache, one kernel a block a head writing the output; a long one, the split
     kernel's blocks writing float32 shares, then the combine over them, a thread a
-    dimension; both for the routed kernel and the cached one."""
+    dimension; both for the routed kernel and the cached one, the cached one also with
+    its key-value head's query heads split between two blocks."""
     launched: list[tuple] = []
 
     def cuda_kernel(**made):
@@ -523,10 +592,12 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
             k = mx.zeros((1, 1, keys, 64), mx.float16)
             mask = mx.ones((1, 1, 1, keys), mx.bool_)
             assert attention_cuda.attend(q, k, k, 0.125, mask).shape == (1, 2, 1, 64)
-        for capacity in (32, 1024):
-            k = mx.zeros((1, 1, capacity, 64), mx.float16)
-            assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
-                                                       mx.array([7], mx.int32), 0.125).shape == (1, 1, 128)
+        for hsplit in (None, 2):
+            for capacity in (32, 1024):
+                k = mx.zeros((1, 1, capacity, 64), mx.float16)
+                assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k,
+                                                           mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125,
+                                                           hsplit=hsplit).shape == (1, 1, 128)
     finally:
         for factory in factories:
             factory.cache_clear()
@@ -538,6 +609,9 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
         ("gmlx_attend_cached_half_64_g2", 1, 256, *whole),  # a block the key-value head: its two query heads
         ("gmlx_attend_cached_half_64_g2_split", 32, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
         ("gmlx_attend_combine_half_64", 2, 64, *whole),  # a block a query head
+        ("gmlx_attend_cached_half_64_g2_h2", 2, 256, *whole),  # the head split: a block a query head
+        ("gmlx_attend_cached_half_64_g2_h2_split", 64, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
+        ("gmlx_attend_combine_half_64", 2, 64, *whole),  # the same shares: (stream, query head, split)
     ]
 
 
@@ -563,30 +637,33 @@ def test_the_cached_kernel_splits_toward_its_target() -> None:
     assert splits(8, 512, split_keys=256) == 16  # a load that measured the split paying sooner
 
 
-def _tuned_model():
+def _tuned_model(heads: int = 4):
     from mlx_lm.models.llama import Model, ModelArgs
 
     from gmlx.engine.kernels import one_token
 
-    model = Model(ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
-                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64))
+    model = Model(ModelArgs(model_type="llama", hidden_size=64 * heads, num_hidden_layers=2, intermediate_size=256,
+                            num_attention_heads=heads, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64))
     model.set_dtype(mx.float16)
     one_token.attach(model, in_place=True)
     return model
 
 
 def _launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list, Any]:
-    """What ``attend_cached`` launches (splits, whole or split, layout), nothing run, and
-    a call of it over a cache of ``capacity`` positions (``kv`` key-value heads)."""
+    """What ``attend_cached`` launches (splits, whole or split, layout, blocks a key-value
+    head, blocks before the splits), nothing run, and a call of it over a cache of
+    ``capacity`` positions (``batch`` streams of ``heads`` query heads over ``kv``)."""
     launched: list = []
-    monkeypatch.setattr(cached_attention_cuda, "_kernel", lambda dtype, d, scale, group, split, layout: (split, layout))
+    monkeypatch.setattr(cached_attention_cuda, "_kernel",
+                        lambda dtype, d, scale, group, split, layout, hsplit: (split, layout, hsplit))
     monkeypatch.setattr(attention_cuda, "in_blocks",
-                        lambda kernel, inputs, q, n, *rest: launched.append((n, *kernel(n > 1))))
+                        lambda kernel, inputs, q, n, blocks, out_shape: launched.append((n, *kernel(n > 1), blocks)))
 
-    def attend(capacity: int, kv: int = 2) -> None:
-        k = mx.zeros((1, kv, capacity, 64), mx.float16)
-        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
-                                            k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
+    def attend(capacity: int, kv: int = 2, heads: int = 4, batch: int = 1, hsplit: int | None = None) -> None:
+        k = mx.zeros((batch, kv, capacity, 64), mx.float16)
+        cached_attention_cuda.attend_cached(mx.zeros((batch, heads, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
+                                            k, k, mx.zeros((batch,), mx.int32), mx.array([7], mx.int32), 0.125,
+                                            hsplit=hsplit)
     return launched, attend
 
 
@@ -597,40 +674,45 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
     splits that shape from there and other shapes by the default. A split that never wins
     keeps the whole form up to twice the longest timed; the timing is in the log line.
     Where the key-a-lane form did not agree at the load's check, only the key-a-warp
-    form is timed and used."""
+    form is timed and used; the head split (a group of two: one block a key-value head
+    or two) first, and a tie keeps one."""
     from gmlx.engine.kernels import one_token
 
     model = _tuned_model()
-    timed: list[tuple[int, int]] = []
+    timed: list[tuple[int, int, int | None]] = []
 
     def clock(wins_from: int):
-        def call_time(args, n, layout):
+        def call_time(args, n, layout, hsplit):
             capacity = args[3].shape[2]
-            timed.append((capacity, n))
+            timed.append((capacity, n, hsplit))
             assert args[0].shape == (1, 4, 1, 64) and args[3].shape == (1, 2, capacity, 64) and layout is None
             # noisy at 1,024 (the split wins there by chance), then whole until wins_from
             wins = capacity >= wins_from or capacity == 1024
             return (10e-6 if n == 1 else 12e-6) if not wins else (20e-6 if n == 1 else 15e-6)
         return call_time
 
-    for name in ("_split_keys", "_layouts", "_lane_agrees"):
+    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     try:
         monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(4096))
         (line,) = cached_attention_cuda.tune_splits(model)
+        at = cached_attention_cuda.HSPLIT_CAPACITY
+        assert timed[:4] == [(at, 1, 1), (at, 1, 2), (at, 1, 2), (at, 1, 1)]  # the head split, whole
         first = cached_attention_cuda.TUNE_CAPACITIES[0]
         n = cached_attention_cuda.splits(2, first, 0)
-        assert n > 1 and timed[:4] == [(first, 1), (first, n), (first, n), (first, 1)]  # whole, split, split, whole
-        assert [c for c, _ in timed[::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
-        assert line.startswith("4 heads over 2, head size 64: split from 4,096 positions at one stream")
+        assert n > 1 and timed[4:8] == [(first, 1, None), (first, n, None), (first, n, None), (first, 1, None)]
+        assert [c for c, *_ in timed[4::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
+        assert line.startswith(f"4 heads over 2, head size 64: whole form 1 block a key-value head "
+                               f"({at:,}: 20.0 / 20.0 us at 1 / 2); split from 4,096 positions at one stream")
         assert "2,048: 10.0 whole / 12.0 split us" in line
         assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 4096}
         assert cached_attention_cuda._layouts == {}
+        assert cached_attention_cuda._hsplits == {(4, 2, 64, str(mx.float16)): (1, 1)}
         launched, attend = _launches(monkeypatch)
         attend(2048)
         attend(4096)
         attend(1024, kv=1)  # another shape: the default (from 1,024 positions)
-        assert launched == [(1, False, "warp"), (128, True, "warp"), (32, True, "warp")]
+        assert launched == [(1, False, "warp", 1, 2), (128, True, "warp", 1, 2), (32, True, "warp", 1, 1)]
         monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(1 << 30))
         (line,) = cached_attention_cuda.tune_splits(model)
         assert "split from 32,768 positions" in line
@@ -650,13 +732,13 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
     key = (4, 2, 64, str(mx.float16))
     timed: list[tuple[int, int, str | None]] = []
 
-    def call_time(args, n, layout):
+    def call_time(args, n, layout, hsplit):
         timed.append((args[3].shape[2], n, layout))
         layout = layout or cached_attention_cuda._layouts[key][n > 1]
         lane_faster = n == 1  # the lane form whole, the warp form split
         return (5e-6 if (layout == "lane") == lane_faster else 9e-6) * (1 if n == 1 else 0.5)
 
-    for name in ("_split_keys", "_layouts"):
+    for name in ("_split_keys", "_layouts", "_hsplits"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {key: True})
     monkeypatch.setattr(cached_attention_cuda, "_call_time", call_time)
@@ -666,14 +748,63 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
         assert timed[:8] == [(1024, 1, "warp"), (1024, 1, "lane"), (1024, 1, "lane"), (1024, 1, "warp"),
                              (longest, 132, "warp"), (longest, 132, "lane"), (longest, 132, "lane"),
                              (longest, 132, "warp")]
-        assert all(layout is None for *_, layout in timed[8:])  # the threshold, in the layouts taken
+        assert all(layout is None for *_, layout in timed[8:])  # the head split, the threshold: in the layouts taken
+        assert timed[8:12] == [(cached_attention_cuda.HSPLIT_CAPACITY, 1, None)] * 4
         assert cached_attention_cuda._layouts == {key: ("lane", "warp")}
         assert "whole form a key a lane (1,024: 9.0 warp / 5.0 lane us)" in line
         assert "split form a key a warp (16,384: 2.5 warp / 4.5 lane us)" in line
         launched, attend = _launches(monkeypatch)
         attend(128)  # below the shortest capacity timed (the split won at every one)
         attend(1 << 16)
-        assert launched == [(1, False, "lane"), (132, True, "warp")]
+        assert launched == [(1, False, "lane", 1, 2), (132, True, "warp", 1, 2)]
+    finally:
+        one_token.detach(model)
+
+
+def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a key-value head has several query heads, ``tune_split`` times the whole form
+    with the group in one block, two and four (:func:`hsplits`) at 1,024 positions, in
+    the order a, b, c, c, b, a, keeps the fastest for the whole form (the split form keeps
+    one block a key-value head) and times the split threshold with it; ``attend_cached``
+    then launches one stream's whole form so (a batch's only where asked), counting its
+    blocks for the wave a batch fills (a batch whose blocks fill one stays whole), and
+    the split form's toward the target."""
+    from gmlx.engine.kernels import one_token
+
+    assert cached_attention_cuda.hsplits(1) == (1,)  # nothing to share: nothing timed
+    assert cached_attention_cuda.hsplits(4) == (1, 2, 4) and cached_attention_cuda.hsplits(6) == (1, 2, 3, 6)
+    model = _tuned_model(8)
+    key = (8, 2, 64, str(mx.float16))
+    timed: list[tuple[int, int, int]] = []
+
+    def call_time(args, n, layout, hsplit):
+        hsplit = hsplit or cached_attention_cuda._hsplits[key][n > 1]
+        timed.append((args[3].shape[2], n, hsplit))
+        # whole: the serial chain a block's keys, shorter a query head fewer; split: flat
+        return args[3].shape[2] / 256 * 20e-6 / hsplit if n == 1 else 15e-6
+
+    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits"):
+        monkeypatch.setattr(cached_attention_cuda, name, {})
+    monkeypatch.setattr(cached_attention_cuda, "_call_time", call_time)
+    try:
+        (line,) = cached_attention_cuda.tune_splits(model)
+        assert timed[:6] == [(1024, 1, 1), (1024, 1, 2), (1024, 1, 4), (1024, 1, 4), (1024, 1, 2), (1024, 1, 1)]
+        assert cached_attention_cuda._hsplits == {key: (4, 1)}
+        assert "whole form 4 blocks a key-value head (1,024: 80.0 / 40.0 / 20.0 us at 1 / 2 / 4)" in line
+        assert all(hsplit == (4 if n == 1 else 1) for _, n, hsplit in timed[6:])  # the threshold with the choice
+        assert "split from 1,024 positions" in line and "512: 10.0 whole / 15.0 split us" in line
+        launched, attend = _launches(monkeypatch)
+        attend(512, heads=8)  # one stream, short: whole, a query head a block
+        attend(2048, heads=8)  # long: split, one block a key-value head, toward the target
+        assert cached_attention_cuda.splits(20 * 2, 2048) == 7 and cached_attention_cuda.splits(20 * 2 * 4, 2048) == 1
+        attend(512, heads=8, batch=8)  # a batch: one block a key-value head (8 streams lost with more)
+        attend(2048, heads=8, batch=20)  # 40 blocks: split
+        attend(2048, heads=8, batch=20, hsplit=4)  # 160 blocks whole: a wave of the SMs filled, no split
+        attend(512, heads=8, hsplit=2)  # as the caller asks
+        assert launched == [(1, False, "warp", 4, 8), (64, True, "warp", 1, 2), (1, False, "warp", 1, 16),
+                            (7, True, "warp", 1, 40), (1, False, "warp", 4, 160), (1, False, "warp", 2, 4)]
+        with pytest.raises(ValueError, match="a head split of 3 for 4 query heads"):
+            attend(512, heads=8, hsplit=3)
     finally:
         one_token.detach(model)
 
