@@ -123,6 +123,16 @@ GMLX_VARIANTS = {
     # step kernel (glu_cuda, qkv_cuda): the server as before them
     "gmlx-noqkv": {"GMLX_QKV_KERNEL": "0"},
     "gmlx-nostep": {"GMLX_GLU_KERNEL": "0", "GMLX_QKV_KERNEL": "0"},
+    # the 12-06 additions one at a time, each reading the load's kept tuning (no retune): one
+    # stream's attention without its head split; the one-row products' staged shapes run as
+    # their unstaged twins; the step kernels' first launch shapes, untimed; all three
+    "gmlx-nohsplit": {"GMLX_HEAD_SPLIT": "0"},
+    "gmlx-nostaged": {"GMLX_STAGED": "0"},
+    "gmlx-noshapes": {"GMLX_STEP_SHAPES": "0"},
+    "gmlx-none1206": {"GMLX_HEAD_SPLIT": "0", "GMLX_STAGED": "0", "GMLX_STEP_SHAPES": "0"},
+    # the products' paths timed as a queue of independent calls, as before 12-06 (tuned again
+    # under keys of their own: a first load times them)
+    "gmlx-queued": {"GMLX_PRODUCT_TIMING": "queue"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
     # each llama-pattern block's one-token step in two compiled pieces
@@ -148,7 +158,8 @@ PEER_VARIANTS = {"mlx_lm-gmlxenv": dict(MLX_CUDA_DEFAULTS)}
 # What a gmlx server's log says about its load (conversion, the tuner's choices, warm-up)
 # and anything that went wrong: kept with its result, as the log itself is lost with the
 # device machine.
-LOG_KEYS = ("loaded ", "warmed up", "cuda:", "convert", "cache", "hrashing", "WARNING", "ERROR", "Traceback")
+LOG_KEYS = ("loaded ", "warmed up", "cuda:", "convert", "cache", "hrashing", "uncompiled", "WARNING", "ERROR",
+            "Traceback")
 # quant -> server -> the file or folder (inside MODELS_DIR/SHAPE) it loads
 FILES: dict[str, dict[str, str | None]] = {
     "f16": {"gmlx": "f16.gguf", "gmlx-mlx": "mlx-bf16", "mlx_lm": "mlx-bf16", "llama": "f16.gguf"},

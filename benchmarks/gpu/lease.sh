@@ -11,6 +11,8 @@
 #   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~300 s)
 #   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
 #   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
+#   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh bisect    (~450 s)
+#                                              bash benchmarks/gpu/lease.sh queued    (~300 s)
 #
 # start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
 # prepare: part 3 and the kernel cache staged, the wheels installed, the kernel checks
@@ -23,6 +25,9 @@
 #   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler; then one
 #   stream's kernels under ncu (each kind's DRAM and SM throughput in % of peak).
 # long: a 7,800-token prompt at one stream, llama-server and gmlx.
+# bisect: one stream served with each of the 12-06 additions taken out (gmlx-nohsplit,
+#   -nostaged, -noshapes, all three: -none1206), gmlx first and last, the load's tuning kept.
+# queued: the products' paths timed as a queue (gmlx-queued) against the chain's (gmlx).
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -41,6 +46,9 @@ with_env() {
 case ${1:-} in
   start)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    # the host: a one-stream step is partly the host's, so leases are compared with it in view
+    echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; python loop:" \
+      "$(python3 -c 'import time; t = time.perf_counter(); sum(i * i for i in range(3_000_000)); print(f"{time.perf_counter() - t:.3f} s")')"
     bash $GPU/setup.sh stage .gpu/part1 && nice -n 19 bash $GPU/setup.sh llama --background
     ;;
   part2)
@@ -88,6 +96,22 @@ case ${1:-} in
       --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu.txt" 2>&1
     grep -v "^tuned:" "$OUT/ncu.txt" | tail -30
     ;;
+  bisect)
+    # one stream served with the 12-06 additions taken out one at a time (each load reads the
+    # tuning gmlx's first load kept), gmlx itself first and last: which one costs the step
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-bisect --servers gmlx,gmlx-none1206,gmlx-nohsplit,gmlx-nostaged,gmlx-noshapes,gmlx \
+      --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/bisect.md" > "$OUT/bisect.txt" 2>&1
+    grep -E "uncompiled|WARNING|tok/s" "$OUT/bisect.txt" | cut -c1-300 | head -30
+    ;;
+  queued)
+    # the products' paths timed as before 12-06 (a queue of independent calls: the load times
+    # them again under keys of their own) against the chain's, at one stream and 32
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-queued --servers gmlx-queued,gmlx --widths 1,32 --rounds 2 --prefix-reps 0 \
+      --out "$OUT/queued.md" > "$OUT/queued.txt" 2>&1
+    grep -E "decode-sized|tok/s" "$OUT/queued.txt" | cut -c1-600 | head -12
+    ;;
   long)
     with_env
     "${BENCH[@]}" --results /tmp/gpu-results-long --servers llama,gmlx --widths 1 --prompt 7800 --tokens 128 \
@@ -104,7 +128,7 @@ case ${1:-} in
     tail -8 "$OUT/nocached.md"
     ;;
   *)
-    sed -n '2,22p' "$0"
+    sed -n '2,/^set -uo/p' "$0" | grep '^#'
     exit 2
     ;;
 esac

@@ -437,6 +437,12 @@ def fits(group: int, d: int, layout: str = "warp") -> bool:
     return 4 * floats <= SHARED_BYTES  # (the lane form's key and value of the step: 2 x d halves, d floats)
 
 
+def _head_split() -> bool:
+    """Whether the load's head split is taken (``GMLX_HEAD_SPLIT=0``: one block a
+    key-value head, to measure without it)."""
+    return os.environ.get("GMLX_HEAD_SPLIT", "1") != "0"
+
+
 def hsplits(group: int) -> tuple[int, ...]:
     """The head splits a key-value head of ``group`` query heads may take: the blocks it
     is shared between, each an equal part of the group (the divisors of ``group``)."""
@@ -494,7 +500,7 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     kv_heads = keys.shape[1]
     shape = _shape(q, keys)
     # the load's head split at one stream alone, where it timed it: 8 streams lost at every short cache
-    chosen = (hsplit, hsplit) if hsplit else _hsplits.get(shape, (1, 1)) if b == 1 else (1, 1)
+    chosen = (hsplit, hsplit) if hsplit else _hsplits.get(shape, (1, 1)) if b == 1 and _head_split() else (1, 1)
     if n is None:  # whole where the whole form's blocks fill a wave; split, toward the target in the split form's
         n = splits(b * kv_heads * chosen[0], keys.shape[2], _split_keys.get(shape, SPLIT_KEYS))
         n = splits(b * kv_heads * chosen[1], keys.shape[2], 0) if n > 1 else 1
@@ -620,7 +626,7 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
             said.append(f"{'whole' if n == 1 else 'split'} form a key a {chosen[-1]} "
                         f"({capacity:,}: {warp * 1e6:.1f} warp / {lane * 1e6:.1f} lane us)")
         _layouts[key] = (chosen[0], chosen[1])
-    if len(options := hsplits(heads // kv_heads)) > 1:  # the whole form in its layout, its group split or not
+    if _head_split() and len(options := hsplits(heads // kv_heads)) > 1:  # the whole form in its layout, its group split or not
         took = pair(call(HSPLIT_CAPACITY), *((1, None, h) for h in options))
         best = options[took.index(min(took))]
         _hsplits[key] = (best, 1)

@@ -197,7 +197,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
         alike.setdefault(_key(m), []).append(m)
     for m in layers:
         if (key := _key(m)) not in chosen:
-            keys[key] = layer_key(m.scales.dtype, *key)
+            keys[key] = layer_key(m.scales.dtype, *key) + (":queue" if _queued() else "")
             known = tuning.layer(keys[key])
             if known is None:
                 started = time.perf_counter()
@@ -281,15 +281,27 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
         exact = timing.exact_product(x, *args, g, bits)
         want = products[(MLX, (0, 0))](x, *args)
-        times = {name: timing.chain_time(timing.chained(fn, weights), x, reps) for name, fn in products.items()
+        def timed(fn: Callable[..., Any], x: Any = x) -> float:
+            if _queued():
+                return timing.queue_time(timing.cycling(fn, x, weights), reps)
+            return timing.chain_time(timing.chained(fn, weights), x, reps)
+
+        times = {name: timed(fn) for name, fn in products.items()
                  if name[0] == MLX or timing.runs_and_agrees(timing.cycling(fn, x, weights[:1]), want, exact)}
         # MLX's product again, last: timed first, on a GPU still speeding up, it would lose
-        mlx_again = timing.chain_time(timing.chained(products[(MLX, (0, 0))], weights), x, reps)
+        mlx_again = timed(products[(MLX, (0, 0))])
         times[(MLX, (0, 0))] = min(times[(MLX, (0, 0))], mlx_again)
         best = min(times, key=lambda name: times[name])
         if best[0] != MLX:
             paths[rows] = best
     return paths
+
+
+def _queued() -> bool:
+    """``GMLX_PRODUCT_TIMING=queue``: the products timed as a queue of independent calls,
+    as before 12-06 (:func:`timing.queue_time`; kept under keys of their own), to measure
+    that choice against the chain's."""
+    return os.environ.get("GMLX_PRODUCT_TIMING") == "queue"
 
 
 def _confirm(model: nn.Module, swapped: list[Any], buckets: list[int]) -> dict[int, float]:

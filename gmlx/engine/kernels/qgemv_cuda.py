@@ -54,6 +54,7 @@ the kernel itself against MLX's CPU product on the GPU machine, and the load-tim
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -373,11 +374,19 @@ _STAGED_SOURCE = _LAYOUT + r"""
     }
 """
 STAGED_BYTES = 48 * 1024  # a block's static shared memory at most: x (2 bytes a value) and its chunks' sums
+STAGED_ENV = "GMLX_STAGED"  # 0: no staged shape is timed, and one a load kept runs as its unstaged twin
 
 
 def stages(k: int) -> bool:
-    """Whether one row of ``k`` values fits the staged source's shared memory."""
-    return 2 * k + 4 * (k // 32) <= STAGED_BYTES
+    """Whether one row of ``k`` values fits the staged source's shared memory (and the
+    staged shapes are not turned off: ``GMLX_STAGED=0``)."""
+    return os.environ.get(STAGED_ENV, "1") != "0" and 2 * k + 4 * (k // 32) <= STAGED_BYTES
+
+
+def unstaged(config: tuple[int, ...]) -> tuple[int, ...]:
+    """``config`` without x staged (the same warps, rows a warp and depth)."""
+    warps, rpw, max_rows, depth, _ = launch_shape(config)
+    return (warps, rpw, max_rows, depth)
 
 
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
@@ -535,10 +544,12 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]
-    warps, rpw, _, _, tiles = launch_shape(config)
     k = w.shape[1] * 32 // bits
-    if tiles and not stages(k):
-        raise ValueError(f"a row of {k} values does not fit the staged source's shared memory")
+    if launch_shape(config)[4] and not stages(k):  # turned off (a kept tuning's shape runs unstaged), or too wide
+        if os.environ.get(STAGED_ENV, "1") != "0":
+            raise ValueError(f"a row of {k} values does not fit the staged source's shared memory")
+        config = unstaged(config)
+    warps, rpw, _, _, tiles = launch_shape(config)
     outs = rpw // 2 if up is not None else rpw
     grid = (-(-n // (warps * outs * max(tiles, 1))) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)

@@ -154,3 +154,18 @@ def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     start = time.perf_counter()
     mx.eval(y)
     return time.perf_counter() - start
+
+
+def queue_time(call: Callable[[], Any], reps: int) -> float:
+    """Seconds for ``reps`` calls of ``call`` that do not depend on each other, queued
+    before one wait: how the load timed its products before 12-06 (such a queue may run
+    at once on a GPU, which :func:`chain_time` avoids); kept for ``GMLX_PRODUCT_TIMING=
+    queue``, to measure the two against each other."""
+    import mlx.core as mx
+
+    for _ in range(3):
+        mx.eval(call())
+    outs = [call() for _ in range(reps)]
+    start = time.perf_counter()
+    mx.eval(outs)
+    return time.perf_counter() - start

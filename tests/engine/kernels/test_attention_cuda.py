@@ -805,6 +805,10 @@ def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pyte
                             (7, True, "warp", 1, 40), (1, False, "warp", 4, 160), (1, False, "warp", 2, 4)]
         with pytest.raises(ValueError, match="a head split of 3 for 4 query heads"):
             attend(512, heads=8, hsplit=3)
+        monkeypatch.setenv("GMLX_HEAD_SPLIT", "0")  # to measure without it: one block a key-value head
+        launched.clear()
+        attend(512, heads=8)
+        assert launched == [(1, False, "warp", 1, 2)]
     finally:
         one_token.detach(model)
 

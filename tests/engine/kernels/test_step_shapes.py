@@ -98,6 +98,7 @@ def test_the_gated_kernel_takes_the_timed_shape_at_one_stream(tmp_path, monkeypa
         return shapes[1], "timed"
 
     monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", fake_bound)
+    monkeypatch.setattr(glu_cuda, "_shapes", {})  # the process's choices, this test's alone
     monkeypatch.setattr(step_tuning, "one_row_shape", one_row_shape)
     monkeypatch.setattr(step_tuning, "decide", lambda model, key, agrees, use: use({1, 2}) or {})
     glu_cuda.tune(model)
@@ -130,6 +131,7 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
         return shapes[-1], "timed"
 
     monkeypatch.setattr(qkv_cuda.qgemv_cuda, "bound", fake_bound)
+    monkeypatch.setattr(qkv_cuda, "_shapes", {})
     monkeypatch.setattr(step_tuning, "one_row_shape", one_row_shape)
     monkeypatch.setattr(step_tuning, "decide", lambda model, key, agrees, use: use({1, 2}) or {})
     qkv_cuda.tune(model)
@@ -139,3 +141,30 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     for rows in (1, 2):
         attention._project(attention, mx.zeros((rows, 1, k), mx.bfloat16), rows)
     assert bound == [qgemv_cuda.configs(1, k)[-1], qgemv_cuda.configs(2)[0]]
+
+
+def test_turned_off_the_first_shape_is_taken_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_STEP_SHAPES=0``: the default shape, nothing timed, nothing kept."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "0")
+    order = _clock(monkeypatch, {})
+    assert step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: True, 64, mx.bfloat16)[0] == SHAPES[0]
+    assert order == [] and not (tmp_path / "cache").exists()
+
+
+def test_staged_shapes_turned_off_run_as_their_unstaged_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_STAGED=0``: no staged shape is offered, and a kept one launches unstaged (the
+    same warps, rows a warp and depth)."""
+    assert qgemv_cuda.STAGED[0] in qgemv_cuda.configs(1, 4096)
+    monkeypatch.setenv(qgemv_cuda.STAGED_ENV, "0")
+    assert not any(len(c) > 4 for c in qgemv_cuda.configs(1, 4096) + qgemv_cuda.gated_configs(1, 4096))
+    assert qgemv_cuda.unstaged((16, 2, 1, 2, 1)) == (16, 2, 1, 2)
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or (lambda **launch: [launch]))
+    qgemv_cuda._kernel.cache_clear()
+    try:
+        w, s, b = mx.quantize(mx.zeros((16, 4096)), group_size=32, bits=4)
+        launch = qgemv_cuda.bound(w, s, b, 32, 4, (8, 2, 1, 1, 2))(mx.zeros((1, 4096), mx.bfloat16))
+    finally:
+        qgemv_cuda._kernel.cache_clear()
+    assert "xs4" not in made[0]["source"] and launch["grid"] == (32 * 8, 1, 1)  # 16 rows: one block of 8 x 2
