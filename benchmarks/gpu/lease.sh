@@ -112,6 +112,22 @@ case ${1:-} in
       --out "$OUT/queued.md" > "$OUT/queued.txt" 2>&1
     grep -E "decode-sized|tok/s" "$OUT/queued.txt" | cut -c1-600 | head -12
     ;;
+  steps)
+    # (carry [".gpu/part3", ".gpu/ptx"] after part1 and part2 staged without llama.cpp's build)
+    # one stream's step in process, no llama.cpp and no GGUF (the synthetic 8B in Q4_K_M's
+    # layouts, long_steps' worker round): as it is, with the 12-06 additions taken out, and
+    # with the products timed as a queue; each load tunes what is not yet kept
+    bash $GPU/setup.sh stage .gpu/part3 && { [ ! -d .gpu/ptx ] || bash $GPU/setup.sh stage .gpu/ptx; } || exit 1
+    bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
+    with_env
+    export GMLX_HOME=/tmp/gmlx-home
+    LS=(python3 $GPU/long_steps.py synthetic:llama3-8b --lengths 128 --variants served --served --tokens 128)
+    timeout 250 "${LS[@]}" > "$OUT/steps-default.txt" 2>&1; grep -E "^served|ms a step|notes|^ +128" "$OUT/steps-default.txt" | cut -c1-900
+    GMLX_HEAD_SPLIT=0 GMLX_STAGED=0 GMLX_STEP_SHAPES=0 timeout 100 "${LS[@]}" > "$OUT/steps-none1206.txt" 2>&1
+    grep -E "^served|^ +128" "$OUT/steps-none1206.txt"
+    GMLX_PRODUCT_TIMING=queue timeout 160 "${LS[@]}" > "$OUT/steps-queue.txt" 2>&1
+    grep -E "^served|^ +128|notes" "$OUT/steps-queue.txt" | cut -c1-900
+    ;;
   long)
     with_env
     "${BENCH[@]}" --results /tmp/gpu-results-long --servers llama,gmlx --widths 1 --prompt 7800 --tokens 128 \
