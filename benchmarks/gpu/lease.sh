@@ -40,7 +40,7 @@ BENCH=(python3 $GPU/bench.py --models llama3-8b:q4 --start-timeout 540 --gmlx-ho
 with_env() {
   # shellcheck disable=SC1091
   . /tmp/gpu-env.sh
-  export PYTHONPATH=$PWD:${PYTHONPATH:-} MLX_PTX_CACHE_DIR=/tmp/mlx-ptx
+  export PYTHONPATH=$PWD:${PYTHONPATH:-} MLX_PTX_CACHE_DIR=/tmp/mlx-ptx PYTHONUNBUFFERED=1  # a timed-out run keeps its output
 }
 
 case ${1:-} in
@@ -113,7 +113,8 @@ case ${1:-} in
     grep -E "decode-sized|tok/s" "$OUT/queued.txt" | cut -c1-600 | head -12
     ;;
   steps)
-    # (carry [".gpu/part3", ".gpu/ptx"] after part1 and part2 staged without llama.cpp's build)
+    # (carry [".gpu/part3", ".gpu/ptx"] after part1 and part2 staged without llama.cpp's build;
+    # ~900 s in all: two calls' worth, or run the three long_steps lines as separate calls)
     # one stream's step in process, no llama.cpp and no GGUF (the synthetic 8B in Q4_K_M's
     # layouts, long_steps' worker round): as it is, with the 12-06 additions taken out, and
     # with the products timed as a queue; each load tunes what is not yet kept
@@ -121,11 +122,14 @@ case ${1:-} in
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     with_env
     export GMLX_HOME=/tmp/gmlx-home
-    LS=(python3 $GPU/long_steps.py synthetic:llama3-8b --lengths 128 --variants served --served --tokens 128)
-    timeout 250 "${LS[@]}" > "$OUT/steps-default.txt" 2>&1; grep -E "^served|ms a step|notes|^ +128" "$OUT/steps-default.txt" | cut -c1-900
-    GMLX_HEAD_SPLIT=0 GMLX_STAGED=0 GMLX_STEP_SHAPES=0 timeout 100 "${LS[@]}" > "$OUT/steps-none1206.txt" 2>&1
+    # unbuffered (-u): a run the timeout stops keeps what it printed (12-06: three runs cut off
+    # with their output in Python's buffer came back empty). The first load draws the 8B's
+    # weights and tunes every product: over 250 s on the H100; give it 400.
+    LS=(python3 -u $GPU/long_steps.py synthetic:llama3-8b --lengths 128 --variants served --served --tokens 128)
+    timeout 400 "${LS[@]}" > "$OUT/steps-default.txt" 2>&1; grep -E "^served|ms a step|notes|^ +128" "$OUT/steps-default.txt" | cut -c1-900
+    GMLX_HEAD_SPLIT=0 GMLX_STAGED=0 GMLX_STEP_SHAPES=0 timeout 150 "${LS[@]}" > "$OUT/steps-none1206.txt" 2>&1
     grep -E "^served|^ +128" "$OUT/steps-none1206.txt"
-    GMLX_PRODUCT_TIMING=queue timeout 160 "${LS[@]}" > "$OUT/steps-queue.txt" 2>&1
+    GMLX_PRODUCT_TIMING=queue timeout 300 "${LS[@]}" > "$OUT/steps-queue.txt" 2>&1
     grep -E "^served|^ +128|notes" "$OUT/steps-queue.txt" | cut -c1-900
     ;;
   long)
