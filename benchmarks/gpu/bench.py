@@ -123,16 +123,17 @@ GMLX_VARIANTS = {
     # step kernel (glu_cuda, qkv_cuda): the server as before them
     "gmlx-noqkv": {"GMLX_QKV_KERNEL": "0"},
     "gmlx-nostep": {"GMLX_GLU_KERNEL": "0", "GMLX_QKV_KERNEL": "0"},
-    # the 12-06 additions one at a time, each reading the load's kept tuning (no retune): one
-    # stream's attention without its head split; the one-row products' staged shapes run as
-    # their unstaged twins; the step kernels' first launch shapes, untimed; all three
-    "gmlx-nohsplit": {"GMLX_HEAD_SPLIT": "0"},
-    "gmlx-nostaged": {"GMLX_STAGED": "0"},
-    "gmlx-noshapes": {"GMLX_STEP_SHAPES": "0"},
-    "gmlx-none1206": {"GMLX_HEAD_SPLIT": "0", "GMLX_STAGED": "0", "GMLX_STEP_SHAPES": "0"},
-    # the products' paths timed as a queue of independent calls, as before 12-06 (tuned again
-    # under keys of their own: a first load times them)
-    "gmlx-queued": {"GMLX_PRODUCT_TIMING": "queue"},
+    # the 12-06 additions (off by default since that day's H100 lease served one stream at
+    # 176 tok/s against 276 on 12-05), one at a time, then all four: one stream's attention
+    # with a head split; the products' paths timed in a chain (tuned again under keys of
+    # their own); the one-row products' staged shapes (likewise); the step kernels' one-row
+    # launch shapes timed
+    "gmlx-hsplit": {"GMLX_HEAD_SPLIT": "1"},
+    "gmlx-chain": {"GMLX_PRODUCT_TIMING": "chain"},
+    "gmlx-staged": {"GMLX_STAGED": "1"},
+    "gmlx-shapes": {"GMLX_STEP_SHAPES": "1"},
+    "gmlx-all1206": {"GMLX_HEAD_SPLIT": "1", "GMLX_PRODUCT_TIMING": "chain", "GMLX_STAGED": "1",
+                     "GMLX_STEP_SHAPES": "1"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
     # each llama-pattern block's one-token step in two compiled pieces

@@ -11,8 +11,8 @@
 #   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~300 s)
 #   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
 #   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
-#   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh bisect    (~450 s)
-#                                              bash benchmarks/gpu/lease.sh queued    (~300 s)
+#   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
+#                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
 # start: the GPU's name, part 1 staged, llama.cpp's build started in the background.
 # prepare: part 3 and the kernel cache staged, the wheels installed, the kernel checks
@@ -25,9 +25,9 @@
 #   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler; then one
 #   stream's kernels under ncu (each kind's DRAM and SM throughput in % of peak).
 # long: a 7,800-token prompt at one stream, llama-server and gmlx.
-# bisect: one stream served with each of the 12-06 additions taken out (gmlx-nohsplit,
-#   -nostaged, -noshapes, all three: -none1206), gmlx first and last, the load's tuning kept.
-# queued: the products' paths timed as a queue (gmlx-queued) against the chain's (gmlx).
+# all1206: the four 12-06 additions (off by default) together against gmlx, widths 1 and 32.
+# bisect: one stream served with each of them alone (gmlx-hsplit, -shapes, -staged, -chain),
+#   gmlx first and last.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -97,40 +97,37 @@ case ${1:-} in
     grep -v "^tuned:" "$OUT/ncu.txt" | tail -30
     ;;
   bisect)
-    # one stream served with the 12-06 additions taken out one at a time (each load reads the
-    # tuning gmlx's first load kept), gmlx itself first and last: which one costs the step
+    # one stream served with each of the 12-06 additions (off by default) taken one at a time,
+    # gmlx itself first and last: which one cost the 12-06 H100 lease its one-stream speed
+    # (gmlx-chain and gmlx-staged tune their products again: ~100 s of load each)
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-bisect --servers gmlx,gmlx-none1206,gmlx-nohsplit,gmlx-nostaged,gmlx-noshapes,gmlx \
+    "${BENCH[@]}" --results /tmp/gpu-results-bisect --servers gmlx,gmlx-hsplit,gmlx-shapes,gmlx-staged,gmlx-chain,gmlx \
       --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/bisect.md" > "$OUT/bisect.txt" 2>&1
     grep -E "uncompiled|WARNING|tok/s" "$OUT/bisect.txt" | cut -c1-300 | head -30
     ;;
-  queued)
-    # the products' paths timed as before 12-06 (a queue of independent calls: the load times
-    # them again under keys of their own) against the chain's, at one stream and 32
+  all1206)
+    # all four 12-06 additions at once against the defaults, at one stream and 32
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-queued --servers gmlx-queued,gmlx --widths 1,32 --rounds 2 --prefix-reps 0 \
-      --out "$OUT/queued.md" > "$OUT/queued.txt" 2>&1
-    grep -E "decode-sized|tok/s" "$OUT/queued.txt" | cut -c1-600 | head -12
+    "${BENCH[@]}" --results /tmp/gpu-results-all1206 --servers gmlx-all1206,gmlx --widths 1,32 --rounds 2 \
+      --prefix-reps 0 --out "$OUT/all1206.md" > "$OUT/all1206.txt" 2>&1
+    grep -E "decode-sized|uncompiled|tok/s" "$OUT/all1206.txt" | cut -c1-600 | head -12
     ;;
   steps)
     # (carry [".gpu/part3", ".gpu/ptx"] after part1 and part2 staged without llama.cpp's build;
-    # ~900 s in all: two calls' worth, or run the three long_steps lines as separate calls)
+    # ~900 s in all: two calls' worth, or run the long_steps lines as separate calls)
     # one stream's step in process, no llama.cpp and no GGUF (the synthetic 8B in Q4_K_M's
-    # layouts, long_steps' worker round): as it is, with the 12-06 additions taken out, and
-    # with the products timed as a queue; each load tunes what is not yet kept
+    # layouts, long_steps' worker round): as it is, then with all four 12-06 additions; each
+    # load tunes what is not yet kept
     bash $GPU/setup.sh stage .gpu/part3 && { [ ! -d .gpu/ptx ] || bash $GPU/setup.sh stage .gpu/ptx; } || exit 1
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     with_env
     export GMLX_HOME=/tmp/gmlx-home
-    # unbuffered (-u): a run the timeout stops keeps what it printed (12-06: three runs cut off
-    # with their output in Python's buffer came back empty). The first load draws the 8B's
-    # weights and tunes every product: over 250 s on the H100; give it 400.
-    LS=(python3 -u $GPU/long_steps.py synthetic:llama3-8b --lengths 128 --variants served --served --tokens 128)
+    # the first load draws the 8B's weights and tunes every product: over 250 s on the H100
+    LS=(python3 $GPU/long_steps.py synthetic:llama3-8b --lengths 128 --variants served --served --tokens 128)
     timeout 400 "${LS[@]}" > "$OUT/steps-default.txt" 2>&1; grep -E "^served|ms a step|notes|^ +128" "$OUT/steps-default.txt" | cut -c1-900
-    GMLX_HEAD_SPLIT=0 GMLX_STAGED=0 GMLX_STEP_SHAPES=0 timeout 150 "${LS[@]}" > "$OUT/steps-none1206.txt" 2>&1
-    grep -E "^served|^ +128" "$OUT/steps-none1206.txt"
-    GMLX_PRODUCT_TIMING=queue timeout 300 "${LS[@]}" > "$OUT/steps-queue.txt" 2>&1
-    grep -E "^served|^ +128|notes" "$OUT/steps-queue.txt" | cut -c1-900
+    GMLX_HEAD_SPLIT=1 GMLX_PRODUCT_TIMING=chain GMLX_STAGED=1 GMLX_STEP_SHAPES=1 timeout 400 "${LS[@]}" \
+      > "$OUT/steps-all1206.txt" 2>&1
+    grep -E "^served|^ +128|notes" "$OUT/steps-all1206.txt" | cut -c1-900
     ;;
   long)
     with_env

@@ -54,9 +54,11 @@ blocks a key-value head of the 8B, one stream): that is not what a short cache c
 84.9, lane 51.0 / 45.8 / 45.8; 2,100: lane 94.7 / 82.9 / 81.3), and more for the 1.5B's
 groups of 6 (lane at 2,100 keys, 1 / 2 / 3 / 6 blocks: 98.5 / 84.7 / 78.1 / 72.8). At 8
 streams it lost at every short cache (the 8B at 38 keys: 26.0 / 33.6 / 33.8), so only a
-single stream takes it unasked. The load times the whole form at each head split at
-:data:`HSPLIT_CAPACITY` positions and takes the fastest, then times the split threshold
-with it (:func:`tune_split`); the split form keeps one block a key-value head.
+single stream takes it unasked. With ``GMLX_HEAD_SPLIT=1`` the load times the whole form
+at each head split at :data:`HSPLIT_CAPACITY` positions and takes the fastest, then times
+the split threshold with it (:func:`tune_split`); the split form keeps one block a
+key-value head. Off by default: the one lease that served it (H100, 12-06, with the
+other 12-06 additions) served one stream slower than ever, the cause not yet isolated.
 
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). The tests run its source
@@ -438,9 +440,10 @@ def fits(group: int, d: int, layout: str = "warp") -> bool:
 
 
 def _head_split() -> bool:
-    """Whether the load's head split is taken (``GMLX_HEAD_SPLIT=0``: one block a
-    key-value head, to measure without it)."""
-    return os.environ.get("GMLX_HEAD_SPLIT", "1") != "0"
+    """Whether the load times and takes a head split (``GMLX_HEAD_SPLIT=1``; else one
+    block a key-value head: on the H100 it moved a call by under 5% at short caches, and
+    the one lease that served it served one stream slower, with other changes beside it)."""
+    return os.environ.get("GMLX_HEAD_SPLIT", "0") == "1"
 
 
 def hsplits(group: int) -> tuple[int, ...]:

@@ -37,8 +37,8 @@ buckets beside MLX's product and the tensor-core kernel, and keeps whichever is 
 
 At one row a launch shape may also stage x in the block's shared memory first (its
 fifth number, the row tiles a block takes; :data:`STAGED`), so a lane's loads in flight
-are the weights' alone (see ``_STAGED_SOURCE``); the load times those shapes beside the
-others.
+are the weights' alone (see ``_STAGED_SOURCE``); with ``GMLX_STAGED=1`` the load times
+those shapes beside the others.
 
 Gated (``bound(..., up=...)``, :mod:`glu_cuda`): both sources also compute an MLP's
 ``silu(x @ gate.T) * (x @ up.T)`` in one kernel, a warp taking half its rows from each
@@ -291,8 +291,10 @@ _ROWS_SOURCE = _START + r"""
 # 16 bytes of each 4-bit weight row, held in registers while the weights are in flight,
 # and sum them again per warp; on the H100 the 4-bit products stayed at ~52% of the
 # card's bandwidth at every launch shape and depth, where the 6-bit output layer (fewer
-# x loads a weight byte) reached 81%. Not yet timed on a GPU: the tuner times it beside
-# the other shapes and keeps whichever is fastest.
+# x loads a weight byte) reached 81%. Timed by one load (H100, 12-06): it took a staged
+# shape for the 6-bit 14336x4096 product only, and that lease served one stream slower
+# than ever (with the other 12-06 additions; the cause not isolated), so it is off unless
+# GMLX_STAGED=1, which has the tuner time it beside the other shapes.
 _STAGED_SOURCE = _LAYOUT + r"""
     __shared__ uint4 xs4[4][XCHUNKS];
     __shared__ float xsum[XCHUNKS];
@@ -374,13 +376,19 @@ _STAGED_SOURCE = _LAYOUT + r"""
     }
 """
 STAGED_BYTES = 48 * 1024  # a block's static shared memory at most: x (2 bytes a value) and its chunks' sums
-STAGED_ENV = "GMLX_STAGED"  # 0: no staged shape is timed, and one a load kept runs as its unstaged twin
+STAGED_ENV = "GMLX_STAGED"  # 1: the staged shapes timed; else none, and one a load kept runs as its unstaged twin
+
+
+def staged() -> bool:
+    """Whether the staged shapes are timed and taken (``GMLX_STAGED=1``: off by default
+    until a served run measures them; see ``_STAGED_SOURCE``)."""
+    return os.environ.get(STAGED_ENV, "0") == "1"
 
 
 def stages(k: int) -> bool:
-    """Whether one row of ``k`` values fits the staged source's shared memory (and the
-    staged shapes are not turned off: ``GMLX_STAGED=0``)."""
-    return os.environ.get(STAGED_ENV, "1") != "0" and 2 * k + 4 * (k // 32) <= STAGED_BYTES
+    """Whether the staged shapes are taken (:func:`staged`) and one row of ``k`` values
+    fits their shared memory."""
+    return staged() and 2 * k + 4 * (k // 32) <= STAGED_BYTES
 
 
 def unstaged(config: tuple[int, ...]) -> tuple[int, ...]:
@@ -546,7 +554,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     config = config or configs()[0]
     k = w.shape[1] * 32 // bits
     if launch_shape(config)[4] and not stages(k):  # turned off (a kept tuning's shape runs unstaged), or too wide
-        if os.environ.get(STAGED_ENV, "1") != "0":
+        if staged():
             raise ValueError(f"a row of {k} values does not fit the staged source's shared memory")
         config = unstaged(config)
     warps, rpw, _, _, tiles = launch_shape(config)

@@ -158,9 +158,8 @@ def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
 
 def queue_time(call: Callable[[], Any], reps: int) -> float:
     """Seconds for ``reps`` calls of ``call`` that do not depend on each other, queued
-    before one wait: how the load timed its products before 12-06 (such a queue may run
-    at once on a GPU, which :func:`chain_time` avoids); kept for ``GMLX_PRODUCT_TIMING=
-    queue``, to measure the two against each other."""
+    before one wait: how the load times its products (:func:`fast_linear._measure` says
+    why, and when :func:`chain_time` instead). Such a queue may run at once on a GPU."""
     import mlx.core as mx
 
     for _ in range(3):

@@ -20,7 +20,7 @@ from typing import Any
 
 from gmlx import paths
 
-FORMAT = 13  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
+FORMAT = 14  # 2: the tensor-core kernel, launch shapes of any length; 3: prefill buckets 128, 256;
 # 4: the one-row kernel (qgemv_cuda); 5: both kernels bound per layer, 4/8-bit codes by byte permutes;
 # 6: the whole step confirmed pipelined, as the worker runs it; 7: the CUDA-core kernel at 2-8 rows;
 # 8: its 4/6-bit codes as 0.5 + q/256 (an instruction fewer), x once a chunk at 2-8 rows, glu_cuda;
@@ -30,7 +30,8 @@ FORMAT = 13  # 2: the tensor-core kernel, launch shapes of any length; 3: prefil
 # (one layer's repeated stayed in the L2 cache); 11: whole steps timed over the worker's batch
 # cache, with the blocks compiled where they are (a custom kernel's host cost is then paid at a
 # trace, not every step); 12: the one-row kernel at depth 2 (two chunks a lane in flight); 13: the
-# one-row kernels with x staged in shared memory, and the step kernels' launch shapes timed at one row
+# one-row kernels with x staged in shared memory, and the step kernels' launch shapes timed at one row;
+# 14: the products timed as a queue again by default (a chain's under keys of their own)
 Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch shape)
 
 

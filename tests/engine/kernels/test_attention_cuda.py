@@ -674,10 +674,11 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
     splits that shape from there and other shapes by the default. A split that never wins
     keeps the whole form up to twice the longest timed; the timing is in the log line.
     Where the key-a-lane form did not agree at the load's check, only the key-a-warp
-    form is timed and used; the head split (a group of two: one block a key-value head
-    or two) first, and a tie keeps one."""
+    form is timed and used; with ``GMLX_HEAD_SPLIT=1`` the head split (a group of two: one
+    block a key-value head or two) first, and a tie keeps one; without it, none."""
     from gmlx.engine.kernels import one_token
 
+    monkeypatch.setenv("GMLX_HEAD_SPLIT", "1")
     model = _tuned_model()
     timed: list[tuple[int, int, int | None]] = []
 
@@ -717,6 +718,11 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
         (line,) = cached_attention_cuda.tune_splits(model)
         assert "split from 32,768 positions" in line
         assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 32768}
+        monkeypatch.delenv("GMLX_HEAD_SPLIT")  # the default: no head split timed or kept
+        timed.clear()
+        (line,) = cached_attention_cuda.tune_splits(model)
+        assert timed[0] == (first, 1, None) and "a key-value head" not in line
+        assert cached_attention_cuda._hsplits == {}
     finally:
         one_token.detach(model)
 
@@ -748,8 +754,8 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
         assert timed[:8] == [(1024, 1, "warp"), (1024, 1, "lane"), (1024, 1, "lane"), (1024, 1, "warp"),
                              (longest, 132, "warp"), (longest, 132, "lane"), (longest, 132, "lane"),
                              (longest, 132, "warp")]
-        assert all(layout is None for *_, layout in timed[8:])  # the head split, the threshold: in the layouts taken
-        assert timed[8:12] == [(cached_attention_cuda.HSPLIT_CAPACITY, 1, None)] * 4
+        assert all(layout is None for *_, layout in timed[8:])  # the threshold: in the layouts taken
+        assert timed[8] == (cached_attention_cuda.TUNE_CAPACITIES[0], 1, None)  # no head split unasked
         assert cached_attention_cuda._layouts == {key: ("lane", "warp")}
         assert "whole form a key a lane (1,024: 9.0 warp / 5.0 lane us)" in line
         assert "split form a key a warp (16,384: 2.5 warp / 4.5 lane us)" in line
@@ -773,6 +779,7 @@ def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pyte
 
     assert cached_attention_cuda.hsplits(1) == (1,)  # nothing to share: nothing timed
     assert cached_attention_cuda.hsplits(4) == (1, 2, 4) and cached_attention_cuda.hsplits(6) == (1, 2, 3, 6)
+    monkeypatch.setenv("GMLX_HEAD_SPLIT", "1")  # off by default (the module says why)
     model = _tuned_model(8)
     key = (8, 2, 64, str(mx.float16))
     timed: list[tuple[int, int, int]] = []
@@ -805,7 +812,7 @@ def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pyte
                             (7, True, "warp", 1, 40), (1, False, "warp", 4, 160), (1, False, "warp", 2, 4)]
         with pytest.raises(ValueError, match="a head split of 3 for 4 query heads"):
             attend(512, heads=8, hsplit=3)
-        monkeypatch.setenv("GMLX_HEAD_SPLIT", "0")  # to measure without it: one block a key-value head
+        monkeypatch.delenv("GMLX_HEAD_SPLIT")  # the default: one block a key-value head
         launched.clear()
         attend(512, heads=8)
         assert launched == [(1, False, "warp", 1, 2)]

@@ -377,27 +377,31 @@ def test_the_confirming_steps_run_the_paths_they_time(monkeypatch) -> None:
     assert swapped and all(m.paths == {2: (fast_linear.DENSE, (0, 0))} for m in swapped)
 
 
-def test_mlx_product_is_timed_first_and_last_so_a_warming_machine_does_not_lose_it(monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["queue", "chain"])
+def test_mlx_product_is_timed_first_and_last_so_a_warming_machine_does_not_lose_it(monkeypatch, mode: str) -> None:
     """Each row bucket times MLX's product, then every path that agrees with it, then
     MLX's again, keeping its faster time: on a machine speeding up while it is timed
     (the stand-in clock: each timing 5% faster than the last) the dense path, no faster
-    in truth, must not win for having been timed second. The products run for real."""
+    in truth, must not win for having been timed second. The products run for real,
+    queued (the default) or in a chain (``GMLX_PRODUCT_TIMING=chain``)."""
     from gmlx.engine.kernels import fast_linear
 
+    monkeypatch.setenv("GMLX_PRODUCT_TIMING", mode)
     layer = _tiny_quantized_llama().layers[0].self_attn.q_proj
     order: list[int] = []
 
-    def warming(call, x, reps: int) -> float:
-        mx.eval(call(x))
+    def warming(call, *rest) -> float:
+        mx.eval(call(rest[0]) if mode == "chain" else call())
         order.append(len(order))
         return 1.0 - 0.05 * order[-1]
 
-    monkeypatch.setattr(timing, "chain_time", warming)
+    monkeypatch.setattr(timing, f"{mode}_time", warming)
     assert fast_linear._measure(layer) == {}  # MLX's product everywhere
     assert len(order) == 3 * len(fast_linear.BUCKETS)  # on this CPU: MLX, dense, MLX again
 
 
-def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["queue", "chain"])
+def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatch, mode: str) -> None:
     """One layer's product repeated finds its weights in the GPU's L2 cache, where a
     step reads each layer from memory: each timing goes through the weights of the
     layers of the same shape in turn, as many as ``COLD_BYTES`` takes (here three of
@@ -418,7 +422,7 @@ def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatc
         read.append(next(i for i, m in enumerate(layers) if m.weight is w))
         return real(x, w, *rest, **kw)
 
-    def clock(call, x, reps: int) -> float:
+    def chain_clock(call, x, reps: int) -> float:
         del read[:]
         for _ in range(reps):
             x = call(x)  # each product's input the last one's output
@@ -426,9 +430,16 @@ def test_a_products_timing_passes_through_the_weights_of_layers_alike(monkeypatc
         timed.append(list(read))
         return 1.0
 
+    def queue_clock(call, reps: int) -> float:
+        del read[:]
+        mx.eval([call() for _ in range(reps)])
+        timed.append(list(read))
+        return 1.0
+
     timed: list[list[int]] = []
     monkeypatch.setattr(mx, "quantized_matmul", recording)
-    monkeypatch.setattr(timing, "chain_time", clock)
+    monkeypatch.setenv("GMLX_PRODUCT_TIMING", mode)
+    monkeypatch.setattr(timing, f"{mode}_time", chain_clock if mode == "chain" else queue_clock)
     fast_linear._measure(layers[0], layers[1:], reps=4)
     mlx_timings = timed[::3]  # per bucket on this CPU: MLX, dense (no matmul of MLX's), MLX again
     assert mlx_timings and all(t == [0, 1, 2, 0] for t in mlx_timings)

@@ -48,6 +48,7 @@ def test_the_fastest_shape_that_agrees_is_kept_per_machine(tmp_path, monkeypatch
     kept); one that disagrees is never timed, however fast; one that does not launch is
     skipped; the choice is kept, so a second load times nothing."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "1")
     took = {SHAPES[0]: [9.0, 5.0], SHAPES[1]: [6.0], SHAPES[3]: [7.0]}
     order = _clock(monkeypatch, took)
 
@@ -71,6 +72,7 @@ def test_the_fastest_shape_that_agrees_is_kept_per_machine(tmp_path, monkeypatch
 
 def test_no_shape_that_agrees_leaves_the_first(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "1")
     order = _clock(monkeypatch, {})
     shape, _ = step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: False, 64, mx.bfloat16)
     assert shape == SHAPES[0] and order == []
@@ -83,6 +85,7 @@ def test_the_gated_kernel_takes_the_timed_shape_at_one_stream(tmp_path, monkeypa
     at two."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
     monkeypatch.delenv(glu_cuda.ENV, raising=False)
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "1")
     model = tiny("llama", 2, quantized=True, dtype=mx.bfloat16, seed=11)
     glu_cuda.attach(model, buckets=())
     bound: list[tuple] = []
@@ -116,6 +119,7 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     standing in)."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
     monkeypatch.delenv(qkv_cuda.ENV, raising=False)
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "1")
     model = tiny("llama", 2, dtype=mx.bfloat16, seed=13)
     nn.quantize(model, group_size=32, bits=4)
     one_token.attach(model, rotation=lambda attention: None)
@@ -143,20 +147,27 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     assert bound == [qgemv_cuda.configs(1, k)[-1], qgemv_cuda.configs(2)[0]]
 
 
-def test_turned_off_the_first_shape_is_taken_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GMLX_STEP_SHAPES=0``: the default shape, nothing timed, nothing kept."""
+@pytest.mark.parametrize("value", [None, "0"])
+def test_unless_asked_the_first_shape_is_taken_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch, value) -> None:
+    """Without ``GMLX_STEP_SHAPES=1`` (the default, or ``0``): the first shape, nothing
+    timed, nothing kept."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
-    monkeypatch.setenv("GMLX_STEP_SHAPES", "0")
+    if value is None:
+        monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
+    else:
+        monkeypatch.setenv("GMLX_STEP_SHAPES", value)
     order = _clock(monkeypatch, {})
     assert step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: True, 64, mx.bfloat16)[0] == SHAPES[0]
     assert order == [] and not (tmp_path / "cache").exists()
 
 
-def test_staged_shapes_turned_off_run_as_their_unstaged_twins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GMLX_STAGED=0``: no staged shape is offered, and a kept one launches unstaged (the
-    same warps, rows a warp and depth)."""
+def test_staged_shapes_only_where_asked_else_their_unstaged_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_STAGED=1`` offers the staged shapes (where a row fits); without it none is
+    offered, and a kept one launches unstaged (the same warps, rows a warp and depth)."""
+    monkeypatch.setenv(qgemv_cuda.STAGED_ENV, "1")
     assert qgemv_cuda.STAGED[0] in qgemv_cuda.configs(1, 4096)
-    monkeypatch.setenv(qgemv_cuda.STAGED_ENV, "0")
+    assert not any(len(c) > 4 for c in qgemv_cuda.configs(1, 32768))  # x does not fit
+    monkeypatch.delenv(qgemv_cuda.STAGED_ENV)
     assert not any(len(c) > 4 for c in qgemv_cuda.configs(1, 4096) + qgemv_cuda.gated_configs(1, 4096))
     assert qgemv_cuda.unstaged((16, 2, 1, 2, 1)) == (16, 2, 1, 2)
     made: list[dict] = []
