@@ -11,6 +11,7 @@
 #   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~300 s)
 #   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
 #   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
+#   the attention's fixed cost under ncu:      bash benchmarks/gpu/lease.sh ncu-attention (~120 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -111,6 +112,19 @@ case ${1:-} in
     "${BENCH[@]}" --results /tmp/gpu-results-all1206 --servers gmlx-all1206,gmlx --widths 1,32 --rounds 2 \
       --prefix-reps 0 --out "$OUT/all1206.md" > "$OUT/all1206.txt" 2>&1
     grep -E "decode-sized|uncompiled|tok/s" "$OUT/all1206.txt" | cut -c1-600 | head -12
+    ;;
+  ncu-attention)
+    # why the in-place attention costs ~17 us a call whatever its keys (12-06 H100: 23.4 us
+    # a layer in the traced step at ~130 positions; 20 us at 38 keys, 33 at 256, chained):
+    # a few of its launches under ncu's sections (the SMs' and memory's speed of light, the
+    # warps' stall reasons, the launch and occupancy), the attention_check run kept short
+    with_env
+    timeout 240 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --kernel-name regex:attend_cached \
+      --launch-skip 40 --launch-count 4 --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+      --section Occupancy --section MemoryWorkloadAnalysis python3 $GPU/attention_check.py --cached --reps 20 \
+      > "$OUT/ncu-attention.txt" 2>&1
+    grep -E "attend_cached|Duration|Stall|Warp Cycles|Registers|Shared Memory|Achieved|Throughput|==PROF==|==ERROR==" \
+      "$OUT/ncu-attention.txt" | cut -c1-200 | head -60
     ;;
   steps)
     # (carry [".gpu/part3", ".gpu/ptx"] after part1 and part2 staged without llama.cpp's build;
