@@ -163,6 +163,44 @@ _CODE = r"""
                 const float f = BITS == 8 ? __uint_as_float(bits) - 8388608.0f : __uint_as_float(bits);
 """
 
+# The DEPTH chunks' codes, scales and biases of a lane's rows (``_ROW_LOADS`` into the
+# depth's arrays), every load issued before any use.
+_DEPTH_LOADS = r"""        #pragma unroll
+        for (int di = 0; di < DEPTH; ++di) {
+            const int c = c0 + 32 * di;
+            if (c < chunks) {
+                uint32_t (&q)[RPW][BITS] = qd[di];
+                float (&s)[RPW] = sd[di];
+                float (&b)[RPW] = bd[di];
+""" + _ROW_LOADS
+
+# Each of the warp's rows' share of chunk ``di`` (its codes against x's floats ``xf``, then
+# the chunk's scale and bias), and the one-row sources' end: the lanes' sums met by
+# shuffles, lane r writing row r.
+_ROW_SUMS = r"""            #pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                #pragma unroll
+                for (int j = 0; j < 32; ++j) {
+""" + _CODE + r"""                    d[j & 3] += xf[j] * f;
+                }
+                acc[r] += CHUNK(sd[di][r], bd[di][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
+            }
+"""
+_REDUCE_STORE = r"""    float red[RPW];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        float v = acc[r];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        red[r] = v;
+    }
+    #pragma unroll
+    for (int r = 0; r < OUTS; ++r) {
+        if (lane == r && n0 + r < N) STORE(0, n0 + r, OUTPUT(red[r], red[(r + OUTS) % RPW]));
+    }
+"""
+
 # One row of x. Each lane takes DEPTH of its chunks at a time (``di``: ``u`` names a word
 # of codes in the row loads), every load of all DEPTH issued before any use (codes,
 # scales and biases of each row, and x's raw values), so a warp keeps DEPTH times the
@@ -178,14 +216,7 @@ _SOURCE = _START + r"""
         uint32_t qd[DEPTH][RPW][BITS];
         float sd[DEPTH][RPW], bd[DEPTH][RPW];
         uint4 xd[DEPTH][4];
-        #pragma unroll
-        for (int di = 0; di < DEPTH; ++di) {
-            const int c = c0 + 32 * di;
-            if (c < chunks) {
-                uint32_t (&q)[RPW][BITS] = qd[di];
-                float (&s)[RPW] = sd[di];
-                float (&b)[RPW] = bd[di];
-""" + _ROW_LOADS + r"""                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
+""" + _DEPTH_LOADS + r"""                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
                 #pragma unroll
                 for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];
             }
@@ -194,30 +225,9 @@ _SOURCE = _START + r"""
         for (int di = 0; di < DEPTH; ++di) {
             if (c0 + 32 * di >= chunks) break;
             uint32_t (&q)[RPW][BITS] = qd[di];
-""" + _X_FLOATS.replace("XRAW", "xd[di]") + r"""            #pragma unroll
-            for (int r = 0; r < RPW; ++r) {
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                #pragma unroll
-                for (int j = 0; j < 32; ++j) {
-""" + _CODE + r"""                    d[j & 3] += xf[j] * f;
-                }
-                acc[r] += CHUNK(sd[di][r], bd[di][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
-            }
-        }
+""" + _X_FLOATS.replace("XRAW", "xd[di]") + _ROW_SUMS + r"""        }
     }
-    float red[RPW];
-    #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        float v = acc[r];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        red[r] = v;
-    }
-    #pragma unroll
-    for (int r = 0; r < OUTS; ++r) {
-        if (lane == r && n0 + r < N) STORE(0, n0 + r, OUTPUT(red[r], red[(r + OUTS) % RPW]));
-    }
-"""
+""" + _REDUCE_STORE
 
 
 # A few rows of x (a decode step of 2-8 streams): each chunk's codes of every weight row
@@ -325,14 +335,7 @@ _STAGED_SOURCE = _LAYOUT + r"""
         for (int c0 = lane; c0 < chunks; c0 += 32 * DEPTH) {
             uint32_t qd[DEPTH][RPW][BITS];
             float sd[DEPTH][RPW], bd[DEPTH][RPW];
-            #pragma unroll
-            for (int di = 0; di < DEPTH; ++di) {
-                const int c = c0 + 32 * di;
-                if (c < chunks) {
-                    uint32_t (&q)[RPW][BITS] = qd[di];
-                    float (&s)[RPW] = sd[di];
-                    float (&b)[RPW] = bd[di];
-""" + _ROW_LOADS + r"""                }
+""" + _DEPTH_LOADS + r"""                }
             }
             #pragma unroll
             for (int di = 0; di < DEPTH; ++di) {
@@ -350,30 +353,9 @@ _STAGED_SOURCE = _LAYOUT + r"""
                     for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
                 }
                 const float xs = xsum[c];
-                #pragma unroll
-                for (int r = 0; r < RPW; ++r) {
-                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    #pragma unroll
-                    for (int j = 0; j < 32; ++j) {
-""" + _CODE + r"""                        d[j & 3] += xf[j] * f;
-                    }
-                    acc[r] += CHUNK(sd[di][r], bd[di][r], (d[0] + d[1]) + (d[2] + d[3]), xs);
-                }
-            }
+""" + _ROW_SUMS + r"""            }
         }
-        float red[RPW];
-        #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            float v = acc[r];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            red[r] = v;
-        }
-        #pragma unroll
-        for (int r = 0; r < OUTS; ++r) {
-            if (lane == r && n0 + r < N) STORE(0, n0 + r, OUTPUT(red[r], red[(r + OUTS) % RPW]));
-        }
-    }
+""" + _REDUCE_STORE + r"""    }
 """
 STAGED_BYTES = 48 * 1024  # a block's static shared memory at most: x (2 bytes a value) and its chunks' sums
 STAGED_ENV = "GMLX_STAGED"  # 1: the staged shapes timed; else none, and one a load kept runs as its unstaged twin
