@@ -83,6 +83,7 @@ def attach(model: Any, copying: bool = False) -> bool:
     object.__setattr__(model, TRACED, None)
     object.__setattr__(model, "_whole_copying", copying)
     object.__setattr__(model, "_whole_off", False)
+    object.__setattr__(model, "_whole_ran", False)  # set at its first step: a later fallback is no model's nature
     return True
 
 
@@ -199,14 +200,20 @@ def _whole(cls: type) -> type:
                 or not _batch(cache)):
             return cls.__call__(self, inputs, cache, *args, **kwargs)
         try:
-            return _step(self, cls.__call__, inputs, cache)
+            out = _step(self, cls.__call__, inputs, cache)
         except Exception as error:  # noqa: BLE001 - NotWhole, or what a trace met (a kernel MLX refused)
             object.__setattr__(self, "_whole_off", True)
             object.__setattr__(self, TRACED, None)
-            # a model whose layers do not all take the in-place step is expected (info); a
-            # trace that failed otherwise is not (warning)
-            level = logging.INFO if isinstance(error, NotWhole) else logging.WARNING
-            log.log(level, "the one-token step runs uncompiled: %s", error)
+            # a model whose layers do not all take the in-place step is expected (info), at its
+            # first step; a trace that failed otherwise, or after whole steps had run, is not
+            # (warning: every step after is slower, and served it must show)
+            ran = getattr(self, "_whole_ran", False)
+            level = logging.INFO if isinstance(error, NotWhole) and not ran else logging.WARNING
+            log.log(level, "the one-token step runs uncompiled%s: %s", " after whole steps had run" if ran else "",
+                    error)
             return cls.__call__(self, inputs, cache)
+        if not self._whole_ran:
+            object.__setattr__(self, "_whole_ran", True)
+        return out
 
     return swaps.subclass(cls, MARKER, __call__)

@@ -295,6 +295,31 @@ def test_a_window_or_any_error_at_the_trace_falls_back(monkeypatch: pytest.Monke
     assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
 
 
+def test_a_fallback_after_whole_steps_had_run_is_a_warning(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A model whose layers do not take the in-place step says so at its first step (info);
+    one that stops taking it after whole steps had run (a new cache length's trace refused)
+    is slower from then on for a reason nobody expects: a warning, and the same logits."""
+    model = _served()
+    want = steps(model, _padded(), PADDED, n=8)
+    whole_step.attach(model, copying=True)
+    own = whole_step._trace
+    traced: list[int] = []
+
+    def second_refused(*args):
+        traced.append(1)
+        if len(traced) > 1:
+            raise whole_step.NotWhole("a layer asked for a window")
+        return own(*args)
+
+    monkeypatch.setattr(whole_step, "_trace", second_refused)
+    with caplog.at_level(logging.INFO, logger="gmlx.engine.kernels.whole_step"):
+        got = steps(model, _padded(), PADDED, n=8)
+    assert traced == [1, 1] and model._whole_off
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "after whole steps had run" in caplog.text and "a window" in caplog.text
+    _same(want, got)
+
+
 def test_the_same_tokens_through_the_worker() -> None:
     """The worker's greedy streams, joined at different steps, over its batch caches
     (``_AlignedBatchKVCache``, merged through ``with_room``'s layers)."""
