@@ -5,6 +5,7 @@ MLX's masked path and MLX's unmasked one-query kernel, at the 8B's attention sha
     python benchmarks/gpu/attention_check.py            # on the H200 (CUDA only)
     python benchmarks/gpu/attention_check.py --cached   # the cached variant only
     python benchmarks/gpu/attention_check.py --whole    # the whole step compiled, only
+    python benchmarks/gpu/attention_check.py --fixed    # where a short cache's call goes
 
 ``--cached``: the variant that writes a step's keys and values into the cache in place
 (``cached_attention_cuda.attend_cached``) against the cache's own writes and MLX's attention:
@@ -21,6 +22,11 @@ microseconds a call. ``--whole``: a small float16 llama
 (head size 128) decoding a padded batch through the cached variant with the whole
 one-token step one compiled call (``whole_step``) against the same without it: the
 largest logit difference, the greedy tokens and the caches, over a growth of the cache.
+``--fixed``: where the in-place attention's ~17 us a call at a short cache goes (the 8B's
+shape, one stream, chained, us a call): the whole form over 38 keys, over none (every
+position padding: its start and end alone, the cache still written), with the rope
+folded in; a kernel of the same launch that only reads the positions and writes the
+output (the launch's floor in a chain); MLX's one-query attention.
 
 Each row: streams, keys (the cache's arrays are longer: the keys are a view, as the
 cache hands them over), the largest difference from the float32 attention for the kernel
@@ -210,6 +216,60 @@ def check_whole() -> bool:
     return took and tokens and err < 0.05
 
 
+_FLOOR_BODY = """
+const int b = blockIdx.x / (gridDim.x / q_shape[0]);
+const int at = position[0] + padding[b];
+if (threadIdx.x < D) out[(size_t)blockIdx.x * D + threadIdx.x] = q[(size_t)blockIdx.x * D + threadIdx.x] + static_cast<T>(at & 1);
+"""
+
+
+def check_fixed(reps: int = 100) -> None:
+    """``--fixed``: the in-place attention's call at a short cache, taken apart (one stream
+    of the 8B's shape, bf16, 256 positions, the write at 37)."""
+    from mlx import nn
+
+    from gmlx.engine.kernels import rope_cuda
+
+    heads, kv_heads, d, capacity, at = 32, 8, 128, 256, 37
+    mx.random.seed(3)
+    q = mx.random.normal((1, heads, 1, d)).astype(mx.bfloat16)
+    k_new, v_new = (mx.random.normal((1, kv_heads, 1, d)).astype(mx.bfloat16) for _ in range(2))
+    k, v = (mx.random.normal((1, kv_heads, capacity, d)).astype(mx.bfloat16) for _ in range(2))
+    position, scale = mx.array([at], dtype=mx.int32), d ** -0.5
+    live, empty = mx.array([0], dtype=mx.int32), mx.array([at + 1], dtype=mx.int32)
+    rope = nn.RoPE(d, base=500000.0)
+    inv, _ = rope_cuda.inverse_frequencies(rope, d)
+    folded = (mx.array([at], dtype=mx.int32), inv, "half")
+    err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="warp",
+                                                   rope=(rope, inv, "half"))
+    floor = cuda_source.build("gmlx_launch_floor", f"using T = {cuda_source.cuda_type(mx.bfloat16)}; constexpr int D = {d};\n",
+                              _FLOOR_BODY, ["q", "padding", "position"], ensure_row_contiguous=False)
+    mx.eval(q, k_new, v_new, k, v, inv)
+
+    def cached(padding, **kw):
+        return lambda x: cached_attention_cuda.attend_cached(x, k_new, v_new, k, v, padding, position, scale, n=1,
+                                                             **kw)
+
+    forms = {
+        "whole, a key a warp, 38 keys": cached(live, layout="warp", hsplit=1),
+        "whole, a key a lane, 38 keys": cached(live, layout="lane", hsplit=1),
+        "whole, a key a warp, no keys (start and end alone)": cached(empty, layout="warp", hsplit=1),
+        "whole, a key a lane, no keys": cached(empty, layout="lane", hsplit=1),
+        f"whole, a key a warp, 38 keys, the rope folded in (err {err:.4f}, written {written})":
+            cached(live, layout="warp", hsplit=1, rope=folded),
+        "a kernel of the same launch reading the positions only": lambda x: floor(
+            inputs=[x, live, position], grid=(kv_heads * attention_cuda.THREADS, 1, 1),
+            threadgroup=(attention_cuda.THREADS, 1, 1), output_shapes=[(1, 1, heads * d)],
+            output_dtypes=[mx.bfloat16])[0],
+        "MLX's one-query attention, 38 keys": lambda x: mx.fast.scaled_dot_product_attention(
+            x, k[..., :at + 1, :], v[..., :at + 1, :], scale=scale),
+    }
+    print("| the call (8B shape, one stream, bf16, chained) | us a call |")
+    print("|---|---:|")
+    for name, fn in forms.items():
+        print(f"| {name} | {per_product(fn, q, reps):.1f} |", flush=True)
+
+
 def main() -> None:
     if {"-h", "--help"} & set(sys.argv):
         print(__doc__)
@@ -220,6 +280,9 @@ def main() -> None:
     if not cuda_source.available():
         sys.exit("the kernel is built only on CUDA")
     print(f"device {mx.default_device()}")
+    if "--fixed" in sys.argv:
+        check_fixed(int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 100)
+        return
     if "--whole" in sys.argv:
         if not check_whole():
             print("the whole step DISAGREES")

@@ -88,11 +88,6 @@ import throughput as tp
 
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
-SERVERS = ("gmlx", "gmlx-flat", "gmlx-plain", "gmlx-graph400", "gmlx-ops80", "gmlx-cudnn", "gmlx-stacked",
-           "gmlx-mlxattend", "gmlx-handover8", "gmlx-kernels", "gmlx-glu", "gmlx-noglu", "gmlx-noqkv",
-           "gmlx-nostep", "gmlx-compiled", "gmlx-nocompile", "gmlx-allkernels", "gmlx-cached", "gmlx-whole", "gmlx-nowhole", "gmlx-nocached",
-           "gmlx-mlx",
-           "mlx_lm", "mlx_lm-gmlxenv", "llama")
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
 # gmlx on the same file as "gmlx", in another environment: its CUDA quantized layers as
 # fast_linear's GMLX_QMV_KERNEL says (only flattened, or left as MLX makes them), or MLX's
@@ -136,6 +131,11 @@ GMLX_VARIANTS = {
                      "GMLX_STEP_SHAPES": "1"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
+    # the layers' rope folded into the in-place attention (one operation a layer fewer:
+    # cached_attention_cuda.folded_rope), and that with the add-norm kernel in the compiled
+    # blocks (two more): 11-12 operations a layer of the 8B's step down to 8
+    "gmlx-fold": {"GMLX_ROPE_ATTENTION": "1"},
+    "gmlx-fused": {"GMLX_ROPE_ATTENTION": "1", "GMLX_ADD_NORM_KERNEL": "1"},
     # each llama-pattern block's one-token step in two compiled pieces
     # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU and CUDA, off on Metal), or never
     "gmlx-compiled": {"GMLX_COMPILE_BLOCKS": "1"},
@@ -153,6 +153,9 @@ GMLX_VARIANTS = {
     "gmlx-nowhole": {"GMLX_WHOLE_STEP": "0"},
     "gmlx-nocached": {"GMLX_CACHE_ATTENTION": "0"},
 }
+# every server a run may name, in the tables' column order (a variant is one of these only
+# once it is here: the 12-06 variants were missing, so their lease calls would have been refused)
+SERVERS = ("gmlx", *GMLX_VARIANTS, "gmlx-mlx", *PEERS)
 # mlx_lm.server with the MLX settings gmlx makes (gmlx.engine's MLX_CUDA_DEFAULTS): the
 # same engine settings on both sides, so the difference is the server (issue 19, point 4)
 PEER_VARIANTS = {"mlx_lm-gmlxenv": dict(MLX_CUDA_DEFAULTS)}

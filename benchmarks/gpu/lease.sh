@@ -12,6 +12,7 @@
 #   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
 #   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
 #   the attention's fixed cost under ncu:      bash benchmarks/gpu/lease.sh ncu-attention (~120 s)
+#   the rope folded into the attention:        bash benchmarks/gpu/lease.sh fold      (~450 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -29,6 +30,8 @@
 # all1206: the four 12-06 additions (off by default) together against gmlx, widths 1 and 32.
 # bisect: one stream served with each of them alone (gmlx-hsplit, -shapes, -staged, -chain),
 #   gmlx first and last.
+# fold: the rope folded into the in-place attention (gmlx-fold), and that with the add-norm
+#   kernel (gmlx-fused), against gmlx, alternating, at widths 1 and 32.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -113,15 +116,29 @@ case ${1:-} in
       --prefix-reps 0 --out "$OUT/all1206.md" > "$OUT/all1206.txt" 2>&1
     grep -E "decode-sized|uncompiled|tok/s" "$OUT/all1206.txt" | cut -c1-600 | head -12
     ;;
+  fold)
+    # fewer operations a step: the rope inside the in-place attention (one a layer fewer),
+    # with the add-norm kernel too (two more), alternating with the defaults; the load
+    # checks the folded kernel against MLX's rope and attention (a warning where it keeps
+    # MLX's rope)
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-fold --servers gmlx-fold,gmlx,gmlx-fused,gmlx-fold --widths 1,32 \
+      --rounds 2 --prefix-reps 0 --out "$OUT/fold.md" > "$OUT/fold.txt" 2>&1
+    grep -E "rope|uncompiled|WARNING|tok/s" "$OUT/fold.txt" | cut -c1-300 | head -20
+    tail -8 "$OUT/fold.md"
+    ;;
   ncu-attention)
     # why the in-place attention costs ~17 us a call whatever its keys (12-06 H100: 23.4 us
     # a layer in the traced step at ~130 positions; 20 us at 38 keys, 33 at 256, chained):
     # a few of its launches under ncu's sections (the SMs' and memory's speed of light, the
     # warps' stall reasons, the launch and occupancy), the attention_check run kept short
+    # first the call taken apart, chained (over no keys; a launch reading the positions only)
     with_env
+    timeout 120 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -12 "$OUT/fixed.txt"
     timeout 240 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --kernel-name regex:attend_cached \
       --launch-skip 40 --launch-count 4 --section SpeedOfLight --section WarpStateStats --section LaunchStats \
-      --section Occupancy --section MemoryWorkloadAnalysis python3 $GPU/attention_check.py --cached --reps 20 \
+      --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters \
+      python3 $GPU/attention_check.py --cached --reps 20 \
       > "$OUT/ncu-attention.txt" 2>&1
     grep -E "attend_cached|Duration|Stall|Warp Cycles|Registers|Shared Memory|Achieved|Throughput|==PROF==|==ERROR==" \
       "$OUT/ncu-attention.txt" | cut -c1-200 | head -60

@@ -60,6 +60,15 @@ the split threshold with it (:func:`tune_split`); the split form keeps one block
 key-value head. Off by default: the one lease that served it (H100, 12-06, with the
 other 12-06 additions) served one stream slower than ever, the cause not yet isolated.
 
+With ``GMLX_ROPE_ATTENTION=1`` (:func:`folded_rope`) the kernel also takes the layer's
+rope: handed the step's queries and key as the projections made them, each stream's
+position and the rope's inverse frequencies, it rotates them as it reads them (the key
+also as it writes it into the cache), in float32, rounded as MLX's rope rounds: two of
+MLX's operations a layer fewer (64 of an 8B's ~370 a step), in a step whose host hands
+MLX each operation and whose GPU runs each as a launch of its own. The load checks each
+folded rope against the layer's own and MLX's attention (:func:`check_folds`). Off
+until a GPU lease measures it.
+
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). Its CUDA sources are
 :mod:`cached_attention_source`'s. The tests run them
@@ -75,7 +84,7 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import attention_cuda, cuda_source
-from gmlx.engine.kernels.cached_attention_source import BODY, FINISH_ONE, FINISH_SPLIT, LANE_BODY
+from gmlx.engine.kernels.cached_attention_source import FINISH_ONE, FINISH_SPLIT, body
 from gmlx.engine.kernels.cuda_source import build, cuda_type
 
 log = logging.getLogger(__name__)
@@ -83,7 +92,9 @@ log = logging.getLogger(__name__)
 TARGET_BLOCKS = 264  # about two blocks an SM on the H100 and H200 (132 SMs)
 MIN_KEYS = 32  # the fewest positions of the capacity a split is made for
 SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
-LAYOUTS = ("warp", "lane")  # a key a warp, a key a lane (cached_attention_source: BODY, LANE_BODY)
+LAYOUTS = ("warp", "lane")  # a key a warp, a key a lane (cached_attention_source.body)
+FOLD_ENV = "GMLX_ROPE_ATTENTION"
+ROPES = ("half", "pairs")  # a folded rope's pairs: (i, i + D/2), traditional (2i, 2i + 1)
 # Positions of the capacity from which a split pays, where the load has not measured it
 # (:func:`tune_splits`): on the H200 (12-06, timed in a chain of calls, as a step's layers
 # run) one stream of an 8B (8 blocks) split won from 1,024-2,048 positions (2,048: 45.5
@@ -109,6 +120,28 @@ def cached_enabled() -> bool:
     return os.environ.get("GMLX_CACHE_ATTENTION", "1") != "0" and cuda_source.available()
 
 
+def fold_enabled() -> bool:
+    """Whether layers whose attention writes the cache in place also take their rope in it
+    (``GMLX_ROPE_ATTENTION=1``; off until a GPU run measures it: it takes one operation a
+    layer from the step, two of MLX's ropes)."""
+    return os.environ.get(FOLD_ENV, "0") == "1"
+
+
+def folded_rope(attention: Any) -> tuple[Any, str] | None:
+    """``(inverse frequencies, pairs)`` for one of :mod:`one_token`'s attention layers whose
+    rope the in-place kernel can take (:func:`rope_cuda.rotation_applies`' ropes over the
+    whole head, and no per-head norm before it: qwen3's keep theirs), else None."""
+    import mlx.core as mx
+
+    from gmlx.engine.kernels import rope_cuda
+
+    if "q_norm" in attention or not rope_cuda.rotation_applies(attention):
+        return None
+    inv, traditional = rope_cuda.inverse_frequencies(attention.rope, attention.rope.dims)
+    mx.eval(inv)  # once here, not in the first step's graph
+    return inv, ROPES[1] if traditional else ROPES[0]
+
+
 def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask: Any, length: int) -> bool:
     """Whether a one-token step's attention may take :func:`attend_cached`: what
     :func:`attention_cuda.supports` asks of the queries and the cache's arrays, the step's new keys and
@@ -132,19 +165,23 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp",
-            hsplit: int = 1) -> Any:
+            hsplit: int = 1, rope: str = "") -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
     share of the keys, for the combine), a key a warp or a key a lane (``layout``), each
     block ``group // hsplit`` of the key-value head's ``group`` query heads (the head
-    split, :func:`hsplits`): four kernels a head split per float type, head size, scale
-    and group, whatever the cache's length."""
+    split, :func:`hsplits`), the step's query and key rotated in it where ``rope`` names
+    the pairs (:data:`ROPES`; two more inputs, each stream's position and the inverse
+    frequencies): four kernels a head split and rope per float type, head size, scale and
+    group, whatever the cache's length."""
     head = (attention_cuda.kernel_head(dtype, head_dim, scale)
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit};\n"
+            + (f"constexpr bool TRAD = {'true' if rope == 'pairs' else 'false'};\n" if rope else "")
             + (FINISH_SPLIT if split else FINISH_ONE))
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
-            f"{f'_h{hsplit}' if hsplit > 1 else ''}{'_lane' if layout == 'lane' else ''}{'_split' if split else ''}")
-    return build(name, head, LANE_BODY if layout == "lane" else BODY,
-                 ["q", "k_new", "v_new", "k", "v", "padding", "position"],
+            f"{f'_h{hsplit}' if hsplit > 1 else ''}{'_lane' if layout == 'lane' else ''}{'_split' if split else ''}"
+            f"{f'_rope_{rope}' if rope else ''}")
+    return build(name, head, body(layout, bool(rope)),
+                 ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
 
@@ -197,7 +234,8 @@ def _shape(q: Any, keys: Any) -> tuple:
 
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
-                  scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None) -> Any:
+                  scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None,
+                  rope: tuple[Any, Any, str] | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -210,7 +248,10 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     load measured that form faster for this shape (whole and split apart); ``layout``
     sets it instead. Each key-value head's query heads in one block, or shared between
     ``hsplit`` blocks (:func:`hsplits`; None: at one stream as the load measured for this
-    shape and form, else one).
+    shape and form, else one). With ``rope`` (each stream's position, an ``int32``
+    ``(B,)``; the inverse frequencies, float32 ``(D/2,)``; the pairs, one of
+    :data:`ROPES`), ``q`` and ``k_new`` are the projections unrotated and the kernel
+    rotates them (:func:`folded_rope`), the cache taking the rotated key.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -231,10 +272,11 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     hsplit = chosen[n > 1]
     if (heads // kv_heads) % hsplit:
         raise ValueError(f"a head split of {hsplit} for {heads // kv_heads} query heads a key-value head")
+    pairs = rope[2] if rope else ""
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
-                                                          hsplit),
-                                    [q, k_new, v_new, keys, values, padding, position], q, n, b * kv_heads * hsplit,
-                                    (b, 1, heads * d))
+                                                          hsplit, pairs),
+                                    [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
+                                    q, n, b * kv_heads * hsplit, (b, 1, heads * d))
 
 
 def compile_cached(model: Any) -> int:
@@ -248,7 +290,45 @@ def compile_cached(model: Any) -> int:
     shapes = _in_place_shapes(model)
     for shape in _supported(shapes):
         compile_shape(*shape)
+    check_folds(model)
     return len(shapes)
+
+
+def check_folds(model: Any) -> int:
+    """Each distinct rope ``model``'s in-place layers fold into the kernel (``_fold``),
+    run whole and split in each layout the load may take, against the layer's own rope
+    and MLX's attention (:func:`_check`); where one does not compile, launch or agree,
+    its layers keep MLX's rope (logged): a wrong kernel must not serve a token. Returns
+    how many ropes were checked."""
+    import mlx.core as mx
+
+    folds: dict[tuple, list[Any]] = {}
+    for _, m in model.named_modules():
+        if getattr(m, "_fold", None) is not None and getattr(m, "_in_place", False):
+            inv, pairs = m._fold
+            proj = m.o_proj
+            dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
+            shape = (m.n_heads, m.n_kv_heads, m.head_dim, float(m.scale), dtype)
+            folds.setdefault((*shape[:4], str(dtype), pairs, tuple(inv.tolist())), []).append((m, shape))
+    for layers in folds.values():
+        m, shape = layers[0]
+        if shape not in _supported({shape}):
+            continue
+        forms = [(MIN_KEYS, 1, 1, "warp"), (16 * MIN_KEYS, splits(2 * shape[1], 16 * MIN_KEYS, 0), 1, "warp")]
+        if _lane_agrees.get((*shape[:3], str(shape[4])), False):
+            forms += [(c, n, h, "lane") for c, n, h, _ in forms]
+        try:
+            for form in forms:
+                _check(*shape, *form, rope=(m.rope, *m._fold))
+        except Exception as error:  # noqa: BLE001 - a kernel MLX refused, or one that disagreed
+            log.warning("cuda: the in-place attention does not take the rope (%d layers keep their own): %s",
+                        len(layers), str(error).splitlines()[0][:200])
+            for layer, _ in layers:
+                object.__setattr__(layer, "_fold", None)
+        else:
+            log.info("cuda: the in-place attention takes the rope of %d layer(s) (%s pairs)", len(layers), m._fold[1])
+    mx.clear_cache()
+    return len(folds)
 
 
 def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> None:
@@ -383,12 +463,14 @@ def _call_time(args: tuple, n: int, layout: str | None, hsplit: int | None = Non
 
 
 def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int, hsplit: int = 1,
-           layout: str = "warp") -> None:
+           layout: str = "warp", rope: tuple | None = None) -> None:
     """One :func:`attend_cached` call with ``n`` splits and ``hsplit`` blocks a key-value
     head in ``layout`` on random inputs (two streams, the second padded) against MLX's
     attention over the same keys with the step's written at the middle position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
     these values is ~0.004) or the cache's arrays are not the old ones with that one
-    position replaced. A wrong kernel must not serve a token."""
+    position replaced. With ``rope`` (a layer's rope module, its inverse frequencies and
+    pairs), the kernel rotates the queries and key, against that module's rotation. A
+    wrong kernel must not serve a token."""
     import mlx.core as mx
 
     keys = mx.random.split(mx.random.key(capacity + heads + d), 5)
@@ -397,7 +479,7 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
     k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
     k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
     padding = mx.array([0, 3], dtype=mx.int32)
-    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout, hsplit)
+    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout, hsplit, rope)
     if not (err <= 0.05 and written):
         raise RuntimeError(f"the in-place attention (a key a {layout}, {hsplit} block(s) a key-value head) disagrees "
                            f"with MLX's ({heads} heads over {kv_heads}, head size {d}, {capacity} positions: "
@@ -406,22 +488,36 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
 
 
 def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float,
-              n: int | None = None, layout: str | None = None, hsplit: int | None = None) -> tuple[float, bool]:
+              n: int | None = None, layout: str | None = None, hsplit: int | None = None,
+              rope: tuple | None = None) -> tuple[float, bool]:
     """One :func:`attend_cached` call writing at ``at`` (``n`` splits in ``layout``,
     ``hsplit`` blocks a key-value head: as it would be launched where None), against
     MLX's attention over the same keys with the step's written there (each stream's from
     its ``padding``): the largest difference, and whether the cache's arrays are then the
-    old ones with that one position replaced, bit for bit."""
+    old ones with that one position replaced, bit for bit. With ``rope`` (a rope module,
+    its inverse frequencies and pairs: :func:`folded_rope`), the kernel is handed ``q``
+    and ``k_new`` unrotated with each stream's position (``at`` less its padding) and
+    rotates them, against the module's rotation; the written key may then differ from
+    the module's in its last bits (the angles computed apart), within the same 0.05."""
     import mlx.core as mx
 
+    folded, raw_q, raw_k = None, q, k_new
+    if rope is not None:
+        module, inv, pairs = rope
+        offset = (at - padding).astype(mx.int32)
+        q, k_new = module(q, offset=offset), module(k_new, offset=offset)
+        folded = (offset, inv, pairs)
     k_want, v_want = (mx.concatenate([a[..., :at, :], new, a[..., at + 1:, :]], axis=2)
                       for a, new in ((k, k_new), (v, v_new)))
     mask = (mx.arange(at + 1)[None] >= padding[:, None]).reshape(padding.shape[0], 1, 1, at + 1)
     want = mx.fast.scaled_dot_product_attention(q, k_want[..., :at + 1, :], v_want[..., :at + 1, :],
                                                 scale=scale, mask=mask)
-    mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want)  # all before the kernel writes
-    got = attend_cached(q, k_new, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n, layout=layout,
-                        hsplit=hsplit)
+    mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want, raw_q, raw_k)  # all before the kernel writes
+    got = attend_cached(raw_q, raw_k, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n,
+                        layout=layout, hsplit=hsplit, rope=folded)
     mx.eval(got)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
+    if folded is not None:  # the written key within the tolerance, the rest bit for bit
+        err = max(err, mx.abs(k[..., at, :].astype(mx.float32) - k_new[..., 0, :].astype(mx.float32)).max().item())
+        k, k_want = (mx.concatenate([a[..., :at, :], a[..., at + 1:, :]], axis=2) for a in (k, k_want))
     return err, mx.array_equal(k, k_want).item() and mx.array_equal(v, v_want).item()

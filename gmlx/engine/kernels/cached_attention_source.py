@@ -1,7 +1,8 @@
 """The CUDA sources of the in-place one-token attention (:mod:`cached_attention_cuda`
-says what it does, why, and what it measured): both layouts' common start, a key a warp
-(:data:`BODY`), a key a lane (:data:`LANE_BODY`), and how a block ends, whole or split
-(:data:`FINISH_ONE`, :data:`FINISH_SPLIT`). Each is compiled with the constants
+says what it does, why, and what it measured): both layouts' common start, the step's
+own query and key as the projections made them or rotated by the layer's rope folded in
+(:data:`STEP`, :data:`STEP_ROPE`), a key a warp or a key a lane (:func:`body`), and how a
+block ends, whole or split (:data:`FINISH_ONE`, :data:`FINISH_SPLIT`). Each is compiled with the constants
 :func:`cached_attention_cuda._kernel` puts before it (the float type, head size, block
 size, scale, the group of query heads a block and the head split). The tests run these
 sources on the CPU, each block as host threads."""
@@ -65,6 +66,39 @@ auto row = [&](float* dst, const T* r, int64_t step, bool dense) {
 };
 """
 
+# The step's own elements, each as the block needs it: element ``e`` of query head ``h0 +
+# g`` as a float (``q_at``) and of the step's key (``k_at``), as the projections made them.
+STEP = """
+auto q_at = [&](int g, int e) -> float {
+    return static_cast<float>(q[b * q_strides[0] + (h0 + g) * q_strides[1] + e * q_strides[3]]);
+};
+auto k_at = [&](int e) -> T { return kn[e * k_new_strides[3]]; };
+"""
+
+# The same, rotated for the stream's position by the layer's rope, folded in here (one
+# operation a layer fewer: two of MLX's ropes or rope_cuda's kernel): angle ``rope_off[b]
+# * rope_inv[i]`` for pair ``i``, the pairs ``(i, i + D/2)`` or, where ``TRAD``, ``(2i, 2i +
+# 1)``, in float32 and rounded to ``T`` as MLX's rope rounds its output (the same
+# arithmetic as :mod:`rope_cuda`'s). Each element takes its pair's other element with it;
+# a block rotates its queries once and the key where it reads and writes it.
+STEP_ROPE = """
+const float rope_p = static_cast<float>(rope_off[b * rope_off_strides[0]]);
+auto rotated = [&](const T* x, int64_t step, int e) -> T {
+    const bool first = TRAD ? (e & 1) == 0 : e < D / 2;
+    const int i = TRAD ? e >> 1 : (first ? e : e - D / 2);
+    const int o = TRAD ? (e ^ 1) : (first ? e + D / 2 : e - D / 2);
+    float sn, cs;
+    sincosf(rope_p * rope_inv[i], &sn, &cs);
+    const float a = static_cast<float>(x[e * step]);
+    const float p = static_cast<float>(x[o * step]);
+    return static_cast<T>(first ? a * cs - p * sn : p * sn + a * cs);
+};
+auto q_at = [&](int g, int e) -> float {
+    return static_cast<float>(rotated(q + b * q_strides[0] + (h0 + g) * q_strides[1], q_strides[3], e));
+};
+auto k_at = [&](int e) -> T { return rotated(kn, k_new_strides[3], e); };
+"""
+
 # A key a warp (the served form since 12-05): the WARPS warps take the split's keys in
 # turn, each lane VEC dimensions of the key and of its values. The warp's lanes hold the
 # query of every head of the group, so each key and value is read once for all of them; a
@@ -77,10 +111,9 @@ float qv[GROUP][VEC];
 float m[GROUP], l[GROUP], acc[GROUP][VEC];
 #pragma unroll
 for (int g = 0; g < GROUP; ++g) {
-    const T* qr = q + b * q_strides[0] + (h0 + g) * q_strides[1];
     #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-        qv[g][e] = static_cast<float>(qr[(lane * VEC + e) * q_strides[3]]) * QSCALE;
+        qv[g][e] = q_at(g, lane * VEC + e) * QSCALE;
         acc[g][e] = 0.0f;
     }
     m[g] = FLOOR;
@@ -92,7 +125,8 @@ for (int j0 = start + warp; j0 < end; j0 += WARPS * UNROLL) {
     for (int u = 0; u < UNROLL; ++u) {
         const int j = j0 + u * WARPS;
         if (j == at) {  // the step's own key and value, from their arrays
-            row(kf[u], kn, k_new_strides[3], false);
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) kf[u][e] = static_cast<float>(k_at(lane * VEC + e));
             row(vf[u], vn, v_new_strides[3], false);
         } else if (j < end) {
             row(kf[u], kb + (int64_t)j * k_strides[2], k_strides[3], kdense);
@@ -150,13 +184,12 @@ for (int i = t; i < GROUP * D; i += THREADS) {
     FINISH(r);
 }
 if (split == 0 && sub == 0 && t < D) {
-    kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = kn[t * k_new_strides[3]];
+    kb[(int64_t)at * k_strides[2] + t * k_strides[3]] = k_at(t);
     vb[(int64_t)at * v_strides[2] + t * v_strides[3]] = vn[t * v_new_strides[3]];
 }
 """
 
 
-BODY = compact(COMMON + WARP_LOOP + MERGE)
 
 # The same attention a key a lane: a warp takes the split's keys 32 at a time, each lane
 # one key's scores for every head of the group (its whole key against the group's
@@ -185,10 +218,10 @@ auto eight = [&](float* dst, const T* r, int c, int64_t step, bool dense) {
 for (int i = t; i < GROUP * D; i += THREADS) {
     const int g = i / D;
     const int e = i % D;
-    qs[g][e] = static_cast<float>(q[b * q_strides[0] + (h0 + g) * q_strides[1] + e * q_strides[3]]) * QSCALE;
+    qs[g][e] = q_at(g, e) * QSCALE;
 }
 if (t < D) {
-    own_k[t] = kn[t * k_new_strides[3]];
+    own_k[t] = k_at(t);
     own_v[t] = vn[t * v_new_strides[3]];
 }
 __syncthreads();
@@ -283,7 +316,12 @@ for (int g = 0; g < GROUP; ++g) {
 }
 """
 
-LANE_BODY = compact(COMMON + LANE_LOOP + MERGE)
+
+
+def body(layout: str, rope: bool = False) -> str:
+    """A kernel's body: a key a warp (``layout`` ``"warp"``) or a key a lane, the step's
+    query and key rotated in it with ``rope`` (:data:`STEP_ROPE`)."""
+    return compact(COMMON + (STEP_ROPE if rope else STEP) + (LANE_LOOP if layout == "lane" else WARP_LOOP) + MERGE)
 
 # How a block ends: with a head's keys in one block, the output of each head of its
 # group (``out``, ``(B, 1, H * D)``); split, each head's share (the values' sum unscaled,

@@ -45,18 +45,24 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: bool | None = None) -> int:
+def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: bool | None = None,
+           fold: bool | None = None) -> int:
     """Give every attention of ``model`` whose class is one of :data:`FAMILIES`' the
     one-token path; returns how many changed (0 when turned off). ``rotation`` makes a
     layer's ``rotate(q, k, offset)`` (its queries and keys from the projections, rotated
     and shaped for the attention) or None for it; by default, with ``GMLX_ROPE_KERNEL=1``
-    on CUDA, :func:`rope_cuda.rotation`."""
+    on CUDA, :func:`rope_cuda.rotation`. With ``in_place`` (by default on CUDA) the
+    attention writes the cache in place (:func:`cached_attention_cuda.attend_cached`), and
+    with ``fold`` too (by default ``GMLX_ROPE_ATTENTION=1``) it also rotates the queries
+    and key itself where the layer's rope allows (:func:`cached_attention_cuda.folded_rope`)."""
     if not enabled():
         return 0
     if rotation is None and rope_cuda.enabled():
         rotation = rope_cuda.rotation
     if in_place is None:
         in_place = cached_attention_cuda.cached_enabled()
+    if fold is None:
+        fold = cached_attention_cuda.fold_enabled()
     classes = _classes()
     changed = 0
     for _, module in model.named_modules():
@@ -66,6 +72,8 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: b
             object.__setattr__(module, "_rotate", None if rotation is None else rotation(module))
             object.__setattr__(module, "_project", None)  # qkv_cuda's, where it gives one
             object.__setattr__(module, "_in_place", in_place)  # cached_attention_cuda.attend_cached
+            # the rope the in-place attention takes (inverse frequencies, pairs), or None
+            object.__setattr__(module, "_fold", cached_attention_cuda.folded_rope(module) if in_place and fold else None)
             changed += 1
     return changed
 
@@ -86,7 +94,9 @@ def queries_keys_values(attention: Any, x: Any, offset: Any) -> tuple[Any, Any, 
     cache position ``offset``, each shaped ``(B, heads, 1, D)`` for the cache and the
     attention: projected (in one product where qkv_cuda gave the layer one for ``B``
     streams), the queries and keys normed per head where the family does and rotated (in
-    one kernel where the layer has one and the offset is a batch's ``int32`` array).
+    one kernel where the layer has one and the offset is a batch's ``int32`` array),
+    except where the layer's in-place attention takes its rope (``_fold``): those are
+    left unrotated, and :func:`attend` rotates them where that attention is not taken.
     ``attention`` is a layer :func:`attach` changed."""
     B = x.shape[0]
     project = attention._project
@@ -99,6 +109,8 @@ def queries_keys_values(attention: Any, x: Any, offset: Any) -> tuple[Any, Any, 
     else:
         queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
     values = values.reshape(B, attention.n_kv_heads, 1, -1)
+    if attention._fold is not None:  # the in-place attention rotates them (or attend, where it is not taken)
+        return queries.reshape(B, attention.n_heads, 1, -1), keys.reshape(B, attention.n_kv_heads, 1, -1), values
     rotate = attention._rotate
     if rotate is not None and isinstance(offset, mx.array) and offset.dtype == mx.int32:
         queries, keys = rotate(queries, keys, offset)  # one kernel: reshaped and rotated
@@ -116,14 +128,24 @@ def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cach
     """The keys and values into ``cache``, and the queries' attention over all it holds,
     shaped ``(B, 1, heads * D)`` for the output projection: in one kernel that writes
     them in place where the layer was given it (:func:`attach`'s ``in_place``) and the
-    cache is a batch's that takes it (``write_and_attend``)."""
-    if (attention._in_place and (write := getattr(cache, "write_and_attend", None)) is not None
-            and cache.keys is not None
-            and cached_attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask,
-                                                      0 if mask is None else kv_used(cache) + 1)):
+    cache is a batch's that takes it (``write_and_attend``). A layer whose rope that
+    kernel takes (``_fold``) hands it the queries and keys unrotated, with each stream's
+    position; where the kernel is not taken, they are rotated here first by the layer's
+    own rope."""
+    write = getattr(cache, "write_and_attend", None) if attention._in_place else None
+    in_place = (write is not None and cache.keys is not None
+                and cached_attention_cuda.supports_cached(queries, keys, values, cache.keys, cache.values, mask,
+                                                          0 if mask is None else kv_used(cache) + 1))
+    fold, offset = attention._fold, cache.offset
+    if fold is not None and not (in_place and isinstance(offset, mx.array) and offset.dtype == mx.int32
+                                 and offset.shape == (queries.shape[0],)):
+        queries, keys = attention.rope(queries, offset=offset), attention.rope(keys, offset=offset)
+        fold = None
+    if in_place:
         scale = attention.scale
+        rope = None if fold is None else (offset, *fold)
         return write(lambda k, v, padding, position: cached_attention_cuda.attend_cached(
-            queries, keys, values, k, v, padding, position, scale))
+            queries, keys, values, k, v, padding, position, scale, rope=rope))
     keys, values = cache.update_and_fetch(keys, values)
     # through the module, so a routed attention (attention_cuda) is the one called
     out = base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention.scale, mask=mask)

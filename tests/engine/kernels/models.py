@@ -63,3 +63,15 @@ def step_clock(monkeypatch: Any, taken: Any, faster: dict[int, float], drift: fl
 
     monkeypatch.setattr(timing, "step_time", step_time)
     return timed
+
+
+def rotated(x, offset, inv, pairs):
+    """``x`` (``(B, heads, 1, D)``) rotated as the in-place kernel's folded rope rotates it."""
+    angles = (offset.astype(mx.float32)[:, None] * inv[None]).reshape(x.shape[0], 1, 1, -1)
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    f = x.astype(mx.float32)
+    if pairs == "half":
+        a, b = mx.split(f, 2, axis=-1)
+        return mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x.dtype)
+    a, b = f[..., 0::2], f[..., 1::2]
+    return mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape).astype(x.dtype)

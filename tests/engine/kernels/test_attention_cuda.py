@@ -18,9 +18,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx import nn
 
 from gmlx.engine import mlxlm
-from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
+from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source, rope_cuda
 from tests.engine.kernels import emulation, test_cuda_compile
 from tests.engine.kernels.emulation import PRELUDE, compile_and_run
 
@@ -164,17 +165,17 @@ def _made(factory, *args) -> list[dict]:
 
 
 def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int,
-              group: int | None = None, layout: str = "warp", hsplit: int = 1) -> tuple[str, str]:
+              group: int | None = None, layout: str = "warp", hsplit: int = 1, rope: str = "") -> tuple[str, str]:
     """A kernel's source (``factory``: the routed or the cached one) as the host function
     ``kernel``, whole or split, and the C++ lines that run it over ``args``: whole, a
     block a (stream, head) writing ``out``; split, ``S`` blocks a head writing float32
     shares, then the combine kernel's source (``combine``) over them. With ``group`` (the
     cached kernel's query heads a key-value head), a block a (stream, key-value head), or
-    ``hsplit`` blocks each, in ``layout``."""
+    ``hsplit`` blocks each, in ``layout``, its rope folded in where ``rope`` names the pairs."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
     made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1,
-                 *([] if group is None else [layout, hsplit]))
+                 *([] if group is None else [layout, hsplit, rope]))
     blocks = "B * H" if group is None else f"B * HK * {hsplit}"
     source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
     if splits == 1:
@@ -288,16 +289,20 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
 
 
 def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1,
-                       layout: str = "warp", hsplit: int = 1):
+                       layout: str = "warp", hsplit: int = 1, rope: tuple | None = None):
     """The cached kernel's own source in ``layout`` run here (emulated), ``hsplit`` blocks
     a key-value head; with ``splits``, the split form (each head's keys over that many
-    blocks) and then the combine kernel's source over the shares it wrote. Each store
+    blocks) and then the combine kernel's source over the shares it wrote; ``rope``
+    (each stream's position, the inverse frequencies, the pairs) folds the rotation of
+    ``q`` and ``k_new`` in. Each store
     into the cache's keys is counted too, a count a (stream, key-value head): the fourth
     array returned."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    kernel, run = _emulated(cached_attention_cuda._kernel, q, scale, [dtype] * 5 + ["int32", "int32"],
+    kernel, run = _emulated(cached_attention_cuda._kernel, q, scale,
+                            [dtype] * 5 + ["int32", "int32"] + (["int32", "float32"] if rope else []),
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
-                            "pad.data(), pt, at.data()", splits, q.shape[1] // k.shape[1], layout, hsplit)
+                            "pad.data(), pt, at.data()" + (", off.data(), pt, inv.data()" if rope else ""), splits,
+                            q.shape[1] // k.shape[1], layout, hsplit, rope[2] if rope else "")
     store = "kb[(int64_t)at * k_strides[2]"  # the key's store (as the value's, by the same threads)
     assert kernel.count(store) == 1
     kernel = "static std::atomic<int> stores[1024];\n" + kernel.replace(
@@ -313,6 +318,8 @@ int main(int argc, char** argv) {
     auto k = load<E>("k.bin", (size_t)B * HK * C * D);
     auto v = load<E>("v.bin", (size_t)B * HK * C * D);
     auto pad = load<int32_t>("pad.bin", (size_t)B);
+    auto off = ROPE ? load<int32_t>("off.bin", (size_t)B) : std::vector<int32_t>(B);
+    auto inv = ROPE ? load<float>("inv.bin", (size_t)D / 2) : std::vector<float>(D / 2);
     std::vector<int32_t> at{AT};
     std::vector<E> out((size_t)B * H * D);
     Shape qs{B, H, 1, D}, ks{B, HK, C, D};
@@ -324,7 +331,10 @@ int main(int argc, char** argv) {
     save("stores.bin", counted);
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
-    main = main.replace("SPLIT_RUN", run)
+    main = main.replace("SPLIT_RUN", run).replace("ROPE ?", f"{'true' if rope else 'false'} ?")
+    if rope:
+        (tmp / "off.bin").write_bytes(np.array(rope[0]).astype(np.int32).tobytes())
+        (tmp / "inv.bin").write_bytes(np.array(rope[1]).astype(np.float32).tobytes())
     for name, a in (("q", q), ("kn", k_new), ("vn", v_new), ("k", k), ("v", v)):
         (tmp / f"{name}.bin").write_bytes(np.array(a.view(mx.uint16)).tobytes())
     (tmp / "pad.bin").write_bytes(np.array(pad).astype(np.int32).tobytes())
@@ -341,20 +351,36 @@ int main(int argc, char** argv) {
 
 
 def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1, layout: str = "warp",
-                        hsplit: int = 1) -> tuple[mx.array, mx.array]:
+                        hsplit: int = 1, rope: tuple | None = None) -> tuple[mx.array, mx.array]:
     """The cached kernel's source run (emulated) over ``_cached_state(*state)``: its output
     is MLX's attention over the keys so far with the step's at ``at``, and the cache's
     arrays after it are the old ones with that position replaced, nothing else touched,
     each dimension of each (stream, key-value head) stored once (by one block of the
-    ``splits`` x ``hsplit`` sharing it). Returns the keys before and after."""
+    ``splits`` x ``hsplit`` sharing it). With ``rope`` (a rope module of mlx's and each
+    stream's position), the kernel is handed the queries and key unrotated and rotates
+    them itself: the reference rotates them with the module first. Returns the keys
+    before and after."""
     q, k_new, v_new, k, v, pad = _cached_state(*state)
     at, d = state[4], state[5]
     scale = d ** -0.5
+    folded = None
+    if rope is not None:
+        module, offset = rope
+        inv, traditional = rope_cuda.inverse_frequencies(module, d)
+        folded = (offset, inv, "pairs" if traditional else "half")
     got, k_after, v_after, stores = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits, layout,
-                                                       hsplit)
+                                                       hsplit, folded)
+    k_raw = k_new
+    if rope is not None:
+        q, k_new = module(q, offset=offset), module(k_new, offset=offset)
     want, k_want, v_want = _cached_reference(q, k_new, v_new, k, v, pad, at, scale)
     want = want.reshape(got.shape)
     assert mx.allclose(got.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item(), mx.abs(got - want).max()
+    if rope is not None:  # the key rotated here as there, but for the angles' last bits (inv computed apart)
+        new, new_want = k_after[:, :, at].astype(mx.float32), k_want[:, :, at].astype(mx.float32)
+        assert mx.allclose(new, new_want, atol=2e-2, rtol=2e-2).item(), mx.abs(new - new_want).max()
+        assert not mx.allclose(new, k_raw[:, :, 0].astype(mx.float32), atol=0.1).item()  # rotated, not the projection's
+        k_after, k_want = (mx.concatenate([a[:, :, :at], a[:, :, at + 1:]], axis=2) for a in (k_after, k_want))
     assert mx.array_equal(k_after, k_want).item() and mx.array_equal(v_after, v_want).item()
     assert (stores == d).all(), stores
     return k, k_after
@@ -478,7 +504,7 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     calls: list[tuple] = []
     replaying = _cached_replaying([])
 
-    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         calls.append((q.shape, k.shape, q.dtype, scale, n, hsplit, layout))
         return replaying(q, k_new, v_new, k, v, padding, position, scale)
 
@@ -494,13 +520,13 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, *_ in calls)
     assert cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
 
-    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+    def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
 
-    def lane_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+    def lane_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + (0.25 if layout == "lane" else 0)
 
-    def head_split_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+    def head_split_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + (0.25 if hsplit > 1 else 0)
 
     # a key-a-lane kernel that disagrees is only never used; the load goes on
@@ -508,7 +534,7 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     assert cached_attention_cuda.compile_cached(model) == 1
     assert not cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
 
-    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None):
+    def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         k_old, v_old = np.array(k), np.array(v)
         out = replaying(q, k_new, v_new, k, v, padding, position, scale)
         np.array(k, copy=False)[...], np.array(v, copy=False)[...] = k_old, v_old  # the write undone
@@ -655,7 +681,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list, Any]:
     ``capacity`` positions (``batch`` streams of ``heads`` query heads over ``kv``)."""
     launched: list = []
     monkeypatch.setattr(cached_attention_cuda, "_kernel",
-                        lambda dtype, d, scale, group, split, layout, hsplit: (split, layout, hsplit))
+                        lambda dtype, d, scale, group, split, layout, hsplit, rope="": (split, layout, hsplit))
     monkeypatch.setattr(attention_cuda, "in_blocks",
                         lambda kernel, inputs, q, n, blocks, out_shape: launched.append((n, *kernel(n > 1), blocks)))
 
@@ -843,12 +869,58 @@ def test_which_steps_take_the_cached_kernel() -> None:
     assert cached_attention_cuda.supports_cached(q22, k1, v1, kc, vc, None, 11)  # 11 fit in the warps' 48 KB
 
 
+def test_a_load_checks_each_folded_rope_and_keeps_the_layers_own_where_it_disagrees(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With the rope folded in (``GMLX_ROPE_ATTENTION``), the load runs the kernel with it
+    whole and split in each layout it may take, against the layer's own rope and MLX's
+    attention (the kernel's place taken by its arithmetic in numpy, the rotation in MLX as
+    the kernel computes it); a kernel that does not rotate leaves every layer its own
+    rope, with a warning."""
+    import logging
+
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from gmlx.engine.kernels import one_token
+    from tests.engine.kernels.models import rotated
+
+    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64,
+                            rope_theta=500000.0))
+    model.set_dtype(mx.float16)
+    one_token.attach(model, in_place=True, fold=True)
+    replaying = _cached_replaying([])
+    ropes: list[tuple] = []
+
+    def folding(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None,
+                rotate=True):
+        ropes.append((rope is not None and rope[2], n, layout))
+        if rope is not None and rotate:
+            q, k_new = (rotated(a, *rope) for a in (q, k_new))
+        return replaying(q, k_new, v_new, k, v, padding, position, scale)
+
+    monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {(2, 1, 64, str(mx.float16)): True})
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", folding)
+    assert cached_attention_cuda.check_folds(model) == 1  # two layers, one rope
+    assert ropes == [("half", 1, "warp"), ("half", 16, "warp"), ("half", 1, "lane"), ("half", 16, "lane")]
+    assert all(layer.self_attn._fold is not None for layer in model.layers)
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached",
+                        lambda *a, **kw: folding(*a, **kw, rotate=False))  # handed the rope, rotates nothing
+    with caplog.at_level(logging.WARNING, logger=cached_attention_cuda.__name__):
+        assert cached_attention_cuda.check_folds(model) == 1
+    assert "does not take the rope (2 layers keep their own)" in caplog.text
+    assert all(layer.self_attn._fold is None for layer in model.layers)
+
+
 def _cached_replaying(calls: list[int]):
     """``attend_cached``'s place taken by numpy (no CUDA here): the write into the cache's
     own buffers (``np.array(copy=False)`` is a view of an evaluated MLX array on the CPU),
-    then the kernel's arithmetic replayed over the keys so far."""
+    then the kernel's arithmetic replayed over the keys so far (the queries and key
+    rotated first in MLX, as the kernel rotates them, where a rope is folded in)."""
+    from tests.engine.kernels.models import rotated
 
-    def attend_cached(q, k_new, v_new, k, v, padding, position, scale, n=None):
+    def attend_cached(q, k_new, v_new, k, v, padding, position, scale, n=None, rope=None):
+        if rope is not None:
+            q, k_new = (rotated(a, *rope) for a in (q, k_new))
         mx.eval(q, k_new, v_new, k, v, padding, position)
         at = position.item()
         calls.append(at)
@@ -910,3 +982,26 @@ def test_a_padded_batch_decodes_through_the_cached_kernel_as_through_the_cache(
         same = mx.array_equal if layer == 0 else (lambda a, b: mx.allclose(a, b, atol=2e-2))
         assert same(g.keys[..., :13, :], w.keys[..., :13, :]).item()
         assert same(g.values[..., :13, :], w.values[..., :13, :]).item()
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,rope,splits,hsplit", [
+    (mx.bfloat16, 128, nn.RoPE(128, base=500000.0), 1, 1),
+    (mx.float16, 64, nn.RoPE(64, traditional=True, base=10000.0), 3, 1),
+    (mx.bfloat16, 64, nn.RoPE(64, base=10000.0, scale=0.5), 1, 2),
+    (mx.bfloat16, 128, "llama3", 2, 1)])
+@pytest.mark.parametrize("layout", cached_attention_cuda.LAYOUTS)
+def test_the_cached_kernel_with_the_rope_folded_in_rotates_as_mlx_does(
+        tmp_path: Path, dtype, d: int, rope, splits: int, hsplit: int, layout: str) -> None:
+    """The layer's rope folded into the in-place attention: handed the step's queries and
+    key as the projections made them and each stream's position (far apart: 3, 290 and
+    70,000, the last past float16's whole numbers' step), it attends as MLX's rope then
+    attention do, and the cache takes the key as MLX's rope rounds it, bit for bit (both
+    pairings; llama 3's frequencies; whole, split and a head split)."""
+    if rope == "llama3":
+        from mlx_lm.models.rope_utils import Llama3RoPE
+
+        rope = Llama3RoPE(d, max_position_embeddings=131072, base=500000.0, scaling_config={
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    offset = mx.array([3, 290, 70000], dtype=mx.int32)
+    _cached_matches_mlx(tmp_path, (3, 8, 2, 512, 300, d, [0, 17, 290], dtype), splits, layout, hsplit, (rope, offset))

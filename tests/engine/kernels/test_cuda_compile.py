@@ -103,6 +103,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32]))
                     cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, True, layout)  # split: float shares out
                     kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32], [mx.float32] * 3))
+                    for pairs in cached_attention_cuda.ROPES:  # the rope folded in
+                        cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, pairs == "half", layout, 1, pairs)
+                        kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32, mx.int32, mx.float32],
+                                        [mx.float32] * 3 if pairs == "half" else None))
                 # the largest group each layout is built for (its shared memory within the limit)
                 for layout in cached_attention_cuda.LAYOUTS:
                     group = max(g for g in range(1, 64) if cached_attention_cuda.fits(g, d, layout))

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from gmlx.engine.kernels import compiled_blocks, one_token, timing, traces, whole_step
 from gmlx.engine.prompt_cache import _AlignedBatchKVCache
-from tests.engine.kernels.models import steps, tiny
+from tests.engine.kernels.models import rotated, steps, tiny
 
 LAYERS = 3
 PADDED = mx.array([[3, 1, 4, 1, 5, 9, 2, 6], [0, 0, 0, 7, 7, 8, 8, 9], [0, 0, 0, 0, 0, 2, 4, 6]])
@@ -138,10 +138,15 @@ def _attend_functional(calls: list[int]):
     """``attend_cached``'s place taken by MLX operations that a trace can hold (no CUDA
     here): the step's keys and values put at ``position`` of copies of the cache's arrays
     (not written in place), then attention over the keys so far, each stream's padding
-    masked. The logits of one step are the kernel's; the cache is left as it was."""
+    masked, the queries and key rotated first where a rope is folded in, as the kernel
+    rotates them (float32 angles, rounded to the activations' type). The logits of one
+    step are the kernel's; the cache is left as it was. ``calls`` gets each call's rope
+    pairs, or ``""``."""
 
-    def attend_cached(q, k_new, v_new, k, v, padding, position, scale):
-        calls.append(1)
+    def attend_cached(q, k_new, v_new, k, v, padding, position, scale, rope=None):
+        calls.append(rope[2] if rope else "")
+        if rope:
+            q, k_new = (rotated(a, *rope) for a in (q, k_new))
         k = mx.slice_update(k, k_new, position, axes=(2,))
         v = mx.slice_update(v, v_new, position, axes=(2,))
         at = mx.arange(k.shape[2])
@@ -153,21 +158,68 @@ def _attend_functional(calls: list[int]):
     return attend_cached
 
 
+def _fp16_llama(fold: bool) -> nn.Module:
+    """A float16 llama of 64-wide heads (as the in-place kernel takes them) whose attention
+    writes in place, its rope folded in with ``fold``."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    mx.random.seed(7)
+    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    model.set_dtype(mx.float16)
+    one_token.attach(model, in_place=True, fold=fold)
+    return model
+
+
+def test_the_rope_folded_into_the_in_place_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_ROPE_ATTENTION``'s fold: each layer hands the in-place attention its queries
+    and key unrotated, with the streams' positions and its rope's frequencies (the
+    stand-in rotates them as the kernel does), for the same logits as the layer's own
+    rope, in its own step and through the whole step's trace; where the in-place
+    attention is not taken (the copying form's caches) the layer rotates them itself,
+    bit for bit as an unfolded model does. qwen3's (a norm of each head first) keeps its
+    own rope."""
+    from gmlx.engine.kernels import cached_attention_cuda
+
+    plain, folded = _fp16_llama(False), _fp16_llama(True)
+    assert all(layer.self_attn._fold is None for layer in plain.layers)
+    assert all(layer.self_attn._fold[1] == "half" for layer in folded.layers)
+    calls: list[str] = []
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", _attend_functional(calls))
+    caches = {m: _padded() for m in ("plain", "folded")}
+    for name, model in (("plain", plain), ("folded", folded)):
+        model(PADDED, cache=caches[name])  # the prompt: the model's own code
+    tokens = mx.array([[1], [2], [3]])
+    want = plain(tokens, cache=[replace_cache(c) for c in caches["plain"]])
+    assert calls == [""] * LAYERS
+    calls.clear()
+    got = folded(tokens, cache=[replace_cache(c) for c in caches["folded"]])
+    assert calls == ["half"] * LAYERS
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=2e-2).item()
+    calls.clear()
+    whole_step.attach(folded)
+    got = folded(tokens, cache=caches["folded"])
+    assert folded._whole_step is not None and calls == ["half"] * LAYERS
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=2e-2).item()
+    # the copying form: no in-place attention, so the layer's own rope, as the plain model's
+    plain, folded = _fp16_llama(False), _fp16_llama(True)
+    for model in (plain, folded):
+        whole_step.attach(model, copying=True)
+    _same(steps(plain, _padded(), PADDED), steps(folded, _padded(), PADDED))
+    qwen3 = tiny("qwen3", 1, heads=2)
+    one_token.attach(qwen3, in_place=True, fold=True)
+    assert qwen3.layers[0].self_attn._fold is None
+
+
 def test_the_in_place_form_is_traced_through_the_attention_that_writes_the_cache(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The form a GPU runs: every layer's attention reaches ``attend_cached`` through the
     stand-in caches (what it reads of them, padding and position, are the trace's
     inputs), the step is one trace, and its logits are the model's own step's; then the
     cache counts the position. Float16 with 64-wide heads, as the kernel takes them."""
-    from mlx_lm.models.llama import Model, ModelArgs
-
     from gmlx.engine.kernels import cached_attention_cuda
 
-    mx.random.seed(7)
-    model = Model(ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=LAYERS, intermediate_size=256,
-                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
-    model.set_dtype(mx.float16)
-    one_token.attach(model, in_place=True)
+    model = _fp16_llama(False)
     cache = _padded()
     model(PADDED, cache=cache)
     calls: list[int] = []
