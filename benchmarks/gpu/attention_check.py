@@ -224,50 +224,62 @@ if (threadIdx.x < D) out[(size_t)blockIdx.x * D + threadIdx.x] = q[(size_t)block
 
 
 def check_fixed(reps: int = 100) -> None:
-    """``--fixed``: the in-place attention's call at a short cache, taken apart (one stream
-    of the 8B's shape, bf16, 256 positions, the write at 37)."""
+    """``--fixed``: the in-place attention's call taken apart (one stream of the 8B's
+    shape, bf16, chained), at 38 keys and at ~1,000: each layout as built by default, with
+    fewer keys in flight and built for dense rows alone (less code: whether a launch
+    fetching its 41-68 KB of code is the ~17 us it costs at any length), over no keys at
+    all, with the rope folded in; a kernel of the same launch that only reads the
+    positions; MLX's one-query attention."""
     from mlx import nn
 
     from gmlx.engine.kernels import rope_cuda
 
-    heads, kv_heads, d, capacity, at = 32, 8, 128, 256, 37
+    heads, kv_heads, d, capacity = 32, 8, 128, 1280
     mx.random.seed(3)
     q = mx.random.normal((1, heads, 1, d)).astype(mx.bfloat16)
     k_new, v_new = (mx.random.normal((1, kv_heads, 1, d)).astype(mx.bfloat16) for _ in range(2))
     k, v = (mx.random.normal((1, kv_heads, capacity, d)).astype(mx.bfloat16) for _ in range(2))
-    position, scale = mx.array([at], dtype=mx.int32), d ** -0.5
-    live, empty = mx.array([0], dtype=mx.int32), mx.array([at + 1], dtype=mx.int32)
+    scale, live = d ** -0.5, mx.array([0], dtype=mx.int32)
     rope = nn.RoPE(d, base=500000.0)
     inv, _ = rope_cuda.inverse_frequencies(rope, d)
-    folded = (mx.array([at], dtype=mx.int32), inv, "half")
-    err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="warp",
-                                                   rope=(rope, inv, "half"))
     floor = cuda_source.build("gmlx_launch_floor", f"using T = {cuda_source.cuda_type(mx.bfloat16)}; constexpr int D = {d};\n",
                               _FLOOR_BODY, ["q", "padding", "position"], ensure_row_contiguous=False)
     mx.eval(q, k_new, v_new, k, v, inv)
+    builds = [("warp", 0, False), ("warp", 2, False), ("warp", 1, False), ("warp", 0, True), ("warp", 1, True),
+              ("lane", 0, False), ("lane", 8, False), ("lane", 4, False), ("lane", 0, True), ("lane", 4, True)]
+    print("| the call (8B shape, one stream, bf16, chained) | us at 38 keys | us at 1,000 keys |")
+    print("|---|---:|---:|")
+    rows: dict[str, list[str]] = {}
+    agreed = []
+    for at in (37, 999):
+        position = mx.array([at], dtype=mx.int32)
+        empty = mx.array([at + 1], dtype=mx.int32)
+        folded = (mx.array([at], dtype=mx.int32), inv, "half")
+        err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="warp",
+                                                       rope=(rope, inv, "half"))
+        agreed.append(f"{at + 1} keys: largest difference {err:.4f}, the cache {'as' if written else 'NOT as'} written")
 
-    def cached(padding, **kw):
-        return lambda x: cached_attention_cuda.attend_cached(x, k_new, v_new, k, v, padding, position, scale, n=1,
-                                                             **kw)
+        def cached(padding, layout, in_flight=0, dense=False, position=position, **kw):
+            return lambda x: cached_attention_cuda.attend_cached(x, k_new, v_new, k, v, padding, position, scale, n=1,
+                                                                 layout=layout, hsplit=1, in_flight=in_flight,
+                                                                 dense=dense, **kw)
 
-    forms = {
-        "whole, a key a warp, 38 keys": cached(live, layout="warp", hsplit=1),
-        "whole, a key a lane, 38 keys": cached(live, layout="lane", hsplit=1),
-        "whole, a key a warp, no keys (start and end alone)": cached(empty, layout="warp", hsplit=1),
-        "whole, a key a lane, no keys": cached(empty, layout="lane", hsplit=1),
-        f"whole, a key a warp, 38 keys, the rope folded in (err {err:.4f}, written {written})":
-            cached(live, layout="warp", hsplit=1, rope=folded),
-        "a kernel of the same launch reading the positions only": lambda x: floor(
+        forms = {f"whole, a key a {layout}, {n or 'its own'} in flight{', dense rows alone' if dense else ''}":
+                 cached(live, layout, n, dense) for layout, n, dense in builds}
+        forms["whole, a key a warp, no keys (start and end alone)"] = cached(empty, "warp")
+        forms["whole, a key a lane, no keys"] = cached(empty, "lane")
+        forms["whole, a key a warp, the rope folded in"] = cached(live, "warp", rope=folded)
+        forms["a kernel of the same launch reading the positions only"] = lambda x, position=position: floor(
             inputs=[x, live, position], grid=(kv_heads * attention_cuda.THREADS, 1, 1),
             threadgroup=(attention_cuda.THREADS, 1, 1), output_shapes=[(1, 1, heads * d)],
-            output_dtypes=[mx.bfloat16])[0],
-        "MLX's one-query attention, 38 keys": lambda x: mx.fast.scaled_dot_product_attention(
-            x, k[..., :at + 1, :], v[..., :at + 1, :], scale=scale),
-    }
-    print("| the call (8B shape, one stream, bf16, chained) | us a call |")
-    print("|---|---:|")
-    for name, fn in forms.items():
-        print(f"| {name} | {per_product(fn, q, reps):.1f} |", flush=True)
+            output_dtypes=[mx.bfloat16])[0]
+        forms["MLX's one-query attention"] = lambda x, at=at: mx.fast.scaled_dot_product_attention(
+            x, k[..., :at + 1, :], v[..., :at + 1, :], scale=scale)
+        for name, fn in forms.items():
+            rows.setdefault(name, []).append(f"{per_product(fn, q, reps):.1f}")
+    for name, cells in rows.items():
+        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+    print("\nthe rope folded in against nn.RoPE and MLX's attention: " + "; ".join(agreed))
 
 
 def main() -> None:

@@ -136,6 +136,10 @@ GMLX_VARIANTS = {
     # blocks (two more): 11-12 operations a layer of the 8B's step down to 8
     "gmlx-fold": {"GMLX_ROPE_ATTENTION": "1"},
     "gmlx-fused": {"GMLX_ROPE_ATTENTION": "1", "GMLX_ADD_NORM_KERNEL": "1"},
+    # the in-place attention's code shorter (cached_attention_cuda.compact): built for dense
+    # rows alone, and that with 4 keys (a key a lane: rows of values) in flight, not 16
+    "gmlx-dense": {"GMLX_ATTENTION_DENSE": "1"},
+    "gmlx-compact": {"GMLX_ATTENTION_DENSE": "1", "GMLX_ATTENTION_IN_FLIGHT": "4"},
     # each llama-pattern block's one-token step in two compiled pieces
     # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU and CUDA, off on Metal), or never
     "gmlx-compiled": {"GMLX_COMPILE_BLOCKS": "1"},

@@ -22,7 +22,10 @@ products flattened (``GMLX_QMV_KERNEL=flat``: what the tuner starts from), but i
 ``tuned`` loops: there they take the paths a server's load gives them (its tuning read
 from ``GMLX_HOME``, or timed first), and the step kernels (``glu_cuda``, ``qkv_cuda``)
 run where that tuning takes them; ``tuned whole`` adds the compiled blocks, the in-place
-attention and the whole step: the served step's own kernels.
+attention and the whole step. ``served`` (a loop alone) loads the layers exactly as a
+server does (``prepare_layers``: its tuning read from ``GMLX_HOME`` under the server's
+own keys, not confirmed again in this script's forms, which on 12-06 dropped the one-row
+paths the server had taken): the served step's own kernels.
 ``--ncu PATH`` names the profiler; ``--csv FILE`` only reads an earlier run's output.
 """
 
@@ -79,15 +82,24 @@ def child(args: argparse.Namespace) -> None:
     from gmlx.engine.kernels import cuda_source, fast_linear, glu_cuda, qkv_cuda
 
     loaded = load(args.model, args.dtype)
-    os.environ["GMLX_QMV_KERNEL"] = "flat"
-    fast_linear.use_fast_kernels(loaded.model)
+    served = "served" in args.loops.split(",")
+    if served:  # the server's own load, nothing of this script's layering
+        if args.loops != "served":
+            raise SystemExit("kernel_times: the served loop runs alone (its layers stay as the load left them)")
+        from gmlx.engine.kernels import prepare_layers
+
+        print(f"served: {prepare_layers(loaded.model)}", flush=True)
+    else:
+        os.environ["GMLX_QMV_KERNEL"] = "flat"
+        fast_linear.use_fast_kernels(loaded.model)
     tuned: dict[int, dict] = {}  # the load tuner's paths per layer, for the "tuned" loop
     if any(mode.startswith("tuned") for mode in args.loops.split(",")):
         os.environ["GMLX_QMV_KERNEL"] = "1"  # read from GMLX_HOME's tuning, or timed now
         print(f"tuned: {fast_linear.use_fast_kernels(loaded.model)}", flush=True)
         tuned = {id(m): dict(m.paths) for _, m in loaded.model.named_modules()
                  if isinstance(m, fast_linear.FastQuantizedLinear)}
-    attention(True)
+    if not served:
+        attention(True)
     profiled = args.profiled and cuda_source.available()
     tracer = _Tracer(args.torch_site) if args.trace else None
     index = 0
@@ -96,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
             for _, m in loaded.model.named_modules():
                 if id(m) in tuned:
                     m.set_paths(dict(tuned[id(m)]) if mode.startswith("tuned") else {})
-            with layered(loaded.model, mode):
+            with contextlib.nullcontext() if served else layered(loaded.model, mode):
                 if mode.startswith("tuned"):  # the step kernels where the load's tuning takes them
                     for kernel in (glu_cuda, qkv_cuda):
                         print(f"tuned: {kernel.tune(loaded.model)}", flush=True)

@@ -13,6 +13,7 @@
 #   call 7 (if budget is left):                bash benchmarks/gpu/lease.sh pairs     (~250 s)
 #   the attention's fixed cost under ncu:      bash benchmarks/gpu/lease.sh ncu-attention (~120 s)
 #   the rope folded into the attention:        bash benchmarks/gpu/lease.sh fold      (~450 s)
+#   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -32,6 +33,9 @@
 #   gmlx first and last.
 # fold: the rope folded into the in-place attention (gmlx-fold), and that with the add-norm
 #   kernel (gmlx-fused), against gmlx, alternating, at widths 1 and 32.
+# compact: the in-place attention built shorter (dense rows alone: gmlx-dense; and 4 keys
+#   in flight: gmlx-compact) against gmlx, at widths 1 and 32; worth its time where
+#   ncu-attention's --fixed table shows the shorter builds faster at 38 keys.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -92,13 +96,13 @@ case ${1:-} in
   trace)
     with_env
     GMLX_HOME=/tmp/gmlx-home timeout 240 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths "${WIDTHS:-1,8}" \
-      --loops "tuned whole" --steps 8 --trace --dtype float16 > "$OUT/trace.txt" 2>&1
-    grep -v "^tuned:" "$OUT/trace.txt" | tail -60
+      --loops served --steps 8 --trace --dtype float16 > "$OUT/trace.txt" 2>&1
+    grep -v "^served:" "$OUT/trace.txt" | tail -60
     # one stream's kernels under ncu: each kernel's DRAM and SM throughput (% of peak) in the served step
     GMLX_HOME=/tmp/gmlx-home timeout 300 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1 \
-      --loops "tuned whole" --steps 2 --dtype float16 --no-plain --limit "${NCU_LIMIT:-240}" \
+      --loops served --steps 2 --dtype float16 --no-plain --limit "${NCU_LIMIT:-240}" \
       --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu.txt" 2>&1
-    grep -v "^tuned:" "$OUT/ncu.txt" | tail -30
+    grep -v "^served:" "$OUT/ncu.txt" | tail -30
     ;;
   bisect)
     # one stream served with each of the 12-06 additions (off by default) taken one at a time,
@@ -126,6 +130,15 @@ case ${1:-} in
       --rounds 2 --prefix-reps 0 --out "$OUT/fold.md" > "$OUT/fold.txt" 2>&1
     grep -E "rope|uncompiled|WARNING|tok/s" "$OUT/fold.txt" | cut -c1-300 | head -20
     tail -8 "$OUT/fold.md"
+    ;;
+  compact)
+    # whether the attention's ~17 us a call is its code being fetched at each launch: the
+    # shorter builds served (the load checks and times them as they are built)
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-compact --servers gmlx-compact,gmlx,gmlx-dense,gmlx-compact \
+      --widths 1,32 --rounds 2 --prefix-reps 0 --out "$OUT/compact.md" > "$OUT/compact.txt" 2>&1
+    grep -E "in-place|uncompiled|WARNING|tok/s" "$OUT/compact.txt" | cut -c1-300 | head -20
+    tail -8 "$OUT/compact.md"
     ;;
   ncu-attention)
     # why the in-place attention costs ~17 us a call whatever its keys (12-06 H100: 23.4 us

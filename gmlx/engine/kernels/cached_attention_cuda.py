@@ -84,7 +84,7 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import attention_cuda, cuda_source
-from gmlx.engine.kernels.cached_attention_source import FINISH_ONE, FINISH_SPLIT, body
+from gmlx.engine.kernels.cached_attention_source import FINISH_ONE, FINISH_SPLIT, body, unroll
 from gmlx.engine.kernels.cuda_source import build, cuda_type
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,15 @@ def fold_enabled() -> bool:
 def folded_rope(attention: Any) -> tuple[Any, str] | None:
     """``(inverse frequencies, pairs)`` for one of :mod:`one_token`'s attention layers whose
     rope the in-place kernel can take (:func:`rope_cuda.rotation_applies`' ropes over the
-    whole head, and no per-head norm before it: qwen3's keep theirs), else None."""
+    whole head, no per-head norm before it: qwen3's keep theirs; the rotated queries' room
+    in the kernel's shared memory, :func:`fits`), else None."""
     import mlx.core as mx
 
     from gmlx.engine.kernels import rope_cuda
 
-    if "q_norm" in attention or not rope_cuda.rotation_applies(attention):
+    group = attention.n_heads // attention.n_kv_heads
+    if ("q_norm" in attention or not rope_cuda.rotation_applies(attention)
+            or not all(fits(group, attention.head_dim, layout, rope=True) for layout in LAYOUTS)):
         return None
     inv, traditional = rope_cuda.inverse_frequencies(attention.rope, attention.rope.dims)
     mx.eval(inv)  # once here, not in the first step's graph
@@ -165,33 +168,51 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp",
-            hsplit: int = 1, rope: str = "") -> Any:
+            hsplit: int = 1, rope: str = "", in_flight: int = 0, dense: bool = False) -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
     share of the keys, for the combine), a key a warp or a key a lane (``layout``), each
     block ``group // hsplit`` of the key-value head's ``group`` query heads (the head
     split, :func:`hsplits`), the step's query and key rotated in it where ``rope`` names
     the pairs (:data:`ROPES`; two more inputs, each stream's position and the inverse
-    frequencies): four kernels a head split and rope per float type, head size, scale and
-    group, whatever the cache's length."""
+    frequencies), ``in_flight`` keys' loads in flight a warp (0: the layout's own,
+    :func:`cached_attention_source.unroll`), built for ``dense`` rows alone or for any
+    strides: four kernels a head split, rope, unroll and build per float type, head size,
+    scale and group, whatever the cache's length."""
     head = (attention_cuda.kernel_head(dtype, head_dim, scale)
-            + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit};\n"
+            + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
+            + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
+            + f"constexpr bool DENSE = {'true' if dense else 'false'};\n"
             + (f"constexpr bool TRAD = {'true' if rope == 'pairs' else 'false'};\n" if rope else "")
             + (FINISH_SPLIT if split else FINISH_ONE))
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
             f"{f'_h{hsplit}' if hsplit > 1 else ''}{'_lane' if layout == 'lane' else ''}{'_split' if split else ''}"
-            f"{f'_rope_{rope}' if rope else ''}")
+            f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}")
     return build(name, head, body(layout, bool(rope)),
                  ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
 
-def fits(group: int, d: int, layout: str = "warp") -> bool:
+def compact() -> tuple[int, bool]:
+    """The kernel's code, shorter (``(keys in flight, dense rows alone)``): by default
+    ``(0, False)``, each layout's own unroll and both dense and strided paths built in.
+    ``GMLX_ATTENTION_IN_FLIGHT=N`` sets the keys a warp has in flight (a key a lane: rows
+    of values) and ``GMLX_ATTENTION_DENSE=1`` builds for dense rows alone (gmlx's caches;
+    a strided one gets NaN). Why: a launch's SMs fetch its code as they first run it, and
+    this kernel's is 41-68 KB for the 8B's heads (the products' 6-18 KB); whether that is
+    the ~17 us a call costs at any cache length, ``attention_check.py --fixed`` times on a
+    GPU. Off until it does."""
+    return int(os.environ.get("GMLX_ATTENTION_IN_FLIGHT", "0") or 0), os.environ.get("GMLX_ATTENTION_DENSE") == "1"
+
+
+def fits(group: int, d: int, layout: str = "warp", rope: bool = False) -> bool:
     """Whether the kernel in ``layout`` is built for ``group`` query heads a key-value
     head of size ``d``: its shared memory (the warps' shares of every head's output,
     maximum and total; a key a lane, also the group's queries, a tile's weights a warp
-    and the step's key and value) within :data:`SHARED_BYTES`."""
+    and the step's key and value; with the ``rope`` folded in, the rotated queries and
+    key) within :data:`SHARED_BYTES`."""
     warps = attention_cuda.THREADS // 32
     floats = warps * group * d + 2 * warps * group + (group * d + warps * 32 * group + d if layout == "lane" else 0)
+    floats += group * d + d // 2 if rope else 0  # (halves of the key: d / 2 floats' room)
     return 4 * floats <= SHARED_BYTES  # (the lane form's key and value of the step: 2 x d halves, d floats)
 
 
@@ -235,7 +256,8 @@ def _shape(q: Any, keys: Any) -> tuple:
 
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
                   scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None,
-                  rope: tuple[Any, Any, str] | None = None) -> Any:
+                  rope: tuple[Any, Any, str] | None = None, in_flight: int | None = None,
+                  dense: bool | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -251,7 +273,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     shape and form, else one). With ``rope`` (each stream's position, an ``int32``
     ``(B,)``; the inverse frequencies, float32 ``(D/2,)``; the pairs, one of
     :data:`ROPES`), ``q`` and ``k_new`` are the projections unrotated and the kernel
-    rotates them (:func:`folded_rope`), the cache taking the rotated key.
+    rotates them (:func:`folded_rope`), the cache taking the rotated key. ``in_flight``
+    (the kernel's keys in flight a warp; 0: its layout's own) and ``dense`` (a build for
+    dense rows alone) where None, as :func:`compact` says.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -273,8 +297,11 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     if (heads // kv_heads) % hsplit:
         raise ValueError(f"a head split of {hsplit} for {heads // kv_heads} query heads a key-value head")
     pairs = rope[2] if rope else ""
+    if in_flight is None or dense is None:
+        given = compact()
+        in_flight, dense = given[0] if in_flight is None else in_flight, given[1] if dense is None else dense
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
-                                                          hsplit, pairs),
+                                                          hsplit, pairs, in_flight, dense),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
                                     q, n, b * kv_heads * hsplit, (b, 1, heads * d))
 

@@ -15,7 +15,9 @@ from gmlx.engine.kernels.cuda_source import compact
 # GROUP query heads from ``h0`` (the key-value head's GROUP * HSPLIT split in HSPLIT parts)
 # and its share of the keys (``start`` to ``end``), the cache's rows of this head, the
 # warps' shares in shared memory, and ``row``: this lane's VEC dimensions of a row in one
-# wide load.
+# wide load; where the build is for dense rows alone (``DENSE``: each row's dimensions
+# adjacent and rows 16-byte aligned, as gmlx's caches hold them), no strided path is
+# compiled (less code for a launch to fetch), and a strided cache gets NaN, not a wrong answer.
 COMMON = """
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = D / 32;
@@ -42,8 +44,20 @@ T* kb = const_cast<T*>(k) + b * k_strides[0] + kvh * k_strides[1];
 T* vb = const_cast<T*>(v) + b * v_strides[0] + kvh * v_strides[1];
 const T* kn = k_new + b * k_new_strides[0] + kvh * k_new_strides[1];
 const T* vn = v_new + b * v_new_strides[0] + kvh * v_new_strides[1];
-const bool kdense = k_strides[3] == 1 && k_strides[2] % 8 == 0;
-const bool vdense = v_strides[3] == 1 && v_strides[2] % 8 == 0;
+const bool kdense = DENSE || (k_strides[3] == 1 && k_strides[2] % 8 == 0);
+const bool vdense = DENSE || (v_strides[3] == 1 && v_strides[2] % 8 == 0);
+if (DENSE && !(k_strides[3] == 1 && k_strides[2] % 8 == 0 && v_strides[3] == 1 && v_strides[2] % 8 == 0)) {
+    // a build for dense rows handed a strided cache: every output NaN (loud), nothing written
+    for (int i = t; i < GROUP * D; i += THREADS) {
+        const int g = i / D;
+        const int d = i % D;
+        const int h = h0 + g;
+        const float top = 0.0f;
+        const float total = 1.0f;
+        FINISH(__uint_as_float(0x7fc00000u));
+    }
+    return;
+}
 // this lane's VEC dimensions of a row (dense: one load of 4, 8 or 16 bytes), as floats
 auto row = [&](float* dst, const T* r, int64_t step, bool dense) {
     if (dense) {
@@ -79,24 +93,34 @@ auto k_at = [&](int e) -> T { return kn[e * k_new_strides[3]]; };
 # operation a layer fewer: two of MLX's ropes or rope_cuda's kernel): angle ``rope_off[b]
 # * rope_inv[i]`` for pair ``i``, the pairs ``(i, i + D/2)`` or, where ``TRAD``, ``(2i, 2i +
 # 1)``, in float32 and rounded to ``T`` as MLX's rope rounds its output (the same
-# arithmetic as :mod:`rope_cuda`'s). Each element takes its pair's other element with it;
-# a block rotates its queries once and the key where it reads and writes it.
+# arithmetic as :mod:`rope_cuda`'s). The block's threads rotate its queries and the key
+# once, into shared memory, in a loop not unrolled (one ``sincosf`` in the code: a
+# kernel's code is fetched at its launch, and each inlined ``sincosf`` is long).
 STEP_ROPE = """
-const float rope_p = static_cast<float>(rope_off[b * rope_off_strides[0]]);
-auto rotated = [&](const T* x, int64_t step, int e) -> T {
-    const bool first = TRAD ? (e & 1) == 0 : e < D / 2;
-    const int i = TRAD ? e >> 1 : (first ? e : e - D / 2);
-    const int o = TRAD ? (e ^ 1) : (first ? e + D / 2 : e - D / 2);
-    float sn, cs;
-    sincosf(rope_p * rope_inv[i], &sn, &cs);
-    const float a = static_cast<float>(x[e * step]);
-    const float p = static_cast<float>(x[o * step]);
-    return static_cast<T>(first ? a * cs - p * sn : p * sn + a * cs);
-};
-auto q_at = [&](int g, int e) -> float {
-    return static_cast<float>(rotated(q + b * q_strides[0] + (h0 + g) * q_strides[1], q_strides[3], e));
-};
-auto k_at = [&](int e) -> T { return rotated(kn, k_new_strides[3], e); };
+__shared__ float rope_q[GROUP][D];
+__shared__ T rope_k[D];
+{
+    const float p = static_cast<float>(rope_off[b * rope_off_strides[0]]);
+    #pragma unroll 1
+    for (int i = t; i < (GROUP + 1) * D; i += THREADS) {
+        const int g = i / D;
+        const int e = i % D;
+        const T* x = g < GROUP ? q + b * q_strides[0] + (h0 + g) * q_strides[1] : kn;
+        const int64_t step = g < GROUP ? q_strides[3] : k_new_strides[3];
+        const bool first = TRAD ? (e & 1) == 0 : e < D / 2;
+        const int f = TRAD ? e >> 1 : (first ? e : e - D / 2);
+        const int o = TRAD ? (e ^ 1) : (first ? e + D / 2 : e - D / 2);
+        float sn, cs;
+        sincosf(p * rope_inv[f], &sn, &cs);
+        const float a = static_cast<float>(x[e * step]);
+        const float other = static_cast<float>(x[o * step]);
+        const T r = static_cast<T>(first ? a * cs - other * sn : other * sn + a * cs);
+        if (g < GROUP) rope_q[g][e] = static_cast<float>(r); else rope_k[e] = r;
+    }
+    __syncthreads();
+}
+auto q_at = [&](int g, int e) -> float { return rope_q[g][e]; };
+auto k_at = [&](int e) -> T { return rope_k[e]; };
 """
 
 # A key a warp (the served form since 12-05): the WARPS warps take the split's keys in
@@ -104,9 +128,8 @@ auto k_at = [&](int e) -> T { return rotated(kn, k_new_strides[3], e); };
 # query of every head of the group, so each key and value is read once for all of them; a
 # key's score per head is the lanes' dot products summed by shuffles, and each warp keeps
 # its own running maximum, total and values per head (no barrier until the end). UNROLL
-# keys' loads go out before their use.
+# keys' loads go out before their use (the kernel's head sets it: :func:`unroll`).
 WARP_LOOP = """
-constexpr int UNROLL = 4;
 float qv[GROUP][VEC];
 float m[GROUP], l[GROUP], acc[GROUP][VEC];
 #pragma unroll
@@ -196,11 +219,11 @@ if (split == 0 && sub == 0 && t < D) {
 # queries, held scaled in shared memory and read by all lanes at once), so a tile's
 # maximum is one shuffle reduction a head and each lane's weight one exp2f; the weights go
 # through shared memory and the warp adds the tile's values a key at a time, each lane
-# VEC dimensions (as above), UNROLL keys' loads in flight. Each lane keeps its share of
+# VEC dimensions (as above), UNROLL keys' loads in flight (a tile's values: rows whose raw
+# words are held; the head sets it: :func:`unroll`). Each lane keeps its share of
 # the total, summed over the warp at the end. Per key the form above shuffles five times
 # and takes two exp2f a head on every lane; this one takes about 5/32 and 2/32.
 LANE_LOOP = """
-constexpr int UNROLL = VEC == 8 ? 8 : 16;  // a tile's values: rows in flight (their raw words held)
 __shared__ float qs[GROUP][D];
 __shared__ float ps[WARPS][32][GROUP];
 alignas(16) __shared__ T own_k[D];  // the step's own key and value, dense, for the wide loads
@@ -316,6 +339,15 @@ for (int g = 0; g < GROUP; ++g) {
 }
 """
 
+
+
+def unroll(layout: str, d: int, given: int = 0) -> int:
+    """Keys whose loads a warp has in flight at once: ``given``, else the layout's own
+    (a key a warp: 4; a key a lane: 16 rows of values, 8 for heads of 256). More keys
+    in flight hide more of a load's wait and make the kernel's code longer (the key-a-
+    warp loop for the 8B's heads: ~41 KB of SASS at 4, ~27 at 2, ~20 at 1, all of it
+    fetched by an SM at a launch's first keys)."""
+    return given or (4 if layout == "warp" else 8 if d // 32 == 8 else 16)
 
 
 def body(layout: str, rope: bool = False) -> str:

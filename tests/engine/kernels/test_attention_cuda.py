@@ -165,17 +165,19 @@ def _made(factory, *args) -> list[dict]:
 
 
 def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int,
-              group: int | None = None, layout: str = "warp", hsplit: int = 1, rope: str = "") -> tuple[str, str]:
+              group: int | None = None, layout: str = "warp", hsplit: int = 1, rope: str = "",
+              build: tuple[int, bool] = (0, False)) -> tuple[str, str]:
     """A kernel's source (``factory``: the routed or the cached one) as the host function
     ``kernel``, whole or split, and the C++ lines that run it over ``args``: whole, a
     block a (stream, head) writing ``out``; split, ``S`` blocks a head writing float32
     shares, then the combine kernel's source (``combine``) over them. With ``group`` (the
     cached kernel's query heads a key-value head), a block a (stream, key-value head), or
-    ``hsplit`` blocks each, in ``layout``, its rope folded in where ``rope`` names the pairs."""
+    ``hsplit`` blocks each, in ``layout``, its rope folded in where ``rope`` names the pairs,
+    ``build`` its keys in flight and dense-only build."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
     made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1,
-                 *([] if group is None else [layout, hsplit, rope]))
+                 *([] if group is None else [layout, hsplit, rope, *build]))
     blocks = "B * H" if group is None else f"B * HK * {hsplit}"
     source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
     if splits == 1:
@@ -289,12 +291,14 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
 
 
 def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1,
-                       layout: str = "warp", hsplit: int = 1, rope: tuple | None = None):
+                       layout: str = "warp", hsplit: int = 1, rope: tuple | None = None,
+                       build: tuple[int, bool] = (0, False), cache_strides: str | None = None):
     """The cached kernel's own source in ``layout`` run here (emulated), ``hsplit`` blocks
     a key-value head; with ``splits``, the split form (each head's keys over that many
     blocks) and then the combine kernel's source over the shares it wrote; ``rope``
     (each stream's position, the inverse frequencies, the pairs) folds the rotation of
-    ``q`` and ``k_new`` in. Each store
+    ``q`` and ``k_new`` in; ``build`` (keys in flight, dense rows alone) picks the kernel's
+    build and ``cache_strides`` replaces the strides the cache's arrays are handed with. Each store
     into the cache's keys is counted too, a count a (stream, key-value head): the fourth
     array returned."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
@@ -302,7 +306,7 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
                             [dtype] * 5 + ["int32", "int32"] + (["int32", "float32"] if rope else []),
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
                             "pad.data(), pt, at.data()" + (", off.data(), pt, inv.data()" if rope else ""), splits,
-                            q.shape[1] // k.shape[1], layout, hsplit, rope[2] if rope else "")
+                            q.shape[1] // k.shape[1], layout, hsplit, rope[2] if rope else "", build)
     store = "kb[(int64_t)at * k_strides[2]"  # the key's store (as the value's, by the same threads)
     assert kernel.count(store) == 1
     kernel = "static std::atomic<int> stores[1024];\n" + kernel.replace(
@@ -332,6 +336,8 @@ int main(int argc, char** argv) {
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
     main = main.replace("SPLIT_RUN", run).replace("ROPE ?", f"{'true' if rope else 'false'} ?")
+    if cache_strides is not None:
+        main = main.replace("kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}", f"kt{{{cache_strides}}}")
     if rope:
         (tmp / "off.bin").write_bytes(np.array(rope[0]).astype(np.int32).tobytes())
         (tmp / "inv.bin").write_bytes(np.array(rope[1]).astype(np.float32).tobytes())
@@ -351,7 +357,8 @@ int main(int argc, char** argv) {
 
 
 def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1, layout: str = "warp",
-                        hsplit: int = 1, rope: tuple | None = None) -> tuple[mx.array, mx.array]:
+                        hsplit: int = 1, rope: tuple | None = None,
+                        build: tuple[int, bool] = (0, False)) -> tuple[mx.array, mx.array]:
     """The cached kernel's source run (emulated) over ``_cached_state(*state)``: its output
     is MLX's attention over the keys so far with the step's at ``at``, and the cache's
     arrays after it are the old ones with that position replaced, nothing else touched,
@@ -369,7 +376,7 @@ def _cached_matches_mlx(tmp: Path, state: tuple, splits: int = 1, layout: str = 
         inv, traditional = rope_cuda.inverse_frequencies(module, d)
         folded = (offset, inv, "pairs" if traditional else "half")
     got, k_after, v_after, stores = _run_cached_source(tmp, q, k_new, v_new, k, v, pad, at, scale, splits, layout,
-                                                       hsplit, folded)
+                                                       hsplit, folded, build)
     k_raw = k_new
     if rope is not None:
         q, k_new = module(q, offset=offset), module(k_new, offset=offset)
@@ -681,7 +688,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list, Any]:
     ``capacity`` positions (``batch`` streams of ``heads`` query heads over ``kv``)."""
     launched: list = []
     monkeypatch.setattr(cached_attention_cuda, "_kernel",
-                        lambda dtype, d, scale, group, split, layout, hsplit, rope="": (split, layout, hsplit))
+                        lambda dtype, d, scale, group, split, layout, hsplit, rope="", in_flight=0, dense=False: (split, layout, hsplit))
     monkeypatch.setattr(attention_cuda, "in_blocks",
                         lambda kernel, inputs, q, n, blocks, out_shape: launched.append((n, *kernel(n > 1), blocks)))
 
@@ -1005,3 +1012,31 @@ def test_the_cached_kernel_with_the_rope_folded_in_rotates_as_mlx_does(
             "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     offset = mx.array([3, 290, 70000], dtype=mx.int32)
     _cached_matches_mlx(tmp_path, (3, 8, 2, 512, 300, d, [0, 17, 290], dtype), splits, layout, hsplit, (rope, offset))
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("layout,in_flight,dense,splits", [("warp", 1, True, 1), ("warp", 2, False, 3),
+                                                           ("lane", 4, True, 1), ("lane", 8, True, 2)])
+def test_the_shorter_builds_attend_as_mlx_does(tmp_path: Path, layout: str, in_flight: int, dense: bool,
+                                               splits: int) -> None:
+    """``GMLX_ATTENTION_IN_FLIGHT`` / ``GMLX_ATTENTION_DENSE``'s builds (fewer keys in
+    flight, no strided path): the same attention and the same write as the default's,
+    whole and split, a stream padded past a whole unroll."""
+    _cached_matches_mlx(tmp_path, (3, 8, 2, 512, 300, 128, [0, 17, 290], mx.bfloat16), splits, layout, 1, None,
+                        (in_flight, dense))
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("layout", cached_attention_cuda.LAYOUTS)
+def test_a_dense_build_handed_a_strided_cache_answers_nan_and_writes_nothing(tmp_path: Path, layout: str) -> None:
+    """The dense-only build reads rows as wide loads: handed a cache whose rows are not
+    dense it must not answer wrong, so every output is NaN and the cache is untouched."""
+    q, k_new, v_new, k, v, pad = _cached_state(2, 4, 2, 64, 20, 64, [0, 3], mx.float16)
+    got, k_after, v_after, stores = _run_cached_source(
+        tmp_path, q, k_new, v_new, k, v, pad, 20, 0.125, 1, layout, 1, None, (0, True),
+        "(int64_t)HK * C * D, (int64_t)C * D, D + 4, 1")  # rows 68 apart: not 16-byte aligned
+    assert mx.isnan(got).all().item()
+    assert mx.array_equal(k_after, k).item() and mx.array_equal(v_after, v).item() and (stores == 0).all()
+    got, *_ = _run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, 20, 0.125, 1, layout, 1, None, (0, False),
+                                 "(int64_t)HK * C * D, (int64_t)C * D, D, 1")
+    assert not mx.isnan(got).any().item()  # the same call as dense rows: an answer
