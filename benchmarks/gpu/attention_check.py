@@ -48,7 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.gemv_check import per_product
 from benchmarks.gpu.kernel_times import kernel_table, marker
-from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source
+from gmlx.engine.kernels import (
+    attention_cuda,
+    cached_attention_cuda,
+    cached_attention_load,
+    cuda_source,
+)
 
 
 def inputs(batch: int, keys: int, heads: int, kv_heads: int, d: int, dtype, capacity: int):
@@ -134,11 +139,11 @@ def check_cached(reps: int = 100) -> bool:
         lane = cached_attention_cuda.fits(heads // kv_heads, d, "lane")
         if MARKED:
             marker(UNTIMED + index)  # the checks' launches, apart from any timing's window
-        err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, layout="warp")
-        err_lane, written_lane = (cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale,
+        err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, padding, at, scale, layout="warp")
+        err_lane, written_lane = (cached_attention_load.agreement(q, k_new, v_new, k, v, padding, at, scale,
                                                                   layout="lane") if lane else (err, written))
         group = heads // kv_heads  # the head split: each key-value head's query heads a block each
-        err_head, written_head = cached_attention_cuda.agreement(q, k_new, v_new, k, v, padding, at, scale, n=1,
+        err_head, written_head = cached_attention_load.agreement(q, k_new, v_new, k, v, padding, at, scale, n=1,
                                                                  layout="warp", hsplit=group)
         good &= written and err < 0.05 and written_lane and err_lane < 0.05 and written_head and err_head < 0.05
         position = mx.array([at], dtype=mx.int32)
@@ -167,8 +172,8 @@ def check_cached(reps: int = 100) -> bool:
               f"| {t_whole:.1f} | {t_head:.1f} | {t_split:.1f} ({n}) "
               f"| {t_lane_whole:.1f} | {t_lane_split:.1f} | {t_u:.1f} | {t_m:.1f} |", flush=True)
     for heads, kv_heads, d in () if MARKED else ((32, 8, 128), (12, 2, 128)):  # the 8B's and the 1.5B's, as a load times them
-        cached_attention_cuda.compile_shape(heads, kv_heads, d, d ** -0.5, mx.bfloat16)  # as a load checks it
-        print(f"\nthe load's timing: {cached_attention_cuda.tune_split(heads, kv_heads, d, d ** -0.5, mx.bfloat16)}",
+        cached_attention_load.compile_shape(heads, kv_heads, d, d ** -0.5, mx.bfloat16)  # as a load checks it
+        print(f"\nthe load's timing: {cached_attention_load.tune_split(heads, kv_heads, d, d ** -0.5, mx.bfloat16)}",
               flush=True)
     return good
 
@@ -255,7 +260,7 @@ def check_fixed(reps: int = 100) -> None:
         position = mx.array([at], dtype=mx.int32)
         empty = mx.array([at + 1], dtype=mx.int32)
         folded = (mx.array([at], dtype=mx.int32), inv, "half")
-        err, written = cached_attention_cuda.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="warp",
+        err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="warp",
                                                        rope=(rope, inv, "half"))
         agreed.append(f"{at + 1} keys: largest difference {err:.4f}, the cache {'as' if written else 'NOT as'} written")
 

@@ -73,15 +73,15 @@ def prepare_layers(model: Any) -> list[str]:
 
 def compile_in_place(model: Any) -> bool:
     """Compile the in-place attention for ``model``'s attention shapes before it reports
-    ready (:func:`cached_attention_cuda.compile_cached`) and time where its split form
-    starts to pay on this GPU (:func:`cached_attention_cuda.tune_splits`); whether any
+    ready (:func:`cached_attention_load.compile_cached`) and time where its split form
+    starts to pay on this GPU (:func:`cached_attention_load.tune_splits`); whether any
     layer now writes in place. A kernel that does not compile or launch here (an NVRTC error, a launch MLX
     refuses) must not fail the load: its layers then attend through mlx-lm's cache, and
     no whole step is traced over them (it needs the in-place writes)."""
-    from gmlx.engine.kernels import cached_attention_cuda, one_token
+    from gmlx.engine.kernels import cached_attention_load, one_token
 
     try:
-        shapes = cached_attention_cuda.compile_cached(model)
+        shapes = cached_attention_load.compile_cached(model)
     except RuntimeError as error:
         log.warning("cuda: the in-place attention is not used: %s", str(error).splitlines()[0][:200])
         one_token.detach(model)
@@ -90,7 +90,7 @@ def compile_in_place(model: Any) -> bool:
     if shapes:
         log.info("cuda: the in-place attention compiled for %d shape(s), whole and split", shapes)
         try:
-            for line in cached_attention_cuda.tune_splits(model):
+            for line in cached_attention_load.tune_splits(model):
                 log.info("cuda: the in-place attention, %s", line)
         except RuntimeError as error:  # a timing that fails leaves the default threshold, not the load
             log.warning("cuda: the in-place attention splits as by default: %s", str(error).splitlines()[0][:200])

@@ -21,7 +21,13 @@ import pytest
 from mlx import nn
 
 from gmlx.engine import mlxlm
-from gmlx.engine.kernels import attention_cuda, cached_attention_cuda, cuda_source, rope_cuda
+from gmlx.engine.kernels import (
+    attention_cuda,
+    cached_attention_cuda,
+    cached_attention_load,
+    cuda_source,
+    rope_cuda,
+)
 from tests.engine.kernels import emulation, test_cuda_compile
 from tests.engine.kernels.emulation import PRELUDE, compile_and_run
 
@@ -517,9 +523,9 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
 
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
-    assert cached_attention_cuda.compile_cached(model) == 0  # nothing writes in place
+    assert cached_attention_load.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
-    assert cached_attention_cuda.compile_cached(model) == 1  # two layers, one shape
+    assert cached_attention_load.compile_cached(model) == 1  # two layers, one shape
     # whole, split, then whole a query head a block (the group of two split), a key a warp, then a key a lane
     assert [(k[2], n, hsplit, layout) for _, k, *_, n, hsplit, layout in calls] == [
         (32, 1, 1, "warp"), (512, 16, 1, "warp"), (32, 1, 2, "warp"),
@@ -538,7 +544,7 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
 
     # a key-a-lane kernel that disagrees is only never used; the load goes on
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", lane_wrong)
-    assert cached_attention_cuda.compile_cached(model) == 1
+    assert cached_attention_load.compile_cached(model) == 1
     assert not cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
 
     def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
@@ -551,7 +557,7 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
                       (head_split_wrong, "a key a warp, 2 block")):  # the head split too fails the load
         monkeypatch.setattr(cached_attention_cuda, "attend_cached", bad)
         with pytest.raises(RuntimeError, match=says):
-            cached_attention_cuda.compile_cached(model)
+            cached_attention_load.compile_cached(model)
     one_token.detach(model)
 
 
@@ -576,15 +582,15 @@ def test_a_kernel_that_does_not_compile_leaves_the_layers_to_the_cache(monkeypat
     def refused(model):
         raise RuntimeError("Failed to compile kernel: gmlx_attend_cached_half_64_g2.\nerror: ...")
 
-    monkeypatch.setattr(cached_attention_cuda, "compile_cached", refused)
+    monkeypatch.setattr(cached_attention_load, "compile_cached", refused)
     with caplog.at_level(logging.WARNING, logger="gmlx.engine.kernels"):
         assert not kernels.compile_in_place(model)
     assert "the in-place attention is not used: Failed to compile kernel" in caplog.text
     layers = [m for _, m in model.named_modules() if hasattr(m, "_in_place")]
     assert len(layers) == 2 and not any(m._in_place for m in layers)
-    monkeypatch.setattr(cached_attention_cuda, "compile_cached", lambda model: 1)
+    monkeypatch.setattr(cached_attention_load, "compile_cached", lambda model: 1)
     tuned: list = []
-    monkeypatch.setattr(cached_attention_cuda, "tune_splits", lambda model: tuned.append(model) or ["2 heads over 1"])
+    monkeypatch.setattr(cached_attention_load, "tune_splits", lambda model: tuned.append(model) or ["2 heads over 1"])
     one_token.detach(model)
     one_token.attach(model, in_place=True)
     assert kernels.compile_in_place(model)  # compiled: the whole step may follow
@@ -593,7 +599,7 @@ def test_a_kernel_that_does_not_compile_leaves_the_layers_to_the_cache(monkeypat
     def failed(model):
         raise RuntimeError("an illegal memory access\n...")
 
-    monkeypatch.setattr(cached_attention_cuda, "tune_splits", failed)
+    monkeypatch.setattr(cached_attention_load, "tune_splits", failed)
     with caplog.at_level(logging.WARNING, logger="gmlx.engine.kernels"):
         assert kernels.compile_in_place(model)  # the default threshold, the load goes on
     assert "splits as by default: an illegal memory access" in caplog.text
@@ -728,14 +734,14 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
     for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     try:
-        monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(4096))
-        (line,) = cached_attention_cuda.tune_splits(model)
-        at = cached_attention_cuda.HSPLIT_CAPACITY
+        monkeypatch.setattr(cached_attention_load, "_call_time", clock(4096))
+        (line,) = cached_attention_load.tune_splits(model)
+        at = cached_attention_load.HSPLIT_CAPACITY
         assert timed[:4] == [(at, 1, 1), (at, 1, 2), (at, 1, 2), (at, 1, 1)]  # the head split, whole
-        first = cached_attention_cuda.TUNE_CAPACITIES[0]
+        first = cached_attention_load.TUNE_CAPACITIES[0]
         n = cached_attention_cuda.splits(2, first, 0)
         assert n > 1 and timed[4:8] == [(first, 1, None), (first, n, None), (first, n, None), (first, 1, None)]
-        assert [c for c, *_ in timed[4::4]] == list(cached_attention_cuda.TUNE_CAPACITIES)
+        assert [c for c, *_ in timed[4::4]] == list(cached_attention_load.TUNE_CAPACITIES)
         assert line.startswith(f"4 heads over 2, head size 64: whole form 1 block a key-value head "
                                f"({at:,}: 20.0 / 20.0 us at 1 / 2); split from 4,096 positions at one stream")
         assert "2,048: 10.0 whole / 12.0 split us" in line
@@ -747,13 +753,13 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
         attend(4096)
         attend(1024, kv=1)  # another shape: the default (from 1,024 positions)
         assert launched == [(1, False, "warp", 1, 2), (128, True, "warp", 1, 2), (32, True, "warp", 1, 1)]
-        monkeypatch.setattr(cached_attention_cuda, "_call_time", clock(1 << 30))
-        (line,) = cached_attention_cuda.tune_splits(model)
+        monkeypatch.setattr(cached_attention_load, "_call_time", clock(1 << 30))
+        (line,) = cached_attention_load.tune_splits(model)
         assert "split from 32,768 positions" in line
         assert cached_attention_cuda._split_keys == {(4, 2, 64, str(mx.float16)): 32768}
         monkeypatch.delenv("GMLX_HEAD_SPLIT")  # the default: no head split timed or kept
         timed.clear()
-        (line,) = cached_attention_cuda.tune_splits(model)
+        (line,) = cached_attention_load.tune_splits(model)
         assert timed[0] == (first, 1, None) and "a key-value head" not in line
         assert cached_attention_cuda._hsplits == {}
     finally:
@@ -780,15 +786,15 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
     for name in ("_split_keys", "_layouts", "_hsplits"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {key: True})
-    monkeypatch.setattr(cached_attention_cuda, "_call_time", call_time)
+    monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
     try:
-        (line,) = cached_attention_cuda.tune_splits(model)
-        longest = cached_attention_cuda.TUNE_CAPACITIES[-1]
+        (line,) = cached_attention_load.tune_splits(model)
+        longest = cached_attention_load.TUNE_CAPACITIES[-1]
         assert timed[:8] == [(1024, 1, "warp"), (1024, 1, "lane"), (1024, 1, "lane"), (1024, 1, "warp"),
                              (longest, 132, "warp"), (longest, 132, "lane"), (longest, 132, "lane"),
                              (longest, 132, "warp")]
         assert all(layout is None for *_, layout in timed[8:])  # the threshold: in the layouts taken
-        assert timed[8] == (cached_attention_cuda.TUNE_CAPACITIES[0], 1, None)  # no head split unasked
+        assert timed[8] == (cached_attention_load.TUNE_CAPACITIES[0], 1, None)  # no head split unasked
         assert cached_attention_cuda._layouts == {key: ("lane", "warp")}
         assert "whole form a key a lane (1,024: 9.0 warp / 5.0 lane us)" in line
         assert "split form a key a warp (16,384: 2.5 warp / 4.5 lane us)" in line
@@ -825,9 +831,9 @@ def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pyte
 
     for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
-    monkeypatch.setattr(cached_attention_cuda, "_call_time", call_time)
+    monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
     try:
-        (line,) = cached_attention_cuda.tune_splits(model)
+        (line,) = cached_attention_load.tune_splits(model)
         assert timed[:6] == [(1024, 1, 1), (1024, 1, 2), (1024, 1, 4), (1024, 1, 4), (1024, 1, 2), (1024, 1, 1)]
         assert cached_attention_cuda._hsplits == {key: (4, 1)}
         assert "whole form 4 blocks a key-value head (1,024: 80.0 / 40.0 / 20.0 us at 1 / 2 / 4)" in line
@@ -907,13 +913,13 @@ def test_a_load_checks_each_folded_rope_and_keeps_the_layers_own_where_it_disagr
 
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {(2, 1, 64, str(mx.float16)): True})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", folding)
-    assert cached_attention_cuda.check_folds(model) == 1  # two layers, one rope
+    assert cached_attention_load.check_folds(model) == 1  # two layers, one rope
     assert ropes == [("half", 1, "warp"), ("half", 16, "warp"), ("half", 1, "lane"), ("half", 16, "lane")]
     assert all(layer.self_attn._fold is not None for layer in model.layers)
     monkeypatch.setattr(cached_attention_cuda, "attend_cached",
                         lambda *a, **kw: folding(*a, **kw, rotate=False))  # handed the rope, rotates nothing
-    with caplog.at_level(logging.WARNING, logger=cached_attention_cuda.__name__):
-        assert cached_attention_cuda.check_folds(model) == 1
+    with caplog.at_level(logging.WARNING, logger=cached_attention_load.__name__):
+        assert cached_attention_load.check_folds(model) == 1
     assert "does not take the rope (2 layers keep their own)" in caplog.text
     assert all(layer.self_attn._fold is None for layer in model.layers)
 
