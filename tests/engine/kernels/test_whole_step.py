@@ -211,6 +211,38 @@ def test_the_rope_folded_into_the_in_place_attention(monkeypatch: pytest.MonkeyP
     assert qwen3.layers[0].self_attn._fold is None
 
 
+def test_the_fused_add_and_norm_blocks_in_the_whole_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gmlx-fused``'s layers (``GMLX_ADD_NORM_KERNEL=1`` with the rope folded in, MLX's
+    own add and norm standing in for the add-norm kernel): each fused block hands the
+    next its output as two parts inside the one traced step (one trace per width and
+    cache length, the final norm fused too), for the same logits bit for bit as those
+    blocks compiled in pieces; in the copying form the folded rope is the layer's own."""
+    from gmlx.engine.kernels import add_norm_cuda
+
+    def model_of(whole: bool):
+        model = tiny("llama", LAYERS, dtype=mx.bfloat16, seed=7, heads=2)  # 64-wide heads, as the kernels take
+        one_token.attach(model, fold=True, in_place=False)
+        calls: list[int] = []
+
+        def fused(x, r, w, eps):
+            calls.append(1)
+            return add_norm_cuda.mlx_add_norm(x, r, w, eps)
+
+        assert add_norm_cuda.attach(model, fused) == LAYERS
+        assert compiled_blocks.attach(model) == LAYERS
+        if whole:
+            whole_step.attach(model, copying=True)
+        return model, calls
+
+    (pieces, _), (model, calls) = model_of(False), model_of(True)
+    want = steps(pieces, _padded(), PADDED, n=8)
+    traced = _traces(monkeypatch, model)  # (counts every model of the class: after the other's steps)
+    got = steps(model, _padded(), PADDED, n=8)
+    _same(want, got)
+    assert traced == [(3, 12), (3, 16)] and not model._whole_off
+    assert len(calls) == 2 * (2 * LAYERS - 1 + 1)  # each trace: the blocks' fused adds and the final norm's
+
+
 def test_the_in_place_form_is_traced_through_the_attention_that_writes_the_cache(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The form a GPU runs: every layer's attention reaches ``attend_cached`` through the
