@@ -411,11 +411,38 @@ def card_bandwidth() -> float:
     return next((bw for card, bw in DATASHEET_BANDWIDTH.items() if card in name), 4.8e12)
 
 
+def host_speed(ops: int = 400) -> str:
+    """The host's CPU and how fast it hands MLX operations over: microseconds an
+    operation of a chain of ``ops`` small adds evaluated (best of five). A one-stream
+    step is ~370 operations handed over by the host, so leases on hosts of other speeds
+    serve one stream at other rates with the same code (12-03's host: 8.8 us an add,
+    a later one 28.8): this says which host a table's numbers came from."""
+    import mlx.core as mx
+
+    name = "?"
+    try:
+        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "?")
+    except OSError:
+        pass
+    best = float("inf")
+    for _ in range(5):
+        x = mx.zeros((16,))
+        mx.eval(x)
+        start = time.perf_counter()
+        for _ in range(ops):
+            x = x + 1
+        mx.eval(x)
+        best = min(best, (time.perf_counter() - start) / ops * 1e6)
+    return f"{name} ({os.cpu_count()} cores), {best:.1f} us an MLX operation handed over"
+
+
 def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[str, str]) -> str:
     bw = args.bandwidth or card_bandwidth()
     lines: list[str] = []
     out = lines.append
-    out(f"# Served speed, {time.strftime('%Y-%m-%d %H:%M')}; device: {notes.get('device', '?')}")
+    out(f"# Served speed, {time.strftime('%Y-%m-%d %H:%M')}; device: {notes.get('device', '?')}; "
+        f"host: {notes.get('host', '?')}")
     out("")
     out(f"prompt {args.prompt} tokens, output {args.tokens} tokens, {args.rounds} timed rounds per width "
         "(median), greedy, special/partial tokens biased -100; one server at a time.")
@@ -561,6 +588,7 @@ def main() -> None:
             notes["device"] += f" ({gpu})"
     except (OSError, subprocess.SubprocessError):
         pass
+    notes["host"] = host_speed()
     if args.fresh:
         shutil.rmtree(args.results, ignore_errors=True)
     args.results.mkdir(parents=True, exist_ok=True)
