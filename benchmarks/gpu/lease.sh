@@ -147,8 +147,9 @@ case ${1:-} in
     # warps' stall reasons, the launch and occupancy), the attention_check run kept short
     # first the call taken apart, chained (over no keys; a launch reading the positions only)
     with_env
-    timeout 120 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -12 "$OUT/fixed.txt"
-    timeout 240 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --kernel-name regex:attend_cached \
+    timeout 120 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -24 "$OUT/fixed.txt"
+    # (MLX's CUDA graphs off for ncu: an earlier ncu pass over attention_check profiled no kernel)
+    MLX_USE_CUDA_GRAPHS=0 timeout 240 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --kernel-name regex:attend_cached \
       --launch-skip 40 --launch-count 4 --section SpeedOfLight --section WarpStateStats --section LaunchStats \
       --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters \
       python3 $GPU/attention_check.py --cached --reps 20 \
