@@ -119,6 +119,17 @@ def fold_enabled() -> bool:
     return os.environ.get(FOLD_ENV, "0") == "1"
 
 
+def head_dim(attention: Any) -> int | None:
+    """An attention layer's head size: its own ``head_dim``, else its query projection's
+    outputs over its heads (qwen2's layers keep no ``head_dim``: before this, their
+    in-place attention was never compiled, checked or timed at the load, and their
+    steps never traced whole), else None."""
+    d = getattr(attention, "head_dim", None)
+    if d is None and "q_proj" in attention and hasattr(attention, "n_heads"):
+        d = attention.q_proj.weight.shape[0] // attention.n_heads
+    return d
+
+
 def folded_rope(attention: Any) -> tuple[Any, str] | None:
     """``(inverse frequencies, pairs)`` for one of :mod:`one_token`'s attention layers whose
     rope the in-place kernel can take (:func:`rope_cuda.rotation_applies`' ropes over the
@@ -130,7 +141,7 @@ def folded_rope(attention: Any) -> tuple[Any, str] | None:
 
     group = attention.n_heads // attention.n_kv_heads
     if ("q_norm" in attention or not rope_cuda.rotation_applies(attention)
-            or not all(fits(group, attention.head_dim, layout, rope=True) for layout in LAYOUTS)):
+            or not all(fits(group, head_dim(attention) or 0, layout, rope=True) for layout in LAYOUTS)):
         return None
     inv, traditional = rope_cuda.inverse_frequencies(attention.rope, attention.rope.dims)
     mx.eval(inv)  # once here, not in the first step's graph

@@ -51,7 +51,7 @@ def check_folds(model: Any) -> int:
             inv, pairs = m._fold
             proj = m.o_proj
             dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
-            shape = (m.n_heads, m.n_kv_heads, m.head_dim, float(m.scale), dtype)
+            shape = (m.n_heads, m.n_kv_heads, cac.head_dim(m), float(m.scale), dtype)
             folds.setdefault((*shape[:4], str(dtype), pairs, tuple(inv.tolist())), []).append((m, shape))
     for layers in folds.values():
         m, shape = layers[0]
@@ -101,10 +101,11 @@ def _in_place_shapes(model: Any) -> set[tuple]:
     heads, key-value heads, head size, scale, dtype)."""
     shapes = set()
     for _, m in model.named_modules():
-        if getattr(m, "_in_place", False) and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "head_dim", "scale")):
+        if (getattr(m, "_in_place", False) and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "scale"))
+                and cac.head_dim(m)):
             proj = m.o_proj
             dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
-            shapes.add((m.n_heads, m.n_kv_heads, m.head_dim, float(m.scale), dtype))
+            shapes.add((m.n_heads, m.n_kv_heads, cac.head_dim(m), float(m.scale), dtype))
     return shapes
 
 

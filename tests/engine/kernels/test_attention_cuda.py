@@ -924,6 +924,32 @@ def test_a_load_checks_each_folded_rope_and_keeps_the_layers_own_where_it_disagr
     assert all(layer.self_attn._fold is None for layer in model.layers)
 
 
+def test_a_qwen2_models_in_place_attention_is_compiled_at_the_load_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """qwen2's attention layers keep no ``head_dim``: the load reads the head size from
+    the query projection, so their in-place attention is compiled and checked before the
+    model is ready (it was not, and no step of theirs was traced whole), its rope folded
+    in where asked."""
+    from gmlx.engine.kernels import one_token
+    from tests.engine.kernels.models import tiny
+
+    model = tiny("qwen2", 2, dtype=mx.float16, heads=2)  # heads of 64, as the kernel takes them
+    assert not hasattr(model.layers[0].self_attn, "head_dim")
+    one_token.attach(model, in_place=True, fold=True)
+    assert all(layer.self_attn._fold is not None for layer in model.layers)
+    replaying = _cached_replaying([])
+    calls: list[tuple] = []
+
+    def recorded(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
+        calls.append((q.shape[1:], rope is not None))
+        return replaying(q, k_new, v_new, k, v, padding, position, scale, rope=rope)
+
+    monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {})
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
+    assert cached_attention_load.compile_cached(model) == 1
+    assert {shape for shape, _ in calls} == {(2, 1, 64)} and any(folded for _, folded in calls)
+    assert all(layer.self_attn._fold is not None for layer in model.layers)  # the folded rope agreed
+
+
 def _cached_replaying(calls: list[int]):
     """``attend_cached``'s place taken by numpy (no CUDA here): the write into the cache's
     own buffers (``np.array(copy=False)`` is a view of an evaluated MLX array on the CPU),
