@@ -411,13 +411,13 @@ def card_bandwidth() -> float:
     return next((bw for card, bw in DATASHEET_BANDWIDTH.items() if card in name), 4.8e12)
 
 
-def host_speed(ops: int = 400) -> str:
-    """The host's CPU and how fast it hands MLX operations over: microseconds an
-    operation of a chain of ``ops`` small adds evaluated (best of five). A one-stream
-    step is ~370 operations handed over by the host, so leases on hosts of other speeds
-    serve one stream at other rates with the same code (12-03's host: 8.8 us an add,
-    a later one 28.8): this says which host a table's numbers came from."""
-    import mlx.core as mx
+def host_speed() -> str:
+    """The host's CPU and how fast it hands MLX operations over (``launch_cost.chain_cost``:
+    microseconds an operation of a chain of adds, built and evaluated). A one-stream step
+    is ~370 operations handed over by the host, so leases on hosts of other speeds serve
+    one stream at other rates with the same code (12-03's host: 8.8 us an add, a later
+    one 28.8): this says which host a table's numbers came from."""
+    from benchmarks.gpu.launch_cost import chain_cost
 
     name = "?"
     try:
@@ -425,16 +425,7 @@ def host_speed(ops: int = 400) -> str:
                      if line.startswith("model name")), "?")
     except OSError:
         pass
-    best = float("inf")
-    for _ in range(5):
-        x = mx.zeros((16,))
-        mx.eval(x)
-        start = time.perf_counter()
-        for _ in range(ops):
-            x = x + 1
-        mx.eval(x)
-        best = min(best, (time.perf_counter() - start) / ops * 1e6)
-    return f"{name} ({os.cpu_count()} cores), {best:.1f} us an MLX operation handed over"
+    return f"{name} ({os.cpu_count()} cores), {chain_cost()[2]:.1f} us an MLX operation built and handed over"
 
 
 def tables(results: list[dict[str, Any]], args: argparse.Namespace, notes: dict[str, str]) -> str:

@@ -300,9 +300,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     if (heads // kv_heads) % hsplit:
         raise ValueError(f"a head split of {hsplit} for {heads // kv_heads} query heads a key-value head")
     pairs = rope[2] if rope else ""
-    if in_flight is None or dense is None:
-        given = compact()
-        in_flight, dense = given[0] if in_flight is None else in_flight, given[1] if dense is None else dense
+    default_in_flight, default_dense = compact()
+    in_flight = default_in_flight if in_flight is None else in_flight
+    dense = default_dense if dense is None else dense
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
                                                           hsplit, pairs, in_flight, dense),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],

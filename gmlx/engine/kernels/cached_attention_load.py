@@ -47,22 +47,18 @@ def check_folds(model: Any) -> int:
 
     folds: dict[tuple, list[Any]] = {}
     for _, m in model.named_modules():
-        if getattr(m, "_fold", None) is not None and getattr(m, "_in_place", False):
+        if getattr(m, "_fold", None) is not None and (shape := _shape(m)) is not None:
             inv, pairs = m._fold
-            proj = m.o_proj
-            dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
-            shape = (m.n_heads, m.n_kv_heads, cac.head_dim(m), float(m.scale), dtype)
-            folds.setdefault((*shape[:4], str(dtype), pairs, tuple(inv.tolist())), []).append((m, shape))
+            folds.setdefault((*shape[:4], str(shape[4]), pairs, tuple(inv.tolist())), []).append((m, shape))
     for layers in folds.values():
         m, shape = layers[0]
         if shape not in _supported({shape}):
             continue
-        forms = [(cac.MIN_KEYS, 1, 1, "warp"), (16 * cac.MIN_KEYS, cac.splits(2 * shape[1], 16 * cac.MIN_KEYS, 0), 1, "warp")]
-        if cac._lane_agrees.get((*shape[:3], str(shape[4])), False):
-            forms += [(c, n, h, "lane") for c, n, h, _ in forms]
+        layouts = ("warp", "lane") if cac._lane_agrees.get((*shape[:3], str(shape[4])), False) else ("warp",)
         try:
-            for form in forms:
-                _check(*shape, *form, rope=(m.rope, *m._fold))
+            for layout in layouts:
+                for form in _whole_and_split(shape[1]):
+                    _check(*shape, *form, layout, rope=(m.rope, *m._fold))
         except Exception as error:  # noqa: BLE001 - a kernel MLX refused, or one that disagreed
             log.warning("cuda: the in-place attention does not take the rope (%d layers keep their own): %s",
                         len(layers), str(error).splitlines()[0][:200])
@@ -80,7 +76,7 @@ def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -
     (RuntimeError where any does not compile, launch or agree), then a key a lane where it
     fits (:func:`cached_attention_cuda.fits`), whose failure only keeps it from being used (logged)."""
     # one block a head, then split, then the group's heads a block each (the load times it)
-    forms = [(cac.MIN_KEYS, 1, 1), (16 * cac.MIN_KEYS, cac.splits(2 * kv_heads, 16 * cac.MIN_KEYS, 0), 1)]
+    forms = _whole_and_split(kv_heads)
     forms += [(cac.MIN_KEYS, 1, h) for h in cac.hsplits(heads // kv_heads)[-1:] if h > 1]
     for form in forms:
         _check(heads, kv_heads, d, scale, dtype, *form)
@@ -96,17 +92,27 @@ def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -
                         str(error).splitlines()[0][:200])
 
 
+def _whole_and_split(kv_heads: int) -> list[tuple[int, int, int]]:
+    """The forms a load checks each build in: ``(capacity, splits, head split)`` whole over a
+    short cache, then split over a longer one (two streams of ``kv_heads``)."""
+    return [(cac.MIN_KEYS, 1, 1), (16 * cac.MIN_KEYS, cac.splits(2 * kv_heads, 16 * cac.MIN_KEYS, 0), 1)]
+
+
+def _shape(m: Any) -> tuple | None:
+    """A module's attention shape if it writes in place: (query heads, key-value heads,
+    head size, scale, dtype), else None."""
+    if not getattr(m, "_in_place", False) or not all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "scale")):
+        return None
+    if not (d := cac.head_dim(m)):
+        return None
+    proj = m.o_proj
+    dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
+    return m.n_heads, m.n_kv_heads, d, float(m.scale), dtype
+
+
 def _in_place_shapes(model: Any) -> set[tuple]:
-    """The distinct attention shapes among ``model``'s layers that write in place: (query
-    heads, key-value heads, head size, scale, dtype)."""
-    shapes = set()
-    for _, m in model.named_modules():
-        if (getattr(m, "_in_place", False) and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "scale"))
-                and cac.head_dim(m)):
-            proj = m.o_proj
-            dtype = proj.scales.dtype if "scales" in proj else proj.weight.dtype
-            shapes.add((m.n_heads, m.n_kv_heads, cac.head_dim(m), float(m.scale), dtype))
-    return shapes
+    """The distinct attention shapes among ``model``'s layers that write in place (:func:`_shape`)."""
+    return {shape for _, m in model.named_modules() if (shape := _shape(m)) is not None}
 
 
 def _supported(shapes: set[tuple]) -> list[tuple]:

@@ -44,9 +44,11 @@ T* kb = const_cast<T*>(k) + b * k_strides[0] + kvh * k_strides[1];
 T* vb = const_cast<T*>(v) + b * v_strides[0] + kvh * v_strides[1];
 const T* kn = k_new + b * k_new_strides[0] + kvh * k_new_strides[1];
 const T* vn = v_new + b * v_new_strides[0] + kvh * v_new_strides[1];
-const bool kdense = DENSE || (k_strides[3] == 1 && k_strides[2] % 8 == 0);
-const bool vdense = DENSE || (v_strides[3] == 1 && v_strides[2] % 8 == 0);
-if (DENSE && !(k_strides[3] == 1 && k_strides[2] % 8 == 0 && v_strides[3] == 1 && v_strides[2] % 8 == 0)) {
+const bool krows = k_strides[3] == 1 && k_strides[2] % 8 == 0;
+const bool vrows = v_strides[3] == 1 && v_strides[2] % 8 == 0;
+const bool kdense = DENSE || krows;
+const bool vdense = DENSE || vrows;
+if (DENSE && !(krows && vrows)) {
     // a build for dense rows handed a strided cache: every output NaN (loud), nothing written
     for (int i = t; i < GROUP * D; i += THREADS) {
         const int g = i / D;

@@ -207,7 +207,7 @@ def _whole(cls: type) -> type:
             # a model whose layers do not all take the in-place step is expected (info), at its
             # first step; a trace that failed otherwise, or after whole steps had run, is not
             # (warning: every step after is slower, and served it must show)
-            ran = getattr(self, "_whole_ran", False)
+            ran = self._whole_ran
             level = logging.INFO if isinstance(error, NotWhole) and not ran else logging.WARNING
             log.log(level, "the one-token step runs uncompiled%s: %s", " after whole steps had run" if ran else "",
                     error)
