@@ -117,6 +117,14 @@ GMLX_VARIANTS = {
     # an attention's queries, keys and values in one product (qkv_cuda) never; neither
     # step kernel (glu_cuda, qkv_cuda): the server as before them
     "gmlx-noqkv": {"GMLX_QKV_KERNEL": "0"},
+    # the q-k-v product at every decode step of up to 64 streams, untimed (12-06 midday H100:
+    # forced at one stream, which the load's whole-step timing had not taken, the step's
+    # kernels summed 0.47 ms less and the GPU was busy 0.11 ms less)
+    "gmlx-qkv": {"GMLX_QKV_KERNEL": "1"},
+    # the one-token step's queries and keys rotated in one kernel, its adds and norms fused,
+    # each alone (rope_cuda, add_norm_cuda; off by default)
+    "gmlx-rope": {"GMLX_ROPE_KERNEL": "1"},
+    "gmlx-addnorm": {"GMLX_ADD_NORM_KERNEL": "1"},
     "gmlx-nostep": {"GMLX_GLU_KERNEL": "0", "GMLX_QKV_KERNEL": "0"},
     # the 12-06 additions (off by default since that day's H100 lease served one stream at
     # 176 tok/s against 276 on 12-05), one at a time, then all four: one stream's attention
@@ -138,7 +146,9 @@ GMLX_VARIANTS = {
     "gmlx-fused": {"GMLX_ROPE_ATTENTION": "1", "GMLX_ADD_NORM_KERNEL": "1"},
     # the in-place attention's code shorter (cached_attention_cuda.compact): built for dense
     # rows alone, and that with 4 keys (a key a lane: rows of values) in flight, not 16
+    # (the dense build is the default since 12-06 midday: "gmlx-strided" builds both paths)
     "gmlx-dense": {"GMLX_ATTENTION_DENSE": "1"},
+    "gmlx-strided": {"GMLX_ATTENTION_DENSE": "0"},
     "gmlx-compact": {"GMLX_ATTENTION_DENSE": "1", "GMLX_ATTENTION_IN_FLIGHT": "4"},
     # each llama-pattern block's one-token step in two compiled pieces
     # (gmlx.engine.kernels.compiled_blocks: on by default on the CPU and CUDA, off on Metal), or never

@@ -14,6 +14,7 @@
 #   the attention's fixed cost under ncu:      bash benchmarks/gpu/lease.sh ncu-attention (~120 s)
 #   the rope folded into the attention:        bash benchmarks/gpu/lease.sh fold      (~450 s)
 #   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
+#   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~450 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -33,9 +34,12 @@
 #   gmlx first and last.
 # fold: the rope folded into the in-place attention (gmlx-fold), and that with the add-norm
 #   kernel (gmlx-fused), against gmlx, alternating, at widths 1 and 32.
-# compact: the in-place attention built shorter (dense rows alone: gmlx-dense; and 4 keys
-#   in flight: gmlx-compact) against gmlx, at widths 1 and 32; worth its time where
-#   ncu-attention's --fixed table shows the shorter builds faster at 38 keys.
+# compact: the in-place attention's builds served: both paths (gmlx-strided: the default
+#   before 12-06 midday) and 4 keys in flight (gmlx-compact) against gmlx (dense rows
+#   alone), at widths 1 and 32.
+# variants: the served one-stream step traced in process, a process a setting, alternating
+#   (gmlx, gmlx-qkv, -fold, -strided, -addnorm; VARIANTS=... ROUNDS=... to change): ms a
+#   step, the GPU's busy time, the kernels' sum and count; the medians against gmlx's.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -132,10 +136,10 @@ case ${1:-} in
     tail -8 "$OUT/fold.md"
     ;;
   compact)
-    # whether the attention's ~17 us a call is its code being fetched at each launch: the
-    # shorter builds served (the load checks and times them as they are built)
+    # the attention's builds served (the load checks and times each as it is built): the
+    # dense rows' build (the default) against both paths and against fewer keys in flight
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-compact --servers gmlx-compact,gmlx,gmlx-dense,gmlx-compact \
+    "${BENCH[@]}" --results /tmp/gpu-results-compact --servers gmlx-strided,gmlx,gmlx-compact,gmlx-strided \
       --widths 1,32 --rounds 2 --prefix-reps 0 --out "$OUT/compact.md" > "$OUT/compact.txt" 2>&1
     grep -E "in-place|uncompiled|WARNING|tok/s" "$OUT/compact.txt" | cut -c1-300 | head -20
     tail -8 "$OUT/compact.md"
@@ -179,6 +183,16 @@ case ${1:-} in
     "${BENCH[@]}" --results /tmp/gpu-results-long --servers llama,gmlx --widths 1 --prompt 7800 --tokens 128 \
       --rounds 1 --prefix-reps 0 --out "$OUT/long.md" > "$OUT/long.txt" 2>&1
     tail -10 "$OUT/long.md"
+    ;;
+  variants)
+    # settings compared by the served one-stream step's own GPU time (step_variants.py: each
+    # in a process of its own, alternating, the step traced; the load's tuning read from
+    # /tmp/gmlx-home, so after `gmlx`): served tok/s moved 199-262 between processes of one
+    # build on 12-06, too much to show a few percent
+    with_env
+    GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-qkv,gmlx-fold,gmlx-strided,gmlx-addnorm}" \
+      --rounds "${ROUNDS:-2}" --widths 1 --keep "$OUT/variants" > "$OUT/variants.txt" 2>&1
+    cat "$OUT/variants.txt"
     ;;
   pairs)
     with_env

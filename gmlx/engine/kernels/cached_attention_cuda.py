@@ -196,15 +196,19 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
 
 
 def compact() -> tuple[int, bool]:
-    """The kernel's code, shorter (``(keys in flight, dense rows alone)``): by default
-    ``(0, False)``, each layout's own unroll and both dense and strided paths built in.
-    ``GMLX_ATTENTION_IN_FLIGHT=N`` sets the keys a warp has in flight (a key a lane: rows
-    of values) and ``GMLX_ATTENTION_DENSE=1`` builds for dense rows alone (gmlx's caches;
-    a strided one gets NaN). Why: a launch's SMs fetch its code as they first run it, and
-    this kernel's is 41-68 KB for the 8B's heads (the products' 6-18 KB); whether that is
-    the ~17 us a call costs at any cache length, ``attention_check.py --fixed`` times on a
-    GPU. Off until it does."""
-    return int(os.environ.get("GMLX_ATTENTION_IN_FLIGHT", "0") or 0), os.environ.get("GMLX_ATTENTION_DENSE") == "1"
+    """The kernel's build (``(keys in flight, dense rows alone)``): by default ``(0,
+    True)``, each layout's own unroll, built for dense rows alone (gmlx's caches: each
+    row's dimensions adjacent, rows 16-byte aligned; a strided cache gets NaN and nothing
+    written, and the load's check against MLX, run on the caches the server makes, would
+    fail and keep MLX's attention). ``GMLX_ATTENTION_DENSE=0`` also builds the strided
+    path; ``GMLX_ATTENTION_IN_FLIGHT=N`` sets the keys a warp has in flight (a key a lane:
+    rows of values). Why dense by default: on the H100 (12-06 midday, chained, the 8B's
+    heads, one stream) the dense builds took 18.7 against 22.8 us a key a lane at 38 keys
+    and 44.4 against 51.6 at 1,000, a key a warp 73.3 against 94.1 at 1,000 (and the same
+    at 38); fewer keys in flight was slower but a key a warp at 38 keys, so that stays
+    each layout's own."""
+    return (int(os.environ.get("GMLX_ATTENTION_IN_FLIGHT", "0") or 0),
+            os.environ.get("GMLX_ATTENTION_DENSE", "1") != "0")
 
 
 def fits(group: int, d: int, layout: str = "warp", rope: bool = False) -> bool:

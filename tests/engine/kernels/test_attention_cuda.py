@@ -610,8 +610,9 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """What MLX is asked to launch (``mx.fast.cuda_kernel`` recorded: no CUDA here): a
     short cache, one kernel a block a head writing the output; a long one, the split
     kernel's blocks writing float32 shares, then the combine over them, a thread a
-    dimension; both for the routed kernel and the cached one, the cached one also with
-    its key-value head's query heads split between two blocks."""
+    dimension; both for the routed kernel and the cached one (built for dense rows alone,
+    its default), the cached one also with its key-value head's query heads split
+    between two blocks."""
     launched: list[tuple] = []
 
     def cuda_kernel(**made):
@@ -645,11 +646,11 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
         ("gmlx_attend_half_64", 2, 256, [(1, 2, 1, 64)], [mx.float16]),
         ("gmlx_attend_half_64_split", 4, 256, [(4, 64), (4,), (4,)], [mx.float32] * 3),  # two blocks a head
         ("gmlx_attend_combine_half_64", 2, 64, [(1, 2, 1, 64)], [mx.float16]),
-        ("gmlx_attend_cached_half_64_g2", 1, 256, *whole),  # a block the key-value head: its two query heads
-        ("gmlx_attend_cached_half_64_g2_split", 32, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
+        ("gmlx_attend_cached_half_64_g2_dense", 1, 256, *whole),  # a block the key-value head: its two query heads
+        ("gmlx_attend_cached_half_64_g2_split_dense", 32, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
         ("gmlx_attend_combine_half_64", 2, 64, *whole),  # a block a query head
-        ("gmlx_attend_cached_half_64_g2_h2", 2, 256, *whole),  # the head split: a block a query head
-        ("gmlx_attend_cached_half_64_g2_h2_split", 64, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
+        ("gmlx_attend_cached_half_64_g2_h2_dense", 2, 256, *whole),  # the head split: a block a query head
+        ("gmlx_attend_cached_half_64_g2_h2_split_dense", 64, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
         ("gmlx_attend_combine_half_64", 2, 64, *whole),  # the same shares: (stream, query head, split)
     ]
 
