@@ -34,9 +34,9 @@ from benchmarks.gpu.bench import GMLX_VARIANTS
 
 KERNEL_TIMES = Path(__file__).with_name("kernel_times.py")
 COLUMNS = ("ms a step", "span", "GPU busy", "kernels", "kernels a step")
-_WALL = re.compile(r"^window (\d+) width (\d+) loop served: ([\d.]+) ms a step", re.M)
+_WALL = re.compile(r"^window (\d+) width (\d+) loop served: ([\d.]+) ms a step", re.MULTILINE)
 _TRACED = re.compile(r"^window (\d+) \(traced\): span ([\d.]+) ms a step, kernels ([\d.]+) ms, "
-                     r"the GPU busy ([\d.]+) ms .*?; (\d+) kernels a step", re.M)
+                     r"the GPU busy ([\d.]+) ms .*?; (\d+) kernels a step", re.MULTILINE)
 
 
 def environment(variant: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx.engine.kernels import qmmw_cuda
+from gmlx.engine.kernels import qmmw_cuda, qmmw_source
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import byte_perm, emulation
 
@@ -147,7 +147,7 @@ def test_every_launch_shape_fits_shared_memory_at_every_row_count() -> None:
 
 
 def test_the_kernel_source_defines_its_instructions_once_and_has_no_comments() -> None:
-    body = qmmw_cuda._BODY
+    body = qmmw_source.BODY
     assert body.startswith("#define FMA2")
     assert "//" not in body.split("#define MMA")[1].split("\n", 4)[-1]
     assert body.count("fma.rn.bf16x2") == 1 and body.count("fma.rn.f16x2") == 1
@@ -222,7 +222,7 @@ def _run(tmp_path, dtype, bits: int, config: tuple[int, int, int], x: mx.array, 
     made = _made(dtype, bits, config, rows, gated, sizes if parts else ())
     name = str(dtype).removeprefix("mlx.core.")
     body = emulation.function(made, [name, *["uint32", name, name] * len(layers)], name)
-    body = body.replace(qmmw_cuda._MACROS.strip(), "")
+    body = body.replace(qmmw_source.MACROS.strip(), "")
     suffix = ["", "2", "3"]
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws"}
     loads, saves = [], []
