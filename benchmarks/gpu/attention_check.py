@@ -233,8 +233,9 @@ def check_fixed(reps: int = 100) -> None:
     shape, bf16, chained), at 38 keys and at ~1,000: each layout as built by default, with
     fewer keys in flight and built for dense rows alone (less code: whether a launch
     fetching its 41-68 KB of code is the ~17 us it costs at any length), over no keys at
-    all, with the rope folded in; a kernel of the same launch that only reads the
-    positions; MLX's one-query attention."""
+    all, with the rope folded in; the wide form (a query head a block of 32 warps,
+    :func:`cached_attention_cuda.wide_threads`), plain and with the rope folded in; a
+    kernel of the same launch that only reads the positions; MLX's one-query attention."""
     from mlx import nn
 
     from gmlx.engine.kernels import rope_cuda
@@ -263,6 +264,8 @@ def check_fixed(reps: int = 100) -> None:
         err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="warp",
                                                        rope=(rope, inv, "half"))
         agreed.append(f"{at + 1} keys: largest difference {err:.4f}, the cache {'as' if written else 'NOT as'} written")
+        err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="wide")
+        agreed.append(f"wide at {at + 1} keys: {err:.4f}, the cache {'as' if written else 'NOT as'} written")
 
         def cached(padding, layout, in_flight=0, dense=False, position=position, **kw):
             return lambda x: cached_attention_cuda.attend_cached(x, k_new, v_new, k, v, padding, position, scale, n=1,
@@ -274,6 +277,8 @@ def check_fixed(reps: int = 100) -> None:
         forms["whole, a key a warp, no keys (start and end alone)"] = cached(empty, "warp")
         forms["whole, a key a lane, no keys"] = cached(empty, "lane")
         forms["whole, a key a warp, the rope folded in"] = cached(live, "warp", rope=folded)
+        forms["whole, wide (a query head a block of 32 warps, a key a warp)"] = cached(live, "wide")
+        forms["whole, wide, the rope folded in"] = cached(live, "wide", rope=folded)
         forms["a kernel of the same launch reading the positions only"] = lambda x, position=position: floor(
             inputs=[x, live, position], grid=(kv_heads * attention_cuda.THREADS, 1, 1),
             threadgroup=(attention_cuda.THREADS, 1, 1), output_shapes=[(1, 1, heads * d)],
@@ -284,7 +289,8 @@ def check_fixed(reps: int = 100) -> None:
             rows.setdefault(name, []).append(f"{per_product(fn, q, reps):.1f}")
     for name, cells in rows.items():
         print(f"| {name} | {' | '.join(cells)} |", flush=True)
-    print("\nthe rope folded in against nn.RoPE and MLX's attention: " + "; ".join(agreed))
+    print("\nthe rope folded in against nn.RoPE and MLX's attention, and the wide form against MLX's: "
+          + "; ".join(agreed))
 
 
 def main() -> None:

@@ -236,10 +236,10 @@ def _kernel(dtype: Any, head_dim: int, scale: float, split: bool = False) -> Any
                  ensure_row_contiguous=False)
 
 
-def kernel_head(dtype: Any, head_dim: int, scale: float) -> str:
+def kernel_head(dtype: Any, head_dim: int, scale: float, threads: int = THREADS) -> str:
     """A one-query attention kernel's constants: the float type, head size, block size, the scale in base 2."""
     qscale = float(scale) * math.log2(math.e)
-    return (f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr int THREADS = {THREADS}; "
+    return (f"using T = {cuda_type(dtype)}; constexpr int D = {head_dim}; constexpr int THREADS = {threads}; "
             f"constexpr float QSCALE = {qscale!r}f; constexpr float FLOOR = {_FLOOR!r}f;\n")
 
 
@@ -254,8 +254,8 @@ def attend(q: Any, k: Any, v: Any, scale: float, mask: Any) -> Any:
 
 
 def in_blocks(kernel: Callable[[bool], Any], inputs: list[Any], q: Any, n: int, blocks: int,
-              out_shape: tuple[int, ...]) -> Any:
-    """A one-query attention kernel's launch, ``blocks`` blocks of ``THREADS`` (a block a
+              out_shape: tuple[int, ...], threads: int = THREADS) -> Any:
+    """A one-query attention kernel's launch, ``blocks`` blocks of ``threads`` (a block a
     (stream, query head) for the routed kernel, a (stream, key-value head) for the
     cached one), each over its whole share of the keys: ``kernel(False)`` alone, writing
     ``out_shape``; or, with ``n`` splits, ``kernel(True)``'s ``n`` times as many blocks
@@ -264,7 +264,7 @@ def in_blocks(kernel: Callable[[bool], Any], inputs: list[Any], q: Any, n: int, 
     import mlx.core as mx
 
     b, heads, _, d = q.shape
-    grid, threadgroup = (blocks * n * THREADS, 1, 1), (THREADS, 1, 1)
+    grid, threadgroup = (blocks * n * threads, 1, 1), (threads, 1, 1)
     if n == 1:
         (out,) = kernel(False)(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=[out_shape],
                                output_dtypes=[q.dtype])

@@ -60,6 +60,13 @@ the split threshold with it (:func:`cached_attention_load.tune_split`); the spli
 key-value head. Off by default: the one lease that served it (H100, 12-06, with the
 other 12-06 additions) served one stream slower than ever, the cause not yet isolated.
 
+One stream's whole form may also go wide (:data:`WIDE`, :func:`wide_threads` says why): a
+query head a block of 32 warps (16 for heads of 256), each warp a key at a time, as MLX's
+one-query kernel lays its blocks out, with the in-place write. The load checks it
+against MLX and times it against the whole form chosen so far at 256 and 1,024 positions
+(:func:`cached_attention_load.tune_split`), and one stream takes it only where it won at
+both. Not yet run on a GPU.
+
 With ``GMLX_ROPE_ATTENTION=1`` (:func:`folded_rope`) the kernel also takes the layer's
 rope: handed the step's queries and key as the projections made them, each stream's
 position and the rope's inverse frequencies, it rotates them as it reads them (the key
@@ -90,6 +97,9 @@ TARGET_BLOCKS = 264  # about two blocks an SM on the H100 and H200 (132 SMs)
 MIN_KEYS = 32  # the fewest positions of the capacity a split is made for
 SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 LAYOUTS = ("warp", "lane")  # a key a warp, a key a lane (cached_attention_source.body)
+# One stream's whole form, where the load measured it faster (:func:`wide_threads`): a key a
+# warp, a query head a block (the head split whole), many warps a block
+WIDE = "wide"
 FOLD_ENV = "GMLX_ROPE_ATTENTION"
 ROPES = ("half", "pairs")  # a folded rope's pairs: (i, i + D/2), traditional (2i, 2i + 1)
 # Positions of the capacity from which a split pays, where the load has not measured it
@@ -103,6 +113,8 @@ _split_keys: dict[tuple, int] = {}  # the load's measure (cached_attention_load.
 _layouts: dict[tuple, tuple[str, str]] = {}  # likewise: the whole form's layout and the split form's
 _hsplits: dict[tuple, tuple[int, int]] = {}  # likewise: the whole form's blocks a key-value head and the split form's
 _lane_agrees: dict[tuple, bool] = {}  # whether the lane form agreed with MLX at the load's check (cached_attention_load)
+_wide_agrees: dict[tuple, bool] = {}  # likewise the wide form
+_wide: dict[tuple, bool] = {}  # the load's measure: whether one stream's whole form takes WIDE
 
 
 def cached_enabled() -> bool:
@@ -180,17 +192,19 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     frequencies), ``in_flight`` keys' loads in flight a warp (0: the layout's own,
     :func:`cached_attention_source.unroll`), built for ``dense`` rows alone or for any
     strides: four kernels a head split, rope, unroll and build per float type, head size,
-    scale and group, whatever the cache's length."""
-    head = (attention_cuda.kernel_head(dtype, head_dim, scale)
+    scale and group, whatever the cache's length. ``layout`` :data:`WIDE`: a key a warp in
+    blocks of :func:`wide_threads` (``hsplit`` then the whole group: a query head a block)."""
+    wide = layout == WIDE
+    head = (attention_cuda.kernel_head(dtype, head_dim, scale, wide_threads(head_dim) if wide else attention_cuda.THREADS)
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
             + f"constexpr bool DENSE = {'true' if dense else 'false'};\n"
             + (f"constexpr bool TRAD = {'true' if rope == 'pairs' else 'false'};\n" if rope else "")
             + (FINISH_SPLIT if split else FINISH_ONE))
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
-            f"{f'_h{hsplit}' if hsplit > 1 else ''}{'_lane' if layout == 'lane' else ''}{'_split' if split else ''}"
+            f"{f'_h{hsplit}' if hsplit > 1 else ''}{f'_{layout}' if layout != 'warp' else ''}{'_split' if split else ''}"
             f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}")
-    return build(name, head, body(layout, bool(rope)),
+    return build(name, head, body("warp" if wide else layout, bool(rope)),
                  ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
@@ -211,13 +225,31 @@ def compact() -> tuple[int, bool]:
             os.environ.get("GMLX_ATTENTION_DENSE", "1") != "0")
 
 
+def wide_threads(d: int) -> int:
+    """The wide form's block (:data:`WIDE`): 32 warps for heads of up to 128, 16 for heads
+    of 256, each warp a key in flight (nvcc 13 for sm_90: 56 registers a thread for heads
+    of 128, within the 64 a block of 1,024 threads leaves; 78 for heads of 256).
+
+    Why: one stream's whole form is a block a key-value head, 8 blocks of 8 warps for an
+    8B, each warp walking its keys for the group's four query heads; ncu on the H100
+    (12-06 midday, 38 keys) found each block ~17,000 cycles long on 8 of the 132 SMs, a
+    warp issuing an instruction every 10.5 cycles, 0.9% of the SMs' throughput: a latency
+    chain. MLX's one-query kernel, a block of 32 warps a query head (each key read once a
+    query head), took 13.4 us a call in a chain at 38 keys and 26.8 at 1,000, against the
+    in-place kernel's 18.7 and 44.4 (dense, a key a lane). This form is that shape with
+    the in-place write: a query head a block, its warps each a key at a time, so a short
+    cache's keys are one or two a warp and a long one's spread over 32 blocks x 32 warps."""
+    return 1024 if d <= 128 else 512
+
+
 def fits(group: int, d: int, layout: str = "warp", rope: bool = False) -> bool:
     """Whether the kernel in ``layout`` is built for ``group`` query heads a key-value
     head of size ``d``: its shared memory (the warps' shares of every head's output,
     maximum and total; a key a lane, also the group's queries, a tile's weights a warp
     and the step's key and value; with the ``rope`` folded in, the rotated queries and
     key) within :data:`SHARED_BYTES`."""
-    warps = attention_cuda.THREADS // 32
+    warps = (wide_threads(d) if layout == WIDE else attention_cuda.THREADS) // 32
+    group = 1 if layout == WIDE else group  # (a query head a block)
     floats = warps * group * d + 2 * warps * group + (group * d + warps * 32 * group + d if layout == "lane" else 0)
     floats += group * d + d // 2 if rope else 0  # (halves of the key: d / 2 floats' room)
     return 4 * floats <= SHARED_BYTES  # (the lane form's key and value of the step: 2 x d halves, d floats)
@@ -274,7 +306,8 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     split over several blocks a key-value head (:func:`splits`, from the load's measure
     for this shape where it took one) and a second launch combines their shares;
     ``n`` sets the splits instead (1: whole). A key a warp, or a key a lane where the
-    load measured that form faster for this shape (whole and split apart); ``layout``
+    load measured that form faster for this shape (whole and split apart), and one
+    stream's whole form :data:`WIDE` where the load measured that faster; ``layout``
     sets it instead. Each key-value head's query heads in one block, or shared between
     ``hsplit`` blocks (:func:`hsplits`; None: at one stream as the load measured for this
     shape and form, else one). With ``rope`` (each stream's position, an ``int32``
@@ -298,9 +331,11 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     if n is None:  # whole where the whole form's blocks fill a wave; split, toward the target in the split form's
         n = splits(b * kv_heads * chosen[0], keys.shape[2], _split_keys.get(shape, SPLIT_KEYS))
         n = splits(b * kv_heads * chosen[1], keys.shape[2], 0) if n > 1 else 1
-    if layout is None:
-        layout = _layouts.get(shape, ("warp", "warp"))[n > 1]
-    hsplit = chosen[n > 1]
+    if layout is None:  # one stream's whole form wide where the load measured it faster
+        layout = WIDE if b == 1 and n == 1 and _wide.get(shape) else _layouts.get(shape, ("warp", "warp"))[n > 1]
+    if layout == WIDE and n > 1:
+        raise ValueError("the wide form of the in-place attention is whole only")
+    hsplit = heads // kv_heads if layout == WIDE else chosen[n > 1]
     if (heads // kv_heads) % hsplit:
         raise ValueError(f"a head split of {hsplit} for {heads // kv_heads} query heads a key-value head")
     pairs = rope[2] if rope else ""
@@ -310,4 +345,5 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
                                                           hsplit, pairs, in_flight, dense),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
-                                    q, n, b * kv_heads * hsplit, (b, 1, heads * d))
+                                    q, n, b * kv_heads * hsplit, (b, 1, heads * d),
+                                    wide_threads(d) if layout == WIDE else attention_cuda.THREADS)

@@ -20,6 +20,10 @@ TUNE_CAPACITIES = (256, 512, 1024, 2048, 4096, 8192, 16384)  # one stream's cach
 # (the H100, 12-06: within 3% of each other at 38-256 keys, 10% apart at 1,000), below the
 # split threshold (1,024-2,048 positions), so the whole form still runs there.
 HSPLIT_CAPACITY = 1024
+# The cache lengths at which the load times one stream's whole form against the wide one
+# (cached_attention_cuda.wide_threads): a short conversation's and a longer one's; the wide
+# form is taken where it won at both.
+WIDE_CAPACITIES = (256, 1024)
 
 
 def compile_cached(model: Any) -> int:
@@ -54,11 +58,13 @@ def check_folds(model: Any) -> int:
         m, shape = layers[0]
         if shape not in _supported({shape}):
             continue
-        layouts = ("warp", "lane") if cac._lane_agrees.get((*shape[:3], str(shape[4])), False) else ("warp",)
+        key = (*shape[:3], str(shape[4]))
+        layouts = ("warp", "lane") if cac._lane_agrees.get(key, False) else ("warp",)
+        checks = [(form, layout) for layout in layouts for form in _whole_and_split(shape[1])]
+        checks += [(_whole_and_split(shape[1])[0], cac.WIDE)] if cac._wide_agrees.get(key, False) else []
         try:
-            for layout in layouts:
-                for form in _whole_and_split(shape[1]):
-                    _check(*shape, *form, layout, rope=(m.rope, *m._fold))
+            for form, layout in checks:
+                _check(*shape, *form, layout, rope=(m.rope, *m._fold))
         except Exception as error:  # noqa: BLE001 - a kernel MLX refused, or one that disagreed
             log.warning("cuda: the in-place attention does not take the rope (%d layers keep their own): %s",
                         len(layers), str(error).splitlines()[0][:200])
@@ -74,7 +80,8 @@ def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -
     """:func:`compile_cached` for one attention shape: whole, split and whole with the
     largest head split (where the group has more than one head), a key a warp
     (RuntimeError where any does not compile, launch or agree), then a key a lane where it
-    fits (:func:`cached_attention_cuda.fits`), whose failure only keeps it from being used (logged)."""
+    fits (:func:`cached_attention_cuda.fits`), and the wide form whole
+    (:data:`cached_attention_cuda.WIDE`), whose failures only keep them from being used (logged)."""
     # one block a head, then split, then the group's heads a block each (the load times it)
     forms = _whole_and_split(kv_heads)
     forms += [(cac.MIN_KEYS, 1, h) for h in cac.hsplits(heads // kv_heads)[-1:] if h > 1]
@@ -90,6 +97,14 @@ def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -
         except RuntimeError as error:
             log.warning("cuda: the in-place attention's key-a-lane form is not used: %s",
                         str(error).splitlines()[0][:200])
+    cac._wide_agrees[key] = False
+    if cac.fits(heads // kv_heads, d, cac.WIDE):  # one stream's whole form (tune_split times it)
+        try:
+            for capacity in (cac.MIN_KEYS, 16 * cac.MIN_KEYS):  # warps with no key, and several keys a warp
+                _check(heads, kv_heads, d, scale, dtype, capacity, 1, 1, cac.WIDE)
+            cac._wide_agrees[key] = True
+        except RuntimeError as error:
+            log.warning("cuda: the in-place attention's wide form is not used: %s", str(error).splitlines()[0][:200])
 
 
 def _whole_and_split(kv_heads: int) -> list[tuple[int, int, int]]:
@@ -140,7 +155,8 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
     the longest of :data:`TUNE_CAPACITIES`); where the group has more than one query head,
     how many blocks the whole form shares each key-value head's between (each of
     :func:`cached_attention_cuda.hsplits`, at :data:`HSPLIT_CAPACITY` positions, in its layout; the split form
-    keeps one); then, with those, whole against split at each
+    keeps one); where the wide form agreed, whether one stream's whole form takes it (faster
+    at each of :data:`WIDE_CAPACITIES`); then, with those, whole against split at each
     of :data:`TUNE_CAPACITIES`, and the smallest capacity from which the split form won at
     every capacity timed becomes the shape's split threshold (:func:`cached_attention_cuda.splits`; none:
     twice the largest timed). Kept for the process (the decision is the GPU's and the
@@ -166,7 +182,7 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
         return [times[form] / 2 for form in forms]
 
     key = (heads, kv_heads, d, str(dtype))
-    for chosen_before in (cac._layouts, cac._hsplits):
+    for chosen_before in (cac._layouts, cac._hsplits, cac._wide):
         chosen_before.pop(key, None)
     said = []
     if cac._lane_agrees.get(key, False):
@@ -184,6 +200,12 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
         cac._hsplits[key] = (best, 1)
         said.append(f"whole form {best} block{'s' if best > 1 else ''} a key-value head ({HSPLIT_CAPACITY:,}: "
                     + " / ".join(f"{t * 1e6:.1f}" for t in took) + f" us at {' / '.join(map(str, options))})")
+    if cac._wide_agrees.get(key, False):  # one stream's whole form as chosen so far, or wide
+        took = [pair(call(capacity), (1, None, None), (1, cac.WIDE, None)) for capacity in WIDE_CAPACITIES]
+        cac._wide[key] = all(wide < chosen for chosen, wide in took)
+        said.append(f"one stream's whole form {'wide' if cac._wide[key] else 'as above'} ("
+                    + ", ".join(f"{c:,}: {t[0] * 1e6:.1f} / {t[1] * 1e6:.1f} wide us"
+                                for c, t in zip(WIDE_CAPACITIES, took, strict=True)) + ")")
     timed = []
     for capacity in TUNE_CAPACITIES:
         n = cac.splits(kv_heads, capacity, 0)

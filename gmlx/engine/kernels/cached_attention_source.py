@@ -345,11 +345,12 @@ for (int g = 0; g < GROUP; ++g) {
 
 def unroll(layout: str, d: int, given: int = 0) -> int:
     """Keys whose loads a warp has in flight at once: ``given``, else the layout's own
-    (a key a warp: 4; a key a lane: 16 rows of values, 8 for heads of 256). More keys
+    (a key a warp: 4, or 1 in the wide form's blocks of many warps, whose registers a
+    thread are fewer; a key a lane: 16 rows of values, 8 for heads of 256). More keys
     in flight hide more of a load's wait and make the kernel's code longer (the key-a-
     warp loop for the 8B's heads: ~41 KB of SASS at 4, ~27 at 2, ~20 at 1, all of it
     fetched by an SM at a launch's first keys)."""
-    return given or (4 if layout == "warp" else 8 if d // 32 == 8 else 16)
+    return given or (1 if layout == "wide" else 4 if layout == "warp" else 8 if d // 32 == 8 else 16)
 
 
 def body(layout: str, rope: bool = False) -> str:

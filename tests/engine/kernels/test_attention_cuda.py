@@ -11,6 +11,7 @@ routing tests put that replay where the kernel would be, said in each.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,9 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     into the cache's keys is counted too, a count a (stream, key-value head): the fourth
     array returned."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
+    wide = layout == cached_attention_cuda.WIDE  # a query head a block, blocks of many warps
+    hsplit = q.shape[1] // k.shape[1] if wide else hsplit
+    threads = cached_attention_cuda.wide_threads(q.shape[-1]) if wide else attention_cuda.THREADS
     kernel, run = _emulated(cached_attention_cuda._kernel, q, scale,
                             [dtype] * 5 + ["int32", "int32"] + (["int32", "float32"] if rope else []),
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
@@ -352,7 +356,7 @@ int main(int argc, char** argv) {
     (tmp / "pad.bin").write_bytes(np.array(pad).astype(np.int32).tobytes())
     b, heads, _, d = q.shape
     compile_and_run(tmp, "#include <atomic>\n" + PRELUDE + kernel + main,
-                    [b, heads, k.shape[1], k.shape[2], d, attention_cuda.THREADS, at, splits])
+                    [b, heads, k.shape[1], k.shape[2], d, threads, at, splits])
 
     def read(name: str, shape: tuple) -> mx.array:
         raw = np.frombuffer((tmp / name).read_bytes(), dtype=np.uint16).reshape(shape)
@@ -414,6 +418,24 @@ def test_the_cached_kernel_writes_the_step_in_place_and_attends_as_mlx_does(
     and nothing else touched; neither the padding nor what lies past ``at`` was read."""
     k, k_after = _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), 1, layout)
     assert not mx.array_equal(k_after, k).item()  # it wrote
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
+                                                         (mx.float16, 64, 64, 20, [0, 3, 20]),
+                                                         (mx.float16, 256, 512, 270, [0, 9, 261])])
+def test_the_wide_form_writes_the_step_in_place_and_attends_as_mlx_does(
+        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int]) -> None:
+    """The wide form (a query head a block of 32 warps, 16 for heads of 256; a key a warp):
+    MLX's attention and the cache written once a (stream, key-value head), where a
+    stream's keys number fewer than the warps (most warps hold none, and a stream
+    whose only key is the step's) and where each warp takes several."""
+    k, k_after = _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), 1,
+                                     cached_attention_cuda.WIDE)
+    assert not mx.array_equal(k_after, k).item()
+    rope = nn.RoPE(d, base=10000.0)  # and with the rope folded in
+    _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), 1, cached_attention_cuda.WIDE,
+                        rope=(rope, mx.array([at - p for p in padding], dtype=mx.int32)))
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
@@ -492,6 +514,47 @@ def test_the_head_split_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch
         assert done.returncode == 0, done.stderr[-4000:]  # (ptxas: a block's static shared memory within 48 KB)
 
 
+@pytest.mark.skipif(test_cuda_compile.NVCC is None, reason="no nvcc here (the CUDA toolkit) to compile the kernels with")
+def test_the_wide_forms_registers_fit_its_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The wide form's blocks are large (1,024 threads for heads of up to 128, 512 for
+    heads of 256): a launch fails where a thread's registers times the block's threads
+    pass the SM's 65,536. Each head size and float type, with the rope folded in or not,
+    assembled for sm_90 as MLX compiles it, within that (ptxas's count; the driver
+    assembles MLX's PTX with the same allocator)."""
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    factory = cached_attention_cuda._kernel
+    factory.cache_clear()
+    kernels: list[tuple] = []
+    try:
+        for dtype in (mx.float16, mx.bfloat16):
+            for d in attention_cuda.HEAD_DIMS:
+                for rope in ("", "half"):
+                    factory(dtype, d, d ** -0.5, 4, False, "wide", 4, rope, 0, True)
+                    kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32,
+                                               *([mx.int32, mx.float32] if rope else [])]))
+    finally:
+        factory.cache_clear()
+    source = test_cuda_compile._HEADER + "\n".join(test_cuda_compile._wrapped(*k) for k in kernels) + "} // namespace\n"
+    (tmp_path / "kernels.cu").write_text(source)
+    done = subprocess.run([test_cuda_compile.NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
+                           "kernels.cubin", "kernels.cu"], check=False, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    used: dict[str, int] = {}
+    entry = None
+    for line in done.stderr.splitlines():
+        if found := re.search(r"Compiling entry function '(\S+)'", line):
+            entry = found[1]
+        elif (found := re.search(r"Used (\d+) registers", line)) and entry:
+            used[entry] = int(found[1])
+    assert len(used) == len(kernels)
+    for kernel, _ in kernels:
+        (registers,) = [n for name, n in used.items() if kernel["name"] in name]
+        d = int(re.search(r"_(64|128|256)_g", kernel["name"])[1])
+        assert registers * cached_attention_cuda.wide_threads(d) <= 65536, (kernel["name"], registers)
+
+
 def test_long_caches_split_toward_the_target_and_short_ones_do_not() -> None:
     assert attention_cuda.splits(32, 512) == 1  # one stream of an 8B, a short cache: one launch
     assert attention_cuda.splits(32, 1024) == 2
@@ -522,16 +585,19 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
         return replaying(q, k_new, v_new, k, v, padding, position, scale)
 
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {})
+    monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", {})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
     assert cached_attention_load.compile_cached(model) == 0  # nothing writes in place
     one_token.attach(model, in_place=True)
     assert cached_attention_load.compile_cached(model) == 1  # two layers, one shape
-    # whole, split, then whole a query head a block (the group of two split), a key a warp, then a key a lane
+    # whole, split, then whole a query head a block (the group of two split), a key a warp, then a key a lane;
+    # then the wide form whole over a short cache and a longer one
     assert [(k[2], n, hsplit, layout) for _, k, *_, n, hsplit, layout in calls] == [
         (32, 1, 1, "warp"), (512, 16, 1, "warp"), (32, 1, 2, "warp"),
-        (32, 1, 1, "lane"), (512, 16, 1, "lane"), (32, 1, 2, "lane")]
+        (32, 1, 1, "lane"), (512, 16, 1, "lane"), (32, 1, 2, "lane"), (32, 1, 1, "wide"), (512, 1, 1, "wide")]
     assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, *_ in calls)
     assert cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
+    assert cached_attention_cuda._wide_agrees[(2, 1, 64, str(mx.float16))]
 
     def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
@@ -546,6 +612,16 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", lane_wrong)
     assert cached_attention_load.compile_cached(model) == 1
     assert not cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
+    assert cached_attention_cuda._wide_agrees[(2, 1, 64, str(mx.float16))]
+
+    def wide_wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
+        return replaying(q, k_new, v_new, k, v, padding, position, scale) + (0.25 if layout == "wide" else 0)
+
+    # likewise a wide kernel
+    monkeypatch.setattr(cached_attention_cuda, "attend_cached", wide_wrong)
+    assert cached_attention_load.compile_cached(model) == 1
+    assert cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
+    assert not cached_attention_cuda._wide_agrees[(2, 1, 64, str(mx.float16))]
 
     def unwritten(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         k_old, v_old = np.array(k), np.array(v)
@@ -638,6 +714,9 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
                 assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k,
                                                            mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125,
                                                            hsplit=hsplit).shape == (1, 1, 128)
+        k = mx.zeros((1, 1, 32, 64), mx.float16)
+        assert cached_attention_cuda.attend_cached(q, k[..., :1, :], k[..., :1, :], k, k, mx.zeros((1,), mx.int32),
+                                                   mx.array([7], mx.int32), 0.125, layout="wide").shape == (1, 1, 128)
     finally:
         for factory in factories:
             factory.cache_clear()
@@ -652,6 +731,7 @@ def test_the_launches_whole_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
         ("gmlx_attend_cached_half_64_g2_h2_dense", 2, 256, *whole),  # the head split: a block a query head
         ("gmlx_attend_cached_half_64_g2_h2_split_dense", 64, 256, [(64, 64), (64,), (64,)], [mx.float32] * 3),
         ("gmlx_attend_combine_half_64", 2, 64, *whole),  # the same shares: (stream, query head, split)
+        ("gmlx_attend_cached_half_64_g2_h2_wide_dense", 2, 1024, *whole),  # wide: a query head a block of 32 warps
     ]
 
 
@@ -697,7 +777,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list, Any]:
     monkeypatch.setattr(cached_attention_cuda, "_kernel",
                         lambda dtype, d, scale, group, split, layout, hsplit, rope="", in_flight=0, dense=False: (split, layout, hsplit))
     monkeypatch.setattr(attention_cuda, "in_blocks",
-                        lambda kernel, inputs, q, n, blocks, out_shape: launched.append((n, *kernel(n > 1), blocks)))
+                        lambda kernel, inputs, q, n, blocks, out_shape, threads=attention_cuda.THREADS:
+                        launched.append((n, *kernel(n > 1), blocks)))
 
     def attend(capacity: int, kv: int = 2, heads: int = 4, batch: int = 1, hsplit: int | None = None) -> None:
         k = mx.zeros((batch, kv, capacity, 64), mx.float16)
@@ -732,7 +813,7 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
             return (10e-6 if n == 1 else 12e-6) if not wins else (20e-6 if n == 1 else 15e-6)
         return call_time
 
-    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits"):
+    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits", "_wide", "_wide_agrees"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     try:
         monkeypatch.setattr(cached_attention_load, "_call_time", clock(4096))
@@ -784,7 +865,7 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
         lane_faster = n == 1  # the lane form whole, the warp form split
         return (5e-6 if (layout == "lane") == lane_faster else 9e-6) * (1 if n == 1 else 0.5)
 
-    for name in ("_split_keys", "_layouts", "_hsplits"):
+    for name in ("_split_keys", "_layouts", "_hsplits", "_wide", "_wide_agrees"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {key: True})
     monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
@@ -803,6 +884,54 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
         attend(128)  # below the shortest capacity timed (the split won at every one)
         attend(1 << 16)
         assert launched == [(1, False, "lane", 1, 2), (132, True, "warp", 1, 2)]
+    finally:
+        one_token.detach(model)
+
+
+@pytest.mark.parametrize("wide_wins_at", [(256, 1024), (256,)])
+def test_the_load_times_one_streams_whole_form_against_the_wide_one(monkeypatch: pytest.MonkeyPatch,
+                                                                    wide_wins_at: tuple[int, ...]) -> None:
+    """Where the wide form agreed at the load's check, ``tune_split`` times one stream's
+    whole form as chosen so far against it at each of ``WIDE_CAPACITIES`` (a, b, b, a)
+    and takes it only where it won at each; ``attend_cached`` then launches one stream's
+    whole form wide (a query head a block), never a batch's or a split one."""
+    from gmlx.engine.kernels import one_token
+
+    model = _tuned_model()
+    key = (4, 2, 64, str(mx.float16))
+    timed: list[tuple[int, int, str | None]] = []
+
+    def call_time(args, n, layout, hsplit):
+        capacity = args[3].shape[2]
+        timed.append((capacity, n, layout))
+        if n > 1:
+            return 15e-6
+        wide = layout == "wide" or (layout is None and cached_attention_cuda._wide.get(key, False))
+        return (8e-6 if capacity in wide_wins_at else 30e-6) if wide else 20e-6
+
+    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits", "_wide"):
+        monkeypatch.setattr(cached_attention_cuda, name, {})
+    monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", {key: True})
+    monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
+    try:
+        (line,) = cached_attention_load.tune_splits(model)
+        assert timed[:8] == [(256, 1, None), (256, 1, "wide"), (256, 1, "wide"), (256, 1, None),
+                             (1024, 1, None), (1024, 1, "wide"), (1024, 1, "wide"), (1024, 1, None)]
+        took = wide_wins_at == (256, 1024)
+        assert cached_attention_cuda._wide == {key: took}
+        assert (f"one stream's whole form {'wide' if took else 'as above'} (256: 20.0 / 8.0 wide us, "
+                f"1,024: 20.0 / {8.0 if took else 30.0} wide us)") in line
+        launched, attend = _launches(monkeypatch)
+        attend(128)  # one stream, whole
+        attend(128, batch=2)
+        attend(1 << 16)  # one stream, split
+        assert launched == [(1, False, "wide" if took else "warp", 2 if took else 1, 4 if took else 2),
+                            (1, False, "warp", 1, 4), (132, True, "warp", 1, 2)]
+        with pytest.raises(ValueError, match="whole only"):
+            k = mx.zeros((1, 2, 64, 64), mx.float16)
+            cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
+                                                k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125,
+                                                n=2, layout="wide")
     finally:
         one_token.detach(model)
 
@@ -830,7 +959,7 @@ def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pyte
         # whole: the serial chain a block's keys, shorter a query head fewer; split: flat
         return args[3].shape[2] / 256 * 20e-6 / hsplit if n == 1 else 15e-6
 
-    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits"):
+    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits", "_wide", "_wide_agrees"):
         monkeypatch.setattr(cached_attention_cuda, name, {})
     monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
     try:
@@ -913,9 +1042,11 @@ def test_a_load_checks_each_folded_rope_and_keeps_the_layers_own_where_it_disagr
         return replaying(q, k_new, v_new, k, v, padding, position, scale)
 
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {(2, 1, 64, str(mx.float16)): True})
+    monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", {(2, 1, 64, str(mx.float16)): True})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", folding)
     assert cached_attention_load.check_folds(model) == 1  # two layers, one rope
-    assert ropes == [("half", 1, "warp"), ("half", 16, "warp"), ("half", 1, "lane"), ("half", 16, "lane")]
+    assert ropes == [("half", 1, "warp"), ("half", 16, "warp"), ("half", 1, "lane"), ("half", 16, "lane"),
+                     ("half", 1, "wide")]  # (the wide form whole only)
     assert all(layer.self_attn._fold is not None for layer in model.layers)
     monkeypatch.setattr(cached_attention_cuda, "attend_cached",
                         lambda *a, **kw: folding(*a, **kw, rotate=False))  # handed the rope, rotates nothing
@@ -945,6 +1076,7 @@ def test_a_qwen2_models_in_place_attention_is_compiled_at_the_load_too(monkeypat
         return replaying(q, k_new, v_new, k, v, padding, position, scale, rope=rope)
 
     monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {})
+    monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", {})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
     assert cached_attention_load.compile_cached(model) == 1
     assert {shape for shape, _ in calls} == {(2, 1, 64)} and any(folded for _, folded in calls)
