@@ -146,6 +146,9 @@ GMLX_VARIANTS = {
     "gmlx-fused": {"GMLX_ROPE_ATTENTION": "1", "GMLX_ADD_NORM_KERNEL": "1"},
     # the in-place attention's code shorter (cached_attention_cuda.compact): built for dense
     # rows alone, and that with 4 keys (a key a lane: rows of values) in flight, not 16
+    # one stream's whole attention never in the wide form (cached_attention_cuda.wide_threads;
+    # by default the load times it and takes it where it wins)
+    "gmlx-nowide": {"GMLX_ATTENTION_WIDE": "0"},
     # (the dense build is the default since 12-06 midday: "gmlx-strided" builds both paths)
     "gmlx-dense": {"GMLX_ATTENTION_DENSE": "1"},
     "gmlx-strided": {"GMLX_ATTENTION_DENSE": "0"},

@@ -124,6 +124,12 @@ def cached_enabled() -> bool:
     return os.environ.get("GMLX_CACHE_ATTENTION", "1") != "0" and cuda_source.available()
 
 
+def wide_enabled() -> bool:
+    """Whether the load checks and times the wide form (:data:`WIDE`) for one stream's
+    whole form (``GMLX_ATTENTION_WIDE=0``: never, for a comparison with it)."""
+    return os.environ.get("GMLX_ATTENTION_WIDE", "1") != "0"
+
+
 def fold_enabled() -> bool:
     """Whether layers whose attention writes the cache in place also take their rope in it
     (``GMLX_ROPE_ATTENTION=1``; off until a GPU run measures it: it takes one operation a

@@ -98,7 +98,7 @@ def compile_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -
             log.warning("cuda: the in-place attention's key-a-lane form is not used: %s",
                         str(error).splitlines()[0][:200])
     cac._wide_agrees[key] = False
-    if cac.fits(heads // kv_heads, d, cac.WIDE):  # one stream's whole form (tune_split times it)
+    if cac.wide_enabled() and cac.fits(heads // kv_heads, d, cac.WIDE):  # one stream's whole form (tune_split times it)
         try:
             for capacity in (cac.MIN_KEYS, 16 * cac.MIN_KEYS):  # warps with no key, and several keys a warp
                 _check(heads, kv_heads, d, scale, dtype, capacity, 1, 1, cac.WIDE)

@@ -598,6 +598,12 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     assert all(q == (2, 2, 1, 64) and dtype == mx.float16 and scale == 64 ** -0.5 for q, _, dtype, scale, *_ in calls)
     assert cached_attention_cuda._lane_agrees[(2, 1, 64, str(mx.float16))]
     assert cached_attention_cuda._wide_agrees[(2, 1, 64, str(mx.float16))]
+    calls.clear()
+    monkeypatch.setenv("GMLX_ATTENTION_WIDE", "0")  # a comparison without it: never checked, so never timed or taken
+    assert cached_attention_load.compile_cached(model) == 1
+    assert "wide" not in {layout for *_, layout in calls} and len(calls) == 6
+    assert not cached_attention_cuda._wide_agrees[(2, 1, 64, str(mx.float16))]
+    monkeypatch.delenv("GMLX_ATTENTION_WIDE")
 
     def wrong(q, k_new, v_new, k, v, padding, position, scale, n=None, layout=None, hsplit=None, rope=None):
         return replaying(q, k_new, v_new, k, v, padding, position, scale) + 0.25
