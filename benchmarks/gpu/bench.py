@@ -99,6 +99,9 @@ GMLX_VARIANTS = {
     # MLX replays a step as CUDA graphs of at most this many kernels (its default 20):
     # fewer, larger graphs per step may cost the host less at width 1
     "gmlx-ops80": {"MLX_MAX_OPS_PER_BUFFER": "80"},
+    # (MLX's CUDA backend wants it under 255): a traced one-stream step (H100, 12-06) had
+    # ~0.3 ms a step of gaps between kernels beside 3.6 ms busy, ~21 graphs a step of 424 kernels
+    "gmlx-ops200": {"MLX_MAX_OPS_PER_BUFFER": "200"},
     # MLX's attention through cuDNN's fused kernel (gmlx turns it off: its graphs are
     # built and compiled per shape, inside the request that first meets one)
     "gmlx-cudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "1"},
