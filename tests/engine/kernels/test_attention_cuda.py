@@ -480,38 +480,53 @@ def test_a_head_split_shares_each_group_between_blocks_and_attends_as_mlx_does(
     _cached_matches_mlx(tmp_path, (2, heads, 2, 512, 300, d, [0, 130], dtype), splits, layout, hsplit)
 
 
+def _assembled(tmp_path: Path, kernels: list[tuple], *flags: str) -> str:
+    """``kernels`` (what ``mx.fast.cuda_kernel`` was handed, with their input and output
+    types) wrapped as MLX wraps them (``test_cuda_compile``) and assembled for sm_90, as
+    the driver assembles MLX's PTX at a launch (ptxas refuses a block's static shared
+    memory past 48 KB, which PTX alone does not): ptxas's messages."""
+    names = [kernel[0]["name"] for kernel in kernels]
+    assert len(set(names)) == len(names)
+    source = test_cuda_compile._HEADER + "\n".join(test_cuda_compile._wrapped(*k) for k in kernels) + "} // namespace\n"
+    (tmp_path / "kernels.cu").write_text(source)
+    done = subprocess.run([test_cuda_compile.NVCC, "-arch=sm_90", "-std=c++17", "-cubin", *flags, "-o", "kernels.cubin",
+                           "kernels.cu"], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
+
+
+def _cached_kernels(monkeypatch: pytest.MonkeyPatch, builds: list[tuple]) -> list[tuple]:
+    """The in-place kernel made for each of ``builds`` (``_kernel``'s arguments), with its
+    input and output types."""
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    factory = cached_attention_cuda._kernel
+    factory.cache_clear()
+    kernels = []
+    try:
+        for dtype, d, group, split, layout, hsplit, rope in builds:
+            factory(dtype, d, d ** -0.5, group, split, layout, hsplit, rope, 0, True)
+            kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32, *([mx.int32, mx.float32] if rope else [])],
+                            [mx.float32] * 3 if split else None))
+    finally:
+        factory.cache_clear()
+    return kernels
+
+
 @pytest.mark.skipif(test_cuda_compile.NVCC is None, reason="no nvcc here (the CUDA toolkit) to compile the kernels with")
 def test_the_head_split_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The head split's kernels (a group of 4 in 2 and 4 blocks, and the largest group
     each layout is built for in as many blocks: one query head a block), whole and split,
     both layouts, each head size and float type, compiled and assembled for sm_90 as MLX
-    compiles them (``test_cuda_compile`` wraps them; it builds one block a key-value
-    head)."""
-    made: list[dict] = []
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    factory = cached_attention_cuda._kernel
-    factory.cache_clear()
-    kernels: list[tuple] = []
-    try:
-        for dtype in (mx.float16, mx.bfloat16):
-            for d in attention_cuda.HEAD_DIMS:
-                for layout in cached_attention_cuda.LAYOUTS:
-                    largest = max(g for g in range(1, 64) if cached_attention_cuda.fits(g, d, layout))
-                    for group, hsplit in dict.fromkeys(((4, 2), (4, 4), (largest, largest))):
-                        for split in (False, True):
-                            factory(dtype, d, d ** -0.5, group, split, layout, hsplit)
-                            kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32],
-                                            [mx.float32] * 3 if split else None))
-    finally:
-        factory.cache_clear()
-    names = [kernel[0]["name"] for kernel in kernels]
-    assert len(set(names)) == len(names)
-    source = test_cuda_compile._HEADER + "\n".join(test_cuda_compile._wrapped(*k) for k in kernels) + "} // namespace\n"
-    (tmp_path / "kernels.cu").write_text(source)
-    for args in (["--ptx", "-o", "kernels.ptx", "kernels.cu"], ["-cubin", "-o", "kernels.cubin", "kernels.ptx"]):
-        done = subprocess.run([test_cuda_compile.NVCC, "-arch=sm_90", "-std=c++17", *args], check=False, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]  # (ptxas: a block's static shared memory within 48 KB)
+    compiles them (``test_cuda_compile`` builds one block a key-value head)."""
+    builds = []
+    for dtype in (mx.float16, mx.bfloat16):
+        for d in attention_cuda.HEAD_DIMS:
+            for layout in cached_attention_cuda.LAYOUTS:
+                largest = max(g for g in range(1, 64) if cached_attention_cuda.fits(g, d, layout))
+                for group, hsplit in dict.fromkeys(((4, 2), (4, 4), (largest, largest))):
+                    builds += [(dtype, d, group, split, layout, hsplit, "") for split in (False, True)]
+    _assembled(tmp_path, _cached_kernels(monkeypatch, builds))
 
 
 @pytest.mark.skipif(test_cuda_compile.NVCC is None, reason="no nvcc here (the CUDA toolkit) to compile the kernels with")
@@ -521,35 +536,17 @@ def test_the_wide_forms_registers_fit_its_blocks(monkeypatch: pytest.MonkeyPatch
     pass the SM's 65,536. Each head size and float type, with the rope folded in or not,
     assembled for sm_90 as MLX compiles it, within that (ptxas's count; the driver
     assembles MLX's PTX with the same allocator)."""
-    made: list[dict] = []
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    factory = cached_attention_cuda._kernel
-    factory.cache_clear()
-    kernels: list[tuple] = []
-    try:
-        for dtype in (mx.float16, mx.bfloat16):
-            for d in attention_cuda.HEAD_DIMS:
-                for rope in ("", "half"):
-                    factory(dtype, d, d ** -0.5, 4, False, "wide", 4, rope, 0, True)
-                    kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32,
-                                               *([mx.int32, mx.float32] if rope else [])]))
-    finally:
-        factory.cache_clear()
-    source = test_cuda_compile._HEADER + "\n".join(test_cuda_compile._wrapped(*k) for k in kernels) + "} // namespace\n"
-    (tmp_path / "kernels.cu").write_text(source)
-    done = subprocess.run([test_cuda_compile.NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
-                           "kernels.cubin", "kernels.cu"], check=False, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    kernels = _cached_kernels(monkeypatch, [(dtype, d, 4, False, "wide", 4, rope) for dtype in (mx.float16, mx.bfloat16)
+                                            for d in attention_cuda.HEAD_DIMS for rope in ("", "half")])
     used: dict[str, int] = {}
     entry = None
-    for line in done.stderr.splitlines():
+    for line in _assembled(tmp_path, kernels, "-Xptxas", "-v").splitlines():
         if found := re.search(r"Compiling entry function '(\S+)'", line):
             entry = found[1]
         elif (found := re.search(r"Used (\d+) registers", line)) and entry:
             used[entry] = int(found[1])
     assert len(used) == len(kernels)
-    for kernel, _ in kernels:
+    for kernel, *_ in kernels:
         (registers,) = [n for name, n in used.items() if kernel["name"] in name]
         d = int(re.search(r"_(64|128|256)_g", kernel["name"])[1])
         assert registers * cached_attention_cuda.wide_threads(d) <= 65536, (kernel["name"], registers)
