@@ -38,7 +38,7 @@
 #   before 12-06 midday) and 4 keys in flight (gmlx-compact) against gmlx (dense rows
 #   alone), at widths 1 and 32.
 # variants: the served one-stream step traced in process, a process a setting, alternating
-#   (gmlx, gmlx-nowide, -qkv, -fold, -ops200; VARIANTS=... ROUNDS=... to change): ms a
+#   (gmlx, gmlx-nowide, -qkv, -fold, -ops200, at 1 and 8 streams; VARIANTS=... ROUNDS=...): ms a
 #   step, the GPU's busy time, the kernels' sum and count; the medians against gmlx's.
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
@@ -191,7 +191,7 @@ case ${1:-} in
     # build on 12-06, too much to show a few percent
     with_env
     GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-nowide,gmlx-qkv,gmlx-fold,gmlx-ops200}" \
-      --rounds "${ROUNDS:-2}" --widths 1 --keep "$OUT/variants" > "$OUT/variants.txt" 2>&1
+      --rounds "${ROUNDS:-2}" --widths 1,8 --keep "$OUT/variants" > "$OUT/variants.txt" 2>&1
     cat "$OUT/variants.txt"
     ;;
   pairs)
