@@ -152,6 +152,9 @@ GMLX_VARIANTS = {
     # one stream's whole attention never in the wide form (cached_attention_cuda.wide_threads;
     # by default the load times it and takes it where it wins)
     "gmlx-nowide": {"GMLX_ATTENTION_WIDE": "0"},
+    # the blocks' residual adds as MLX's adds, not in the one-row products' launches
+    # (fast_linear.plus; by default where the product takes the one-row kernel)
+    "gmlx-noresidual": {"GMLX_RESIDUAL_KERNEL": "0"},
     # (the dense build is the default since 12-06 midday: "gmlx-strided" builds both paths)
     "gmlx-dense": {"GMLX_ATTENTION_DENSE": "1"},
     "gmlx-strided": {"GMLX_ATTENTION_DENSE": "0"},

@@ -14,7 +14,7 @@
 #   the attention's fixed cost under ncu:      bash benchmarks/gpu/lease.sh ncu-attention (~120 s)
 #   the rope folded into the attention:        bash benchmarks/gpu/lease.sh fold      (~450 s)
 #   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
-#   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~450 s)
+#   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -38,8 +38,10 @@
 #   before 12-06 midday) and 4 keys in flight (gmlx-compact) against gmlx (dense rows
 #   alone), at widths 1 and 32.
 # variants: the served one-stream step traced in process, a process a setting, alternating
-#   (gmlx, gmlx-nowide, -qkv, -fold, -ops200, at 1 and 8 streams; VARIANTS=... ROUNDS=...): ms a
-#   step, the GPU's busy time, the kernels' sum and count; the medians against gmlx's.
+#   at 1 and 8 streams: ms a step, the GPU's busy time, the kernels' sum and count; the
+#   medians against gmlx's. By default the defaults against each new one turned off
+#   (gmlx-nowide, gmlx-noresidual: ~300 s); then, as a second call, the candidates:
+#   VARIANTS=gmlx,gmlx-qkv,gmlx-fold,gmlx-ops200 bash benchmarks/gpu/lease.sh variants (~400 s).
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -190,7 +192,7 @@ case ${1:-} in
     # /tmp/gmlx-home, so after `gmlx`): served tok/s moved 199-262 between processes of one
     # build on 12-06, too much to show a few percent
     with_env
-    GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-nowide,gmlx-qkv,gmlx-fold,gmlx-ops200}" \
+    GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-nowide,gmlx-noresidual}" \
       --rounds "${ROUNDS:-2}" --widths 1,8 --keep "$OUT/variants" > "$OUT/variants.txt" 2>&1
     cat "$OUT/variants.txt"
     ;;

@@ -38,7 +38,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import one_token, swaps, traces
+from gmlx.engine.kernels import glu_cuda, one_token, swaps, traces
+from gmlx.engine.kernels.fast_linear import plus
 
 ENV = "GMLX_COMPILE_BLOCKS"
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3")  # h = x + attn(norm(x)); h + mlp(norm(h))
@@ -92,8 +93,8 @@ def pieces(block: Any) -> tuple[Any, Any]:
         return one_token.queries_keys_values(attention, block.input_layernorm(x), offset)
 
     def after(x: Any, attended: Any) -> Any:
-        h = x + attention.o_proj(attended)
-        return h + block.mlp(block.post_attention_layernorm(h))
+        h = plus(attention.o_proj, attended, x)  # (the residual in the product's kernel where it can)
+        return glu_cuda.plus(block.mlp, block.post_attention_layernorm(h), h)
 
     return mx.compile(before), mx.compile(after)
 

@@ -222,16 +222,34 @@ def _mlp_classes() -> frozenset[type]:
     return swaps.family_classes(FAMILIES, "MLP")
 
 
+def _takes_gated(mlp: Any, x: Any) -> bool:
+    """Whether ``mlp`` (one :func:`attach` fused) takes its gated product for ``x``: a
+    one-token step of up to ``MAX_ROWS`` streams in a bucket its load took it at."""
+    import mlx.core as mx
+
+    rows = x.size // x.shape[-1]
+    return (x.ndim == 3 and x.shape[1] == 1 and rows <= MAX_ROWS and bucket(rows) in mlp._buckets
+            and x.dtype in (mx.float16, mx.bfloat16))
+
+
+def plus(mlp: Any, x: Any, residual: Any) -> Any:
+    """``residual + mlp(x)``, the residual added in the down projection's kernel where the
+    MLP takes its gated product and the down projection its one-row kernel
+    (:func:`fast_linear.plus`); else as the model adds it."""
+    from gmlx.engine.kernels.fast_linear import plus as product_plus
+
+    if vars(type(mlp)).get("glu") and _takes_gated(mlp, x):  # (fused now: swaps.subclass's marker)
+        return product_plus(mlp.down_proj, mlp._gated(mlp, x, x.size // x.shape[-1]), residual)
+    return residual + mlp(x)
+
+
 @cache
 def _fused_mlp(cls: type) -> type:
     """``cls`` whose one-token steps of up to ``MAX_ROWS`` streams take the gated product."""
-    import mlx.core as mx
 
     def __call__(self: Any, x: Any) -> Any:
-        rows = x.size // x.shape[-1]
-        if (x.ndim == 3 and x.shape[1] == 1 and rows <= MAX_ROWS and bucket(rows) in self._buckets
-                and x.dtype in (mx.float16, mx.bfloat16)):
-            return self.down_proj(self._gated(self, x, rows))
+        if _takes_gated(self, x):
+            return self.down_proj(self._gated(self, x, x.size // x.shape[-1]))
         return cls.__call__(self, x)
 
     return swaps.subclass(cls, "glu", __call__)

@@ -60,7 +60,15 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
-from gmlx.engine.kernels.qgemv_source import BODY, GATED, PLAIN, ROWS_BODY, STAGED_BODY, parts_head
+from gmlx.engine.kernels.qgemv_source import (
+    BODY,
+    GATED,
+    PLAIN,
+    RESIDUAL,
+    ROWS_BODY,
+    STAGED_BODY,
+    parts_head,
+)
 
 BITS = (4, 6, 8)
 GROUPS = (32, 64, 128)
@@ -138,22 +146,28 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
-            gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0) -> Any:
+            gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
+            residual: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
     of two or three layers of one layout read as one, each written to its own output;
     ``depth``: at one row, the chunks a lane loads before using any; ``tiles``: at one
-    row, x staged in shared memory (``k`` values) and that many row tiles a block."""
+    row, x staged in shared memory (``k`` values) and that many row tiles a block;
+    ``residual``: a plain product with one more input, ``res``, added to each output as
+    it is written (:data:`qgemv_source.RESIDUAL`)."""
+    if residual and (gated or parts):
+        raise ValueError("a residual is added to a plain product's output only")
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
             + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "") + "\n"
-            + (GATED if gated else parts_head(parts) if parts else PLAIN))
+            + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
-    kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemv"
+    inputs += ["res"] if residual else []
+    kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv"
     body = ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else BODY
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else ""),
@@ -170,22 +184,25 @@ def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
 
 
 def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
-              parts: tuple[int, ...] = (), k: int = 0) -> Any:
+              parts: tuple[int, ...] = (), k: int = 0, residual: bool = False) -> Any:
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles = launch_shape(config)
-    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0)
+    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0,
+                   residual)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
           config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
-          more: tuple[tuple[Any, Any, Any], ...] = ()) -> Callable[[Any], Any]:
+          more: tuple[tuple[Any, Any, Any], ...] = (), residual: bool = False) -> Callable[..., Any]:
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
     out once (a layer calls it on every decode step of one stream); with ``up`` (the up
     projection's weights, scales and biases, of this layer's layout and shape) the gated
     product ``silu(x @ W.T) * (x @ U.T)``, ``config``'s rows per warp then even; with
     ``more`` (one or two more layers' weights, scales and biases, of this layer's layout
-    and input width) the products of all of them in one launch, returned as a tuple."""
+    and input width) the products of all of them in one launch, returned as a tuple; with
+    ``residual``, a function of ``x`` and ``r`` (the output's shape and type): ``r`` plus
+    the product, added as it is written."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]
@@ -201,13 +218,13 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
     kernels: dict[Any, Any] = {}  # per activation dtype
 
-    def run(x: Any) -> Any:
+    def run(x: Any, *r: Any) -> Any:
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k)
+            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k, residual)
         lead = x.shape[:-1]
-        outs = kernel(inputs=[x, *inputs_after_x], grid=grid, threadgroup=threadgroup,
+        outs = kernel(inputs=[x, *inputs_after_x, *r], grid=grid, threadgroup=threadgroup,
                       output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))
         return tuple(outs) if more else outs[0]
 

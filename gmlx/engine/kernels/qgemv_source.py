@@ -323,6 +323,13 @@ PLAIN = """constexpr int OUTS = RPW;
 #define OUTPUT(v, u) static_cast<T>(v)
 #define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
 """
+# A plain product with a residual added as it is written (``res``, the output's shape): the
+# product rounded to T as MLX's product rounds it, then the sum rounded to T as MLX's add
+# of two T rounds it (a float sum of two half floats rounded once: the same bits), so
+# ``x + layer(y)`` is one launch with the same bits as the two operations.
+RESIDUAL = PLAIN.replace("#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)",
+                         "#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = static_cast<T>("
+                         "static_cast<float>(v) + static_cast<float>(res[(size_t)(m) * N + (n)]))")
 GATED = """constexpr int OUTS = RPW / 2;
 #define ROWS_TOTAL w_shape[0]
 #define ROW_W(r, n) (((r) < OUTS ? w : w2) + (size_t)(n) * words)

@@ -194,3 +194,43 @@ def test_on_by_default_on_the_cpu_and_cuda_off_on_metal(monkeypatch: pytest.Monk
     assert not compiled_blocks.enabled()  # not until measured there
     monkeypatch.setenv(compiled_blocks.ENV, "1")
     assert compiled_blocks.enabled()
+
+
+def test_a_blocks_residual_adds_ride_in_its_one_row_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the attention's output projection and the MLP's down projection take the
+    one-row kernel (their path at one row) and the MLP its gated product, a compiled
+    block adds its input, and then the attention's sum, in those two products' launches
+    (``fast_linear.plus``, ``glu_cuda.plus``): the same logits bit for bit as the model's
+    own code, two residual launches a layer. (``qgemv_cuda.bound`` stands in with MLX's
+    product, plus the residual where asked: CUDA cannot run here; the kernel's own
+    source is checked in test_qgemv_cuda.)"""
+    from gmlx.engine.kernels import fast_linear, glu_cuda, qgemv_cuda
+
+    residuals: list[tuple[int, ...]] = []
+
+    def bind(w, scales, biases, group_size, bits, config, residual=False):
+        def run(x, *r):
+            y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+            if residual:
+                residuals.append(w.shape)
+            return r[0] + y if residual else y
+        return run
+
+    monkeypatch.setattr(qgemv_cuda, "bound", bind)
+    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
+    want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = fast_linear.FastQuantizedLinear
+            m.set_paths({1: (fast_linear.GEMV, (4, 2))})
+    assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
+    assert compiled_blocks.attach(model) == LAYERS
+    got = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
+    assert all(block._pieces is not None for block in model.layers)
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+    layer = model.layers[0]
+    # each traced once at one stream: the output projection's and the down projection's, a layer each
+    assert sorted(residuals) == sorted([layer.self_attn.o_proj.weight.shape, layer.mlp.down_proj.weight.shape] * LAYERS)
+    glu_cuda.detach(model)
+    compiled_blocks.detach(model)

@@ -500,3 +500,43 @@ def test_a_chained_product_feeds_its_output_to_the_next_call(n: int) -> None:
     calls.clear()
     seconds = timing.chain_time(timing.chained(product, weights), x, 4)
     assert seconds >= 0 and calls == [1.0, 2.0, 1.0] + [2.0, 1.0, 2.0, 1.0]  # three to warm up, then the chain
+
+
+def test_a_residual_is_added_in_the_one_row_kernel_where_the_layer_takes_it(monkeypatch) -> None:
+    """``plus(layer, x, r)`` is ``r + layer(x)``: in one launch of the one-row kernel with
+    the residual (``bound(..., residual=True)``) where the rows' bucket takes that path and
+    the layer has no bias; else, and with ``GMLX_RESIDUAL_KERNEL=0``, the product and
+    MLX's add. (``bound`` stands in, answering with MLX's product plus the residual: CUDA
+    cannot run here; the kernel's own source is checked in test_qgemv_cuda.)"""
+    from gmlx.engine.kernels import fast_linear, qgemv_cuda
+
+    bound: list[tuple] = []
+
+    def bind(w, scales, biases, group_size, bits, config, residual=False):
+        bound.append((config, residual))
+
+        def run(x, *r):
+            y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+            return r[0] + y if residual else y
+        return run
+
+    monkeypatch.setattr(qgemv_cuda, "bound", bind)
+    layer = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    x = mx.random.normal((3, 1, 64))
+    r = mx.random.normal((3, 1, 32))
+    want = r + layer(x)
+    assert mx.array_equal(fast_linear.plus(layer, x, r), want).item()  # not a fast layer: the model's add
+    layer.__class__ = FastQuantizedLinear
+    layer.set_paths({1: (fast_linear.GEMV, (4, 2)), 4: (fast_linear.KERNEL, (1, 8, 2))})
+    monkeypatch.setattr(qmmw_cuda, "bound", lambda w, s, b, g, bits, config: lambda x: mx.quantized_matmul(
+        x, w, s, b, transpose=True, group_size=g, bits=bits))
+    assert mx.allclose(fast_linear.plus(layer, x[:1], r[:1]), want[:1], atol=1e-5).item()
+    assert bound == [((4, 2), True)]  # one launch, the residual in it
+    assert mx.allclose(fast_linear.plus(layer, x, r), want, atol=1e-5).item()  # 3 rows: the tensor-core path
+    assert bound == [((4, 2), True)]  # not the residual's kernel
+    assert mx.allclose(fast_linear.plus(layer, x[:1], r[0]), want[:1], atol=1e-5).item()  # a broadcast residual
+    assert bound == [((4, 2), True), ((4, 2), False)]  # the plain kernel, then MLX's add
+    monkeypatch.setenv("GMLX_RESIDUAL_KERNEL", "0")
+    layer.set_paths({1: (fast_linear.GEMV, (4, 2))})
+    assert mx.allclose(fast_linear.plus(layer, x[:1], r[:1]), want[:1], atol=1e-5).item()
+    assert bound[2:] == [((4, 2), False)]

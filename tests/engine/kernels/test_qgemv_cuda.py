@@ -173,12 +173,53 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
     assert agrees(got, want, exact_product(x, wq, s, b, group, bits))
 
 
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "rows", "config", "dtype"), [(4, 1, (4, 2, 1, 2), mx.bfloat16),
+                                                               (6, 1, (4, 4), mx.float16),
+                                                               (4, 3, (4, 1, 4), mx.bfloat16)])
+def test_the_residual_is_added_as_mlx_adds_it(tmp_path, bits: int, rows: int, config, dtype) -> None:
+    """A plain product with a residual added as it is written (``bound(...,
+    residual=True)``: the attention's output projection and the MLP's down projection
+    adding the block's input): bit for bit the kernel's own product (the same source
+    without it) plus the residual as MLX adds two arrays of the float type, and close to
+    MLX's product plus that residual."""
+    k, n, group = 1088, 12, 32
+    mx.random.seed(bits + rows)
+    wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
+    x = (mx.random.normal((rows, k)) * 3).astype(dtype)
+    r = (mx.random.normal((rows, n)) * 40).astype(dtype)  # large beside the product: the sum's rounding shows
+    name = str(dtype).removeprefix("mlx.core.")
+    outs = []
+    for residual in (False, True):
+        made = _made(dtype, bits, group, config, residual=residual)
+        assert ("res" in made["input_names"]) == residual
+        body = emulation.function(made, [name, "uint32", name, name, *([name] if residual else [])], name)
+        args = ", ".join({"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
+                          "scales": "s.data()", "biases": "b.data()", "res": "res.data()", "out": "out.data()"}[p]
+                         for p in _parameters(body))
+        main = _MAIN.replace("ARGS", args).replace("    std::vector<E> out(",
+                                                   '    auto res = load<E>("r.bin", (size_t)rows * N);\n'
+                                                   "    std::vector<E> out(")
+        program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + body + main
+        for file, a in (("x", x.view(mx.uint16)), ("w", wq), ("s", s.view(mx.uint16)), ("b", b.view(mx.uint16)),
+                        ("r", r.view(mx.uint16))):
+            (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
+        emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config)])
+        outs.append(mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n))
+                    .view(dtype))
+    product, summed = outs
+    assert mx.array_equal(summed, product + r).item()  # MLX's add of the kernel's own product: the same bits
+    assert not mx.array_equal(summed, product).item()
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
+    assert agrees(product, want, exact_product(x, wq, s, b, group, bits))
+
+
 def _tiles(config: tuple[int, ...]) -> int:
     return qgemv_cuda.launch_shape(config)[4]
 
 
 def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
-          parts: tuple[int, ...] = (), k: int = 0) -> dict:
+          parts: tuple[int, ...] = (), k: int = 0, residual: bool = False) -> dict:
     """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape
     (``k``: the row width the staged shapes are built for)."""
     made: list[dict] = []
@@ -186,7 +227,7 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         qgemv_cuda._kernel.cache_clear()
         try:
-            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k)
+            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k, residual)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
