@@ -33,6 +33,7 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
+from gmlx.engine.kernels.fast_linear import plus as product_plus
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +237,6 @@ def plus(mlp: Any, x: Any, residual: Any) -> Any:
     """``residual + mlp(x)``, the residual added in the down projection's kernel where the
     MLP takes its gated product and the down projection its one-row kernel
     (:func:`fast_linear.plus`); else as the model adds it."""
-    from gmlx.engine.kernels.fast_linear import plus as product_plus
-
     if vars(type(mlp)).get("glu") and _takes_gated(mlp, x):  # (fused now: swaps.subclass's marker)
         return product_plus(mlp.down_proj, mlp._gated(mlp, x, x.size // x.shape[-1]), residual)
     return residual + mlp(x)
