@@ -122,7 +122,8 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
     def plus(self, x: Any, residual: Any) -> Any:
         """``residual + self(x)``: where ``x``'s rows take the one-row kernel's path (and
-        the layer has no bias, ``GMLX_RESIDUAL_KERNEL`` not ``0``), one launch that adds
+        the layer has no bias, ``GMLX_RESIDUAL_KERNEL`` not ``0``, the load's check
+        passed: :func:`_check_residuals`), one launch that adds
         ``residual`` as it writes each output, with the bits MLX's add of the product
         would give (:data:`qgemv_source.RESIDUAL`); else the product and MLX's add. A
         block's attention output and MLP down projections add its input this way: an
@@ -130,7 +131,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         rows = x.size // x.shape[-1] if x.shape[-1] else 0
         chosen = self.paths.get(bucket(rows)) if self.paths else None
         if (chosen is None or chosen[0] != GEMV or "bias" in self or residual.shape != (*x.shape[:-1], self["weight"].shape[0])
-                or residual.dtype != x.dtype or not residual_enabled()):
+                or residual.dtype != x.dtype or not residual_enabled() or not getattr(self, "residual_ok", True)):
             return residual + self(x)
         key = ("residual", chosen)
         launch = self.launches.get(key)
@@ -250,6 +251,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
     chosen = {key: {r: c for r, c in paths.items() if r in confirmed} for key, paths in chosen.items()}
     for m in swapped:
         m.set_paths(dict(chosen[_key(m)]))
+    _check_residuals(alike, chosen)
     traces.retrace(model)
     swapped = [m for m in swapped if m.paths]
     summary = "; ".join(
@@ -259,6 +261,35 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
     steps = ", ".join(f"{r}: {t:.2f}x" for r, t in confirmed.items()) or "none faster"
     return (f"decode-sized paths on {len(swapped)} of {len(layers)} ({summary}); "
             f"whole-step speed-up by rows: {steps}")
+
+
+def _check_residuals(alike: dict[tuple, list[FastQuantizedLinear]], chosen: dict[tuple, Paths]) -> None:
+    """For each layer shape whose paths take the one-row kernel, that kernel with a
+    residual added as it writes (:meth:`FastQuantizedLinear.plus`) against the same
+    product plus MLX's add, on one layer of the shape, at each such row bucket: it must
+    give the same bits, or no layer of the shape adds its residual that way (logged). A
+    wrong kernel must not serve a token."""
+    import mlx.core as mx
+
+    if not residual_enabled():
+        return
+    for key, paths in chosen.items():
+        buckets = [r for r, (path, _) in paths.items() if path == GEMV]
+        layer = alike[key][0]
+        if not buckets or "bias" in layer:
+            continue
+        dtype = layer.scales.dtype
+        try:
+            for rows in buckets:
+                x = mx.random.normal((rows, 1, key[0])).astype(dtype)
+                r = mx.random.normal((rows, 1, key[1])).astype(dtype)
+                if not mx.array_equal(layer.plus(x, r), r + layer(x)).item():
+                    raise RuntimeError(f"at {rows} row(s) it differs from the product plus MLX's add")
+        except Exception as error:  # noqa: BLE001 - a kernel MLX refused, or one that disagreed
+            log.warning("cuda: %dx%d %d-bit layers add their residuals after the product: %s", key[0], key[1], key[2],
+                        str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+            for m in alike[key]:
+                object.__setattr__(m, "residual_ok", False)
 
 
 def dense_scratch_bytes(model: nn.Module) -> int:

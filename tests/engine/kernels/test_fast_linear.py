@@ -540,3 +540,33 @@ def test_a_residual_is_added_in_the_one_row_kernel_where_the_layer_takes_it(monk
     layer.set_paths({1: (fast_linear.GEMV, (4, 2))})
     assert mx.allclose(fast_linear.plus(layer, x[:1], r[:1]), want[:1], atol=1e-5).item()
     assert bound[2:] == [((4, 2), False)]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_the_load_checks_the_residual_kernel_against_mlx_add(monkeypatch, caplog, right: bool) -> None:
+    """At the load, each layer shape whose paths take the one-row kernel runs it with a
+    residual against the same product plus MLX's add, at each such bucket: the same bits
+    or no layer of that shape adds its residual in the kernel again (a warning). (The
+    kernel's ``bound`` stands in: CUDA cannot run here.)"""
+    import logging
+
+    from gmlx.engine.kernels import fast_linear, qgemv_cuda
+
+    def bind(w, scales, biases, group_size, bits, config, residual=False):
+        def run(x, *r):
+            y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+            return (r[0] + y if right else r[0] + y + 1) if residual else y
+        return run
+
+    monkeypatch.setattr(qgemv_cuda, "bound", bind)
+    layers = [nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4) for _ in range(2)]
+    for layer in layers:
+        layer.__class__ = FastQuantizedLinear
+        layer.set_paths({1: (fast_linear.GEMV, (4, 2)), 2: (fast_linear.GEMV, (4, 2, 2))})
+    key = fast_linear._key(layers[0])
+    with caplog.at_level(logging.WARNING, logger=fast_linear.__name__):
+        fast_linear._check_residuals({key: layers}, {key: dict(layers[0].paths)})
+    assert all(getattr(layer, "residual_ok", True) == right for layer in layers)
+    assert ("add their residuals after the product" in caplog.text) != right
+    x, r = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 32))
+    assert mx.allclose(layers[1].plus(x, r), r + layers[1](x), atol=1e-5).item()  # right either way
