@@ -128,8 +128,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         would give (:data:`qgemv_source.RESIDUAL`); else the product and MLX's add. A
         block's attention output and MLP down projections add its input this way: an
         operation and a kernel fewer each, 64 of an 8B's step at one stream."""
-        rows = x.size // x.shape[-1] if x.shape[-1] else 0
-        chosen = self.paths.get(bucket(rows)) if self.paths else None
+        chosen = self._chosen(x)
         if (chosen is None or chosen[0] != GEMV or "bias" in self or residual.shape != (*x.shape[:-1], self["weight"].shape[0])
                 or residual.dtype != x.dtype or not residual_enabled() or not getattr(self, "residual_ok", True)):
             return residual + self(x)
@@ -140,11 +139,15 @@ class FastQuantizedLinear(nn.QuantizedLinear):
                                                            self.group_size, self.bits, chosen[1], residual=True)
         return launch(x, residual)
 
+    def _chosen(self, x: Any) -> tuple[str, tuple[int, ...]] | None:
+        """The path (and launch shape) ``x``'s rows take: their bucket's, or None (MLX's product)."""
+        rows = x.size // x.shape[-1] if x.shape[-1] else 0
+        return self.paths.get(bucket(rows)) if self.paths else None
+
     def _call_for(self, x: Any) -> Callable[[Any], Any]:
         """What a call with ``x``'s shape runs: the chosen path's launch (plus the bias),
         or MLX's product with the rows flattened."""
-        rows = x.size // x.shape[-1] if x.shape[-1] else 0
-        chosen = self.paths.get(bucket(rows)) if self.paths else None
+        chosen = self._chosen(x)
         if chosen is None:
             product = super().__call__
             shape = x.shape

@@ -772,6 +772,16 @@ def _tuned_model(heads: int = 4):
     return model
 
 
+def _no_choices(monkeypatch: pytest.MonkeyPatch, lane_agrees: dict | None = None,
+                wide_agrees: dict | None = None) -> None:
+    """No load's choices for the in-place attention yet (split thresholds, layouts, head
+    splits, the wide form), and which shapes' lane and wide forms agreed at the check."""
+    for name in ("_split_keys", "_layouts", "_hsplits", "_wide"):
+        monkeypatch.setattr(cached_attention_cuda, name, {})
+    monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", lane_agrees or {})
+    monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", wide_agrees or {})
+
+
 def _launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list, Any]:
     """What ``attend_cached`` launches (splits, whole or split, layout, blocks a key-value
     head, blocks before the splits), nothing run, and a call of it over a cache of
@@ -816,8 +826,7 @@ def test_the_load_times_where_a_split_starts_to_pay(monkeypatch: pytest.MonkeyPa
             return (10e-6 if n == 1 else 12e-6) if not wins else (20e-6 if n == 1 else 15e-6)
         return call_time
 
-    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits", "_wide", "_wide_agrees"):
-        monkeypatch.setattr(cached_attention_cuda, name, {})
+    _no_choices(monkeypatch)
     try:
         monkeypatch.setattr(cached_attention_load, "_call_time", clock(4096))
         (line,) = cached_attention_load.tune_splits(model)
@@ -868,9 +877,7 @@ def test_the_load_times_which_layout_each_form_takes(monkeypatch: pytest.MonkeyP
         lane_faster = n == 1  # the lane form whole, the warp form split
         return (5e-6 if (layout == "lane") == lane_faster else 9e-6) * (1 if n == 1 else 0.5)
 
-    for name in ("_split_keys", "_layouts", "_hsplits", "_wide", "_wide_agrees"):
-        monkeypatch.setattr(cached_attention_cuda, name, {})
-    monkeypatch.setattr(cached_attention_cuda, "_lane_agrees", {key: True})
+    _no_choices(monkeypatch, lane_agrees={key: True})
     monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
     try:
         (line,) = cached_attention_load.tune_splits(model)
@@ -912,9 +919,7 @@ def test_the_load_times_one_streams_whole_form_against_the_wide_one(monkeypatch:
         wide = layout == "wide" or (layout is None and cached_attention_cuda._wide.get(key, False))
         return (8e-6 if capacity in wide_wins_at else 30e-6) if wide else 20e-6
 
-    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits", "_wide"):
-        monkeypatch.setattr(cached_attention_cuda, name, {})
-    monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", {key: True})
+    _no_choices(monkeypatch, wide_agrees={key: True})
     monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
     try:
         (line,) = cached_attention_load.tune_splits(model)
@@ -962,8 +967,7 @@ def test_the_load_times_how_many_blocks_share_a_key_value_head(monkeypatch: pyte
         # whole: the serial chain a block's keys, shorter a query head fewer; split: flat
         return args[3].shape[2] / 256 * 20e-6 / hsplit if n == 1 else 15e-6
 
-    for name in ("_split_keys", "_layouts", "_lane_agrees", "_hsplits", "_wide", "_wide_agrees"):
-        monkeypatch.setattr(cached_attention_cuda, name, {})
+    _no_choices(monkeypatch)
     monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
     try:
         (line,) = cached_attention_load.tune_splits(model)
