@@ -142,6 +142,9 @@ GMLX_VARIANTS = {
                      "GMLX_STEP_SHAPES": "1"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)
     "gmlx-stacked": {"GMLX_FUSE_PROJECTIONS": "1"},
+    # the defaults, the worker logging its decode steps' phases every 128 steps (the run log:
+    # build, hand over, wait, read, between; gmlx.engine.step_times)
+    "gmlx-steptimes": {"GMLX_STEP_TIMES": "128"},
     # the layers' rope folded into the in-place attention (one operation a layer fewer:
     # cached_attention_cuda.folded_rope), and that with the add-norm kernel in the compiled
     # blocks (two more): 11-12 operations a layer of the 8B's step down to 8

@@ -15,6 +15,7 @@
 #   the rope folded into the attention:        bash benchmarks/gpu/lease.sh fold      (~450 s)
 #   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
 #   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
+#   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~300 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -42,6 +43,11 @@
 #   medians against gmlx's. By default the defaults against each new one turned off
 #   (gmlx-nowide, gmlx-noresidual: ~300 s); then, as a second call, the candidates:
 #   VARIANTS=gmlx,gmlx-qkv,gmlx-fold,gmlx-ops200 bash benchmarks/gpu/lease.sh variants (~400 s).
+# host: the served step's phases (GMLX_STEP_TIMES: build, hand over, wait, read, between) at
+#   widths 1, 8 and 32 through the server, then in process (served_step.py --modes served:
+#   the waited step, the pipelined bare loop and the worker on the layers a server's load
+#   leaves): why one stream served 4.29 ms a token where the bare loop took 3.40 (12-06
+#   evening, H100)
 # pairs: alternating width-1 runs of gmlx and llama-server, and gmlx-nocached against
 #   gmlx at widths 8 and 32.
 set -uo pipefail
@@ -195,6 +201,15 @@ case ${1:-} in
     GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-nowide,gmlx-noresidual}" \
       --rounds "${ROUNDS:-2}" --widths 1,8 --keep "$OUT/variants" > "$OUT/variants.txt" 2>&1
     cat "$OUT/variants.txt"
+    ;;
+  host)
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-host --servers gmlx-steptimes --widths 1,8,32 --rounds 1 \
+      --prefix-reps 0 --out "$OUT/host.md" > "$OUT/host.txt" 2>&1
+    grep -E "decode steps of|tok/s" "$OUT/host.txt" | cut -c1-300 | head -30
+    GMLX_HOME=/tmp/gmlx-home GMLX_STEP_TIMES=128 timeout 300 python3 $GPU/served_step.py /tmp/models/llama3-8b/q4_k_m.gguf \
+      --modes served --widths 1,8,32 --tokens 256 --prefix 0 --bias 0 --dtype float16 > "$OUT/served-step.txt" 2>&1
+    grep -vE "^ *\| (cuda|q4_k_m)" "$OUT/served-step.txt" | cut -c1-300 | tail -20
     ;;
   pairs)
     with_env

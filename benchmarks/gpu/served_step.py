@@ -6,7 +6,13 @@ empties MLX's buffer cache between modes; ``one-token`` gives the attention laye
 one-token steps a server's load gives them (``gmlx.engine.kernels.one_token``: four
 operations fewer a layer), ``add-norm``, ``rope``, ``all-kernels``, ``glu``, ``qkv`` and
 ``step-kernels`` (glu and qkv) add those kernels to them (CUDA only: ``LAYERED``), ``compiled`` and
-``step-compiled`` run the one-token blocks in two compiled pieces each (``cached``: that with
+``step-compiled`` run the one-token blocks in two compiled pieces each, ``served`` has the
+layers exactly as a server's load leaves them (``prepare_layers``: its tuning read from
+``GMLX_HOME``, the whole step compiled where it applies; a last mode: nothing is undone
+after it) and adds the pipelined bare loop's rate (``pipelined tok/s``, the worker's loop
+at no cost of its own) and no mlx-lm row (its own cache is not the one those layers
+take); with ``GMLX_STEP_TIMES=N`` the worker logs its steps' phases
+(``gmlx.engine.step_times``); (``cached``: that with
 each step's keys and values written in place by the attention kernel,
 ``cached_attention_cuda.attend_cached``; ``whole``: that with the whole one-token step one
 compiled call, ``whole_step``)
@@ -70,6 +76,35 @@ def bare_step(model, rows: int, context: int = 128, steps: int = 16) -> tuple[fl
         build += t2 - t
         mx.eval(out)
     return (time.perf_counter() - start) / steps, build / steps, launch / steps
+
+
+def pipelined_step(model, rows: int, context: int = 128, steps: int = 64) -> float:
+    """Seconds per decode step of ``rows`` streams pipelined as a server's loop is (the
+    next step built and handed over before the current one's tokens are read), greedy:
+    what the worker's loop would take if its own work cost nothing."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.engine.prompt_cache import batch_cache
+
+    cache = batch_cache(model, rows) or make_prompt_cache(model)
+    mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
+
+    def step(tokens):
+        return mx.argmax(model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+
+    current = mx.zeros((rows,), mx.int32)
+    for _ in range(4):
+        current = step(current)
+        mx.eval(current)
+    start = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(current)
+        mx.async_eval(nxt)
+        mx.eval(current)
+        current.tolist()
+        current = nxt
+    mx.eval(current)
+    return (time.perf_counter() - start) / steps
 
 
 def prefix_ttft(loaded, length: int, reps: int = 3) -> tuple[float, float]:
@@ -237,6 +272,9 @@ def main() -> None:
         if mode == "clear":
             mx.clear_cache()
             continue
+        if mode == "served":
+            served_rows(loaded, widths, biases, args)
+            break
         if mode in LAYERS:
             if layers is not None:
                 layers.__exit__(None, None, None)
@@ -278,6 +316,30 @@ def main() -> None:
         if args.prefix:
             miss, hit = prefix_ttft(loaded, args.prefix)
             print(f"{mode:>6} prefix {args.prefix}: TTFT miss {miss * 1e3:.0f} ms, hit {hit * 1e3:.0f} ms", flush=True)
+
+
+def served_rows(loaded, widths: list[int], biases: list, args: argparse.Namespace) -> None:
+    """The ``served`` mode: the layers as a server's load leaves them; per width the
+    waited step, the pipelined bare loop and the worker (its streams read as the server
+    reads them); the worker's step phases logged where ``GMLX_STEP_TIMES`` is set."""
+    import logging
+
+    from gmlx.engine.kernels import prepare_layers
+
+    logging.basicConfig(level=logging.INFO, format="  | %(message)s")
+    t = time.perf_counter()
+    notes = prepare_layers(loaded.model)
+    print(f"  served: {'; '.join(notes) or 'no load notes'} ({time.perf_counter() - t:.1f} s)", flush=True)
+    for width in widths:
+        step, build, launch = bare_step(loaded.model, width, context=args.prompt)
+        piped = pipelined_step(loaded.model, width, context=args.prompt)
+        for n, bias in biases:
+            run_gmlx(loaded, 1, 8, 8, bias, args.readers)  # a step's new operations compile on first use
+            ours = run_gmlx(loaded, width, args.prompt, args.tokens, bias, args.readers)
+            print(f"{'served':>6} {width:>5} {n:>5} {step * 1e3:>8.2f} {build * 1e3:>9.2f} {launch * 1e3:>9.2f} "
+                  f"{width / step:>11.1f} {'pipelined':>13} {ours:>11.1f} {'':>12} {mx.get_cache_memory() / 1e9:>9.2f}"
+                  f"\n{'':>6} pipelined bare loop: {piped * 1e3:.2f} ms a step, {width / piped:.1f} tok/s; "
+                  f"the worker {ours / (width / piped):.2f}x of it", flush=True)
 
 
 if __name__ == "__main__":

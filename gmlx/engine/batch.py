@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from gmlx.engine import handover, mlxlm, scheduling
+from gmlx.engine import handover, mlxlm, scheduling, step_times
 from gmlx.engine.errors import EngineError, GmlxError
 from gmlx.engine.kv_layers import make_cache
 from gmlx.engine.kv_quant import KVQuant
@@ -67,6 +67,7 @@ class Batch:
         # image requests being prefilled from embeddings, by their (negative) uid
         self._staged: dict[int, tuple[Any, Any]] = {}
         self._staged_uid = 0
+        self.step_times = step_times.from_env()  # the decode steps' phases (GMLX_STEP_TIMES), or None
 
     @property
     def free(self) -> int:
@@ -86,7 +87,8 @@ class Batch:
         # transient, and a burst of long prompts must not multiply it.
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
                                           self.width, self.prefill_step_size,
-                                          None if self._handover is None else self._handover.stream)
+                                          None if self._handover is None else self._handover.stream,
+                                          self.step_times)
         if self.speculation is not None:  # decoding streams verify drafts in rounds
             mlxlm.use_generation_batch(self._gen, self.speculation.generation_batch(
                 self.loaded.model, self._draft_policy, self.prefill_step_size))
@@ -237,6 +239,8 @@ class Batch:
                 if pr.end_of_prompt:
                     started.append(active)
         stats.note_step(len(responses))
+        if self.step_times is not None and not responses:
+            self.step_times.pause()  # nothing decoding: the gap until the next decode step is no step's
         for r in responses:
             self._on_token(r)
         if started:

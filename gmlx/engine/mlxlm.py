@@ -56,11 +56,12 @@ def infer_tool_parser(hf_tokenizer: Any) -> str | None:
 
 
 def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step: int,
-                    stream: Any = None) -> Any:
+                    stream: Any = None, times: Any = None) -> Any:
     """mlx-lm's ``BatchGenerator`` decoding up to ``width`` streams, each ending at any
     of ``stop_tokens``. Prompts prefill ``prefill_step`` tokens a step, one prompt at
     a time until the caller sets ``prefill_batch_size`` (the worker sets both before
-    every step). ``stream``: the one it computes on (default: mlx-lm's own)."""
+    every step). ``stream``: the one it computes on (default: mlx-lm's own). ``times``:
+    a :class:`~gmlx.engine.step_times.StepTimes` its decode steps are stamped into."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(
@@ -72,6 +73,7 @@ def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step
         **({} if stream is None else {"stream": stream}),
     )
     gen._generation_batch = _decode_batch().empty(model, gen.sampler)
+    gen._generation_batch.times = times
     return gen
 
 
@@ -85,19 +87,24 @@ def _decode_batch() -> type:
     bias each that is ~5 graph operations a stream fewer a step. Other processors
     (penalties, a grammar) still run row by row, after the bias, as mlx-lm runs them.
     A prompt's first token is still sampled by mlx-lm's own step, as it joins."""
+    import time
+
     import mlx.core as mx
     from mlx_lm.generate import GenerationBatch
 
     from gmlx.engine.sampling import BatchBias, LogitBias
 
     class DecodeBatch(GenerationBatch):
+        times = None  # a StepTimes, where the step's phases are wanted (GMLX_STEP_TIMES)
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._bias = BatchBias()
             super().__init__(*args, **kwargs)
 
         def _step(self) -> tuple[list[int], list[Any]]:
             # mlx-lm 0.32's GenerationBatch._step but for the processors and the
-            # log-probabilities' evaluation
+            # log-probabilities' evaluation (and the phases' stamps, where wanted)
+            begin = time.perf_counter() if self.times is not None else 0.0
             self._current_tokens = self._next_tokens
             self._current_logprobs = self._next_logprobs
             inputs = self._current_tokens
@@ -112,9 +119,18 @@ def _decode_batch() -> type:
                 sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
             self._next_tokens = sampled
             self._next_logprobs = list(logprobs)  # views of `logprobs`, evaluated with it
-            mx.async_eval(sampled, logprobs, token_context)
-            mx.eval(inputs)
-            tokens = inputs.tolist()
+            if self.times is None:
+                mx.async_eval(sampled, logprobs, token_context)
+                mx.eval(inputs)
+                tokens = inputs.tolist()
+            else:
+                built = time.perf_counter()
+                mx.async_eval(sampled, logprobs, token_context)
+                handed = time.perf_counter()
+                mx.eval(inputs)
+                waited = time.perf_counter()
+                tokens = inputs.tolist()
+                self.times.note(len(tokens), begin, built, handed, waited, time.perf_counter())
             for held, token in zip(self.tokens, tokens, strict=True):
                 held.append(token)
             return tokens, self._current_logprobs
