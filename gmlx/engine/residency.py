@@ -34,7 +34,7 @@ from gmlx.engine.load_gate import LoadGate
 from gmlx.engine.model_start import Loads, WorkerSettings, start_model, warm_up
 from gmlx.engine.profiles import Profile, ProfileBook
 from gmlx.engine.reloading import ReloadResult, reload_result
-from gmlx.engine.residents import Reaper, Residents, release_memory
+from gmlx.engine.residents import Reaper, Residents, release_memory, settle
 from gmlx.engine.sizing import Prices
 
 if TYPE_CHECKING:
@@ -202,6 +202,7 @@ class Registry:
                 release_memory()  # whatever the failed load allocated
                 raise
             self._residents.register(entry, self._book.specs.get(spec.id))
+            settle()  # the load's objects out of the cyclic collector's full passes
         return entry.worker
 
     def _admit(self, spec: ModelSpec) -> None:

@@ -94,3 +94,34 @@ def test_the_registry_allows_one_prefill_chunk_transient(gmlx_home):
         assert worker.buffer_cache_bytes == expected > 0
     finally:
         registry.close()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self  # freed only by the cyclic collector
+
+
+def test_a_load_freezes_what_it_left_and_an_unload_collects_frozen_cycles(gmlx_home):
+    import gc
+    import weakref
+
+    from gmlx.engine import residents
+
+    gc.unfreeze()
+    registry = Registry([ModelSpec("demo", "demo")], governor=False)
+    try:
+        registry.worker("demo")
+        # the load's objects are out of the full passes (a full pass walked ~170,000)
+        assert gc.get_freeze_count() > 10_000
+        cycle = _Cycle()
+        alive = weakref.ref(cycle)
+        residents.settle()  # frozen with the rest, then unreachable
+        del cycle
+        gc.collect()
+        assert alive() is not None  # a full pass does not see frozen objects
+        assert registry.unload("demo")  # an unload's collection does
+        assert alive() is None
+        assert gc.get_freeze_count() > 0  # and what survived it is frozen again
+    finally:
+        registry.close()
+        gc.unfreeze()
