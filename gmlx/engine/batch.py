@@ -114,6 +114,8 @@ class Batch:
         gen, self._gen = self._gen, None
         gen.close()
         mx.synchronize(gen.stream)
+        if self.step_times is not None:
+            self.step_times.close()
         if self._handover is not None:
             handover.detach(self.loaded.model)
             self._handover = None

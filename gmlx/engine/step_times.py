@@ -21,14 +21,21 @@ each a ``time.perf_counter`` stamp, and what lies between two steps:
   handling of the tokens: stop checks, detokenizing, handing each to its request, the
   worker's loop).
 
+Each line also gives the steps' mean and longest period (a stall once a request, a
+trace or a collection, hides in the medians but not in the mean) and the cyclic garbage
+collector's passes meanwhile (``gc.callbacks``: how many of each generation, and their
+time).
+
 Off by default: one attribute test a step. The log line is at INFO, under this module's
 logger (``gmlx serve``'s log)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import statistics
+import time
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,22 @@ class StepTimes:
         self._last_end: float | None = None
         self._rows: list[tuple[float, ...]] = []  # per step: the period and each phase, in seconds
         self.summaries: list[str] = []  # every line logged (tests and benchmarks read them)
+        self._collections = [[0, 0.0], [0, 0.0], [0, 0.0]]  # per generation: passes, seconds
+        self._collecting = 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._collecting = time.perf_counter()
+        else:
+            passes = self._collections[info["generation"]]
+            passes[0] += 1
+            passes[1] += time.perf_counter() - self._collecting
+
+    def close(self) -> None:
+        """Stop counting the collector's passes."""
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
 
     def note(self, width: int, begin: float, built: float, handed: float, waited: float, read: float) -> None:
         """One decode step of ``width`` rows: its five stamps (``time.perf_counter``)."""
@@ -82,9 +105,13 @@ class StepTimes:
         medians = [statistics.median(column) * 1e3 for column in zip(*self._rows, strict=True)]
         periods = sorted(row[0] for row in self._rows)
         p90 = periods[min(len(periods) - 1, int(0.9 * len(periods)))] * 1e3
+        mean = statistics.fmean(periods) * 1e3
         phases = ", ".join(f"{name} {ms:.3f}" for name, ms in zip(PHASES, medians[1:], strict=True))
+        passes = ", ".join(f"{n} of generation {g} ({s * 1e3:.1f} ms)" for g, (n, s) in enumerate(self._collections) if n)
         line = (f"decode steps of {self.width} row(s), the last {len(self._rows)}: {medians[0]:.3f} ms a step "
-                f"(p90 {p90:.3f}); medians in ms: {phases}")
+                f"(p90 {p90:.3f}, mean {mean:.3f}, longest {periods[-1] * 1e3:.3f}); medians in ms: {phases}; "
+                f"collector passes: {passes or 'none'}")
+        self._collections = [[0, 0.0], [0, 0.0], [0, 0.0]]
         self.summaries.append(line)
         log.info(line)
         self._rows.clear()

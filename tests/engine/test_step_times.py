@@ -27,8 +27,25 @@ def test_phases_are_the_medians_of_the_steps_and_the_period_spans_them():
     _steps(times, 1, 5)  # the first step has no step before it: four periods, then a summary
     assert len(times.summaries) == 1
     line = times.summaries[0]
-    assert "decode steps of 1 row(s), the last 4: 10.000 ms a step (p90 10.000)" in line
+    assert "decode steps of 1 row(s), the last 4: 10.000 ms a step (p90 10.000, mean 10.000, longest 10.000)" in line
     assert "build 1.000, hand 2.000, wait 4.000, read 1.000, between 2.000" in line
+
+
+def test_a_stall_shows_in_the_mean_and_the_longest_and_collections_are_counted():
+    import gc
+
+    times = StepTimes(every=10)
+    try:
+        t = _steps(times, 1, 6)
+        times.note(1, t + 0.090, t + 0.091, t + 0.093, t + 0.097, t + 0.098)  # 100 ms since the last step ended
+        gc.collect()  # a full pass
+        _steps(times, 1, 4, start=t + 0.100)
+    finally:
+        times.close()
+    line = times.summaries[0]
+    assert "10.000 ms a step" in line and "mean 19.000" in line and "longest 100.000" in line
+    assert "of generation 2 (" in line
+    assert times._on_collection not in gc.callbacks
 
 
 def test_a_new_width_or_a_pause_starts_afresh():
@@ -61,7 +78,7 @@ def test_a_workers_decode_steps_are_stamped(monkeypatch, demo_model, caplog):
     finally:
         worker.close()
     assert events[-1].usage.completion_tokens == 20
-    lines = [r.getMessage() for r in caplog.records if r.name == step_times.__name__]
+    lines = [r.getMessage().split("; collector passes")[0] for r in caplog.records if r.name == step_times.__name__]
     # 20 tokens: the first from the prompt's step, then decode steps, eight a summary
     assert lines and all(line.startswith("decode steps of 1 row(s), the last 8:") for line in lines)
     for line in lines:
