@@ -44,7 +44,8 @@
 #   (gmlx-nowide, gmlx-noresidual: ~300 s); then, as a second call, the candidates:
 #   VARIANTS=gmlx,gmlx-qkv,gmlx-fold,gmlx-ops200 bash benchmarks/gpu/lease.sh variants (~400 s).
 # host: the served step's phases (GMLX_STEP_TIMES: build, hand over, wait, read, between) at
-#   widths 1, 8 and 32 through the server, then in process (served_step.py --modes served:
+#   widths 1 and 8 through the server, the defaults against 112 kernels a step fewer
+#   (gmlx-fewer-steptimes: the q-k-v product and the folded rope), then in process (served_step.py --modes served:
 #   the waited step, the pipelined bare loop and the worker on the layers a server's load
 #   leaves): why one stream served 4.29 ms a token where the bare loop took 3.40 (12-06
 #   evening, H100)
@@ -204,9 +205,9 @@ case ${1:-} in
     ;;
   host)
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-host --servers gmlx-steptimes --widths 1,8,32 --rounds 1 \
-      --prefix-reps 0 --out "$OUT/host.md" > "$OUT/host.txt" 2>&1
-    grep -E "decode steps of|tok/s" "$OUT/host.txt" | cut -c1-300 | head -30
+    "${BENCH[@]}" --results /tmp/gpu-results-host --servers gmlx-steptimes,gmlx-fewer-steptimes,gmlx-steptimes \
+      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/host.md" > "$OUT/host.txt" 2>&1
+    grep -E "decode steps of|tok/s|steptimes" "$OUT/host.txt" | cut -c1-400 | head -40
     GMLX_HOME=/tmp/gmlx-home GMLX_STEP_TIMES=128 timeout 300 python3 $GPU/served_step.py /tmp/models/llama3-8b/q4_k_m.gguf \
       --modes served --widths 1,8,32 --tokens 256 --prefix 0 --bias 0 --dtype float16 > "$OUT/served-step.txt" 2>&1
     grep -vE "^ *\| (cuda|q4_k_m)" "$OUT/served-step.txt" | cut -c1-300 | tail -20
