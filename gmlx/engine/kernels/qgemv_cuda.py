@@ -63,6 +63,7 @@ from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_source import (
     BODY,
     GATED,
+    NORMED_BODY,
     PLAIN,
     RESIDUAL,
     ROWS_BODY,
@@ -147,7 +148,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
-            residual: bool = False) -> Any:
+            residual: bool = False, eps: float | None = None) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -155,20 +156,26 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``depth``: at one row, the chunks a lane loads before using any; ``tiles``: at one
     row, x staged in shared memory (``k`` values) and that many row tiles a block;
     ``residual``: a plain product with one more input, ``res``, added to each output as
-    it is written (:data:`qgemv_source.RESIDUAL`)."""
+    it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain or
+    gated product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight one more
+    input, ``nw`` (:data:`qgemv_source.NORMED_BODY`)."""
     if residual and (gated or parts):
         raise ValueError("a residual is added to a plain product's output only")
+    if eps is not None and (parts or residual or max_rows > 1 or tiles):
+        raise ValueError("the norm is folded into a plain or gated product of one unstaged row only")
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
-            + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "") + "\n"
+            + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "")
+            + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "") + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
-    inputs += ["res"] if residual else []
-    kind = "qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv"
-    body = ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else BODY
+    inputs += ["res"] if residual else ["nw"] if eps is not None else []
+    kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
+        "n" if eps is not None else "")
+    body = ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else NORMED_BODY if eps is not None else BODY
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else ""),
                  head, body, inputs, outputs=outputs)
@@ -184,17 +191,18 @@ def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
 
 
 def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
-              parts: tuple[int, ...] = (), k: int = 0, residual: bool = False) -> Any:
+              parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> Any:
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles = launch_shape(config)
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0,
-                   residual)
+                   residual, eps)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
           config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
-          more: tuple[tuple[Any, Any, Any], ...] = (), residual: bool = False) -> Callable[..., Any]:
+          more: tuple[tuple[Any, Any, Any], ...] = (), residual: bool = False,
+          norm: tuple[Any, float] | None = None) -> Callable[..., Any]:
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
     out once (a layer calls it on every decode step of one stream); with ``up`` (the up
     projection's weights, scales and biases, of this layer's layout and shape) the gated
@@ -202,7 +210,9 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     ``more`` (one or two more layers' weights, scales and biases, of this layer's layout
     and input width) the products of all of them in one launch, returned as a tuple; with
     ``residual``, a function of ``x`` and ``r`` (the output's shape and type): ``r`` plus
-    the product, added as it is written."""
+    the product, added as it is written; with ``norm`` (an RMSNorm's weight, of the input's
+    type, and epsilon; one row, an unstaged ``config``) the product of ``rms_norm(x)``, the
+    norm in the kernel."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]
@@ -216,15 +226,20 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     grid = (-(-n // (warps * outs * max(tiles, 1))) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
     inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
+    eps = None if norm is None else float(norm[1])
+    norm = norm or ()
     kernels: dict[Any, Any] = {}  # per activation dtype
 
     def run(x: Any, *r: Any) -> Any:
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k, residual)
+            if norm is not None and norm[0].dtype != dtype:  # (a cast made here could be a trace's placeholder)
+                raise ValueError(f"the norm's weight is {norm[0].dtype}, the input {dtype}: they must match")
+            kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k, residual,
+                                                eps)
         lead = x.shape[:-1]
-        outs = kernel(inputs=[x, *inputs_after_x, *r], grid=grid, threadgroup=threadgroup,
+        outs = kernel(inputs=[x, *inputs_after_x, *r, *norm[:1]], grid=grid, threadgroup=threadgroup,
                       output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))
         return tuple(outs) if more else outs[0]
 

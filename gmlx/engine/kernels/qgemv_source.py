@@ -306,6 +306,64 @@ _STAGED_SOURCE = _LAYOUT + r"""
 """
 
 BODY = compact(_SOURCE)
+
+
+# The one-row source with the RMSNorm before the product folded in (``NORMED_BODY``): the
+# input is the block's hidden state ``h`` and the norm's weight ``nw`` (K values); each lane
+# loads ``nw``'s 32 values of a chunk beside ``h``'s, keeps the sum of ``h``'s squares and
+# takes ``h * nw`` in place of x; as a warp's lanes cover every chunk of the row, the warp
+# meets the squares' sum by shuffles with its rows' sums and scales each by ``rsqrt(sum / K
+# + EPS)`` before the output is written. The product is linear in x, so that is
+# ``W (h * nw * rsqrt(mean(h^2) + eps))``: the norm and the product in one launch. MLX's
+# norm rounds its output to T before the product reads it; here nothing is rounded
+# until the output, so the result is nearer a float32 norm and product, not the same bits
+# (the load holds it to MLX's distance from those). Why: on the H100 (12-06 evening) a
+# one-stream step ran 65 norm kernels of ~3.2 us each, one a block before its MLP, and a
+# served step's host hands over each kernel of a step.
+_NORMED_X = r"""
+        float xf[32];
+        #pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const T* e = reinterpret_cast<const T*>(&xd[di][v]);
+            const T* g = reinterpret_cast<const T*>(&nd[di][v]);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float f = static_cast<float>(e[j]);
+                ss += f * f;
+                xf[8 * v + j] = f * static_cast<float>(g[j]);
+            }
+        }
+        float xs = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) xs += xf[j];
+"""
+_NORMED_SCALE = r"""    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float scale = rsqrtf(ss / (float)K + EPS);
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) red[r] *= scale;
+"""
+
+
+def _normed(source: str) -> str:
+    """The one-row source ``source`` with the norm folded in (see ``_NORMED_X``)."""
+    steps = [("    float acc[RPW];\n", "    float acc[RPW];\n    float ss = 0.0f;\n"),
+             ("        uint4 xd[DEPTH][4];\n", "        uint4 xd[DEPTH][4], nd[DEPTH][4];\n"),
+             ("                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];\n",
+              ("                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];\n"
+               "                const uint4* np4 = reinterpret_cast<const uint4*>(nw + (size_t)c * 32);\n"
+               "                #pragma unroll\n"
+               "                for (int v = 0; v < 4; ++v) nd[di][v] = np4[v];\n")),
+             (_X_FLOATS.replace("XRAW", "xd[di]"), _NORMED_X),
+             ("        red[r] = v;\n    }\n", "        red[r] = v;\n    }\n" + _NORMED_SCALE)]
+    for old, new in steps:
+        if source.count(old) != 1:
+            raise AssertionError(f"the one-row source changed: {old.strip()!r} is not there once")
+        source = source.replace(old, new)
+    return source
+
+
+NORMED_BODY = compact(_normed(_SOURCE))
 ROWS_BODY = compact(_ROWS_SOURCE)
 STAGED_BODY = compact(_STAGED_SOURCE)
 

@@ -80,6 +80,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 for config in qgemv_cuda.gated_configs(1, 4096) + qgemv_cuda.gated_configs(8):
                     qgemv_cuda.kernel_of(dtype, bits, 64, config, gated=True, k=4096)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
+                for config in qgemv_cuda.gated_configs(1)[:3]:  # the norm before them folded in
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, gated=True, k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
                 for sizes, config in (((4096, 1024, 1024), (4, 2)), ((4096, 1024), (4, 2, 8)),
                                       ((4096, 1024, 1024), qgemv_cuda.STAGED[0])):
                     qgemv_cuda.kernel_of(dtype, bits, 64, config, parts=sizes, k=4096)

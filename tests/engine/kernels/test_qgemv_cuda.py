@@ -219,7 +219,7 @@ def _tiles(config: tuple[int, ...]) -> int:
 
 
 def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
-          parts: tuple[int, ...] = (), k: int = 0, residual: bool = False) -> dict:
+          parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> dict:
     """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape
     (``k``: the row width the staged shapes are built for)."""
     made: list[dict] = []
@@ -227,7 +227,7 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         qgemv_cuda._kernel.cache_clear()
         try:
-            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k, residual)
+            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k, residual, eps)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
@@ -336,3 +336,58 @@ int main(int argc, char** argv) {
         got = got.view(dtype)
         want = mx.quantized_matmul(x, wq, sc, bi, transpose=True, group_size=group, bits=bits)
         assert agrees(got, want, exact_product(x, wq, sc, bi, group, bits)), i
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "group", "config", "gated", "dtype"), [
+    (4, 32, (4, 2), False, mx.bfloat16), (6, 64, (8, 1, 1, 2), False, mx.float16),
+    (4, 32, (4, 4, 1), True, mx.float16), (4, 64, (4, 4, 1, 2), True, mx.bfloat16), (6, 32, (4, 2, 1), True, mx.float16)])
+def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_path, bits: int, group: int, config,
+                                                                         gated: bool, dtype) -> None:
+    """The one-row source with an RMSNorm folded in (``bound(..., norm=(weight, eps))``:
+    the MLP's gate-up-swiglu reading the block's hidden state, not its norm's output),
+    run on the CPU as above over 1,088 values (lanes with one chunk and with two, at depth
+    1 and 2): as close to a float32 norm and product (and float32 swiglu) as MLX's norm
+    then MLX's product (and mlx-lm's swiglu) are, and not the plain product of the
+    un-normed row."""
+    from mlx_lm.models.activations import swiglu
+
+    k, n, eps = 1088, 11, 1e-5
+    name = str(dtype).removeprefix("mlx.core.")
+    mx.random.seed(bits + group + gated)
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
+              for _ in range(2 if gated else 1)]
+    h = (mx.random.normal((1, k)) * 7 + 2).astype(dtype)  # far from unit RMS: the scale shows
+    nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
+    made = _made(dtype, bits, group, config, gated=gated, eps=eps)
+    assert made["input_names"][-1] == "nw" and f"EPS = {eps!r}f" in str(made)
+    types = [name, *(["uint32", name, name] * len(layers)), name]
+    body = emulation.function(made, types, name)
+    names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws", "scales": "s.data()",
+             "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()", "biases2": "b2.data()",
+             "nw": "nw.data()", "out": "out.data()"}
+    args = ", ".join(names[p] for p in _parameters(body))
+    main = (_GATED_MAIN if gated else _MAIN).replace("ARGS", args).replace(
+        "    std::vector<E> out(", '    auto nw = load<E>("nw.bin", (size_t)K);\n    std::vector<E> out(')
+    program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + body + main
+    files = [("x", h.view(mx.uint16)), ("nw", nw.view(mx.uint16))]
+    for suffix, (wq, sc, bi) in zip(("", "2"), layers):
+        files += [(f"w{suffix}", wq), (f"s{suffix}", sc.view(mx.uint16)), (f"b{suffix}", bi.view(mx.uint16))]
+    for file, a in files:
+        (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [1, k, n, group, bits, config[0], config[1], _tiles(config)])
+    got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
+
+    normed = mx.fast.rms_norm(h, nw, eps)
+    h32 = h.astype(mx.float32)
+    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)
+    products = [mx.quantized_matmul(normed, *layer, transpose=True, group_size=group, bits=bits) for layer in layers]
+    exacts = [exact_product(normed32, *layer, group, bits) for layer in layers]
+    if gated:
+        want, exact = swiglu(*products), exacts[0] * mx.sigmoid(exacts[0]) * exacts[1]
+    else:
+        want, exact = products[0], exacts[0]
+    assert agrees(got, want, exact)
+    unnormed = [mx.quantized_matmul(h, *layer, transpose=True, group_size=group, bits=bits) for layer in layers]
+    assert not agrees(swiglu(*unnormed) if gated else unnormed[0], want, exact)  # the norm is not a no-op here
+    assert mx.abs(got.astype(mx.float32)).max().item() > 0
