@@ -67,6 +67,12 @@ def prepare_layers(model: Any) -> list[str]:
             decided = None
         if decided is not None:
             notes.append(decided)
+    if glu_cuda in step_kernels:
+        try:
+            if (line := glu_cuda.fold_norms(model)) is not None:
+                log.info("%s", line)
+        except Exception as error:  # noqa: BLE001 - the norms stay MLX's; the load goes on
+            log.warning("cuda: the norms are not folded into the MLPs' kernels: %s", error)
     compiled_blocks.retrace(model)  # the paths and kernels the tuners left in place
     return notes
 

@@ -94,7 +94,7 @@ def pieces(block: Any) -> tuple[Any, Any]:
 
     def after(x: Any, attended: Any) -> Any:
         h = plus(attention.o_proj, attended, x)  # (the residual in the product's kernel where it can)
-        return glu_cuda.plus(block.mlp, block.post_attention_layernorm(h), h)
+        return glu_cuda.normed_plus(block.mlp, block.post_attention_layernorm, h)  # (the norm too)
 
     return mx.compile(before), mx.compile(after)
 

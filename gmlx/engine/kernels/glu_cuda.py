@@ -38,6 +38,7 @@ from gmlx.engine.kernels.fast_linear import plus as product_plus
 log = logging.getLogger(__name__)
 
 ENV = "GMLX_GLU_KERNEL"
+NORM_ENV = "GMLX_NORM_FOLD"  # 0: the norm before a fused MLP stays MLX's own kernel
 FAMILIES = ("llama", "qwen2", "qwen3")  # their MLP is down(swiglu(gate(x), up(x)))
 BUCKETS = step_tuning.BUCKETS
 MAX_ROWS = step_tuning.MAX_ROWS
@@ -240,6 +241,84 @@ def plus(mlp: Any, x: Any, residual: Any) -> Any:
     if vars(type(mlp)).get("glu") and _takes_gated(mlp, x):  # (fused now: swaps.subclass's marker)
         return product_plus(mlp.down_proj, mlp._gated(mlp, x, x.size // x.shape[-1]), residual)
     return residual + mlp(x)
+
+
+def normed_plus(mlp: Any, norm: Any, h: Any) -> Any:
+    """``h + mlp(norm(h))``: where :func:`fold_norms` gave ``mlp`` its one-row kernel with
+    the norm folded in and this is a one-token step of one stream taking the gated
+    product, the norm, gate, up and swiglu in one launch (and the residual in the down
+    projection's, :func:`plus`); else as :func:`plus` takes it."""
+    normed = getattr(mlp, "_normed", None) if vars(type(mlp)).get("glu") else None
+    if normed is not None and h.size == h.shape[-1] and h.dtype == normed[1] and _takes_gated(mlp, h):
+        return product_plus(mlp.down_proj, normed[0](h), h)
+    return plus(mlp, norm(h), h)
+
+
+def fold_norms(model: Any) -> str | None:
+    """Give each block whose MLP takes the gated product at one stream on the CUDA-core
+    source (:func:`tune` decided it) that kernel with the block's RMSNorm before it
+    folded in (:data:`qgemv_source.NORMED_BODY`), for :func:`normed_plus`: one kernel a
+    layer fewer at one stream (on the H100, 12-06 evening, the norms were 65 kernels of
+    ~3.2 us in a 3.27 ms step, each one more for the host to hand over). Each MLP shape's
+    first block is checked: the kernel must be as close to a float32 norm, products and
+    swiglu as MLX's norm, products and swiglu are, or no block of that shape takes it.
+    ``GMLX_NORM_FOLD=0`` leaves the norms as they are. Returns the log line (None: no
+    block could take it)."""
+    import mlx.core as mx
+    from mlx import nn
+
+    if os.environ.get(NORM_ENV, "1") == "0":
+        return None
+    blocks = [(m.post_attention_layernorm, m.mlp) for _, m in model.named_modules()
+              if isinstance(m.get("post_attention_layernorm"), nn.RMSNorm) and vars(type(m.get("mlp"))).get("glu")]
+    verdicts: dict[str, bool] = {}
+    folded = 0
+    for norm, mlp in blocks:
+        object.__setattr__(mlp, "_normed", None)
+        gate = mlp.gate_proj
+        if 1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,):
+            continue
+        group_size, bits = layout(mlp)
+        key = _key(mlp)
+        shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
+        weight = norm.weight.astype(gate.scales.dtype)
+        mx.eval(weight)  # made here, outside any trace
+        run = qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape[:4],
+                               up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
+                               norm=(weight, norm.eps))
+        if key not in verdicts:
+            verdicts[key] = _normed_agrees(mlp, norm, run)
+            if not verdicts[key]:
+                log.warning("cuda: the norm folded into gate, up and swiglu of %s disagrees with MLX's norm and "
+                            "products: that shape keeps MLX's norm", key)
+        if verdicts[key]:
+            object.__setattr__(mlp, "_normed", (run, gate.scales.dtype))  # (the kernel, its input's type)
+            folded += 1
+    return (f"cuda: the norm before the MLP folded into its gate-up-swiglu kernel at one stream in {folded} of "
+            f"{len(blocks)} block(s)") if blocks else None
+
+
+def _normed_agrees(mlp: Any, norm: Any, run: Callable[[Any], Any]) -> bool:
+    """Whether ``run`` (the gated kernel with ``norm`` folded in) is as close to a float32
+    norm, products and swiglu as MLX's norm, products and swiglu are, on a random row
+    far from unit RMS; False when it does not build or run here."""
+    import mlx.core as mx
+
+    from gmlx.engine.kernels.timing import agrees as close_enough
+    from gmlx.engine.kernels.timing import exact_product
+
+    gate, up = mlp.gate_proj, mlp.up_proj
+    k = gate.weight.shape[1] * 32 // gate.bits
+    h = (mx.random.normal((1, 1, k), key=mx.random.key(11)) * 3 + 0.5).astype(gate.scales.dtype)
+    try:
+        got = run(h)
+        mx.eval(got)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    h32 = h.astype(mx.float32)
+    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + norm.eps) * norm.weight.astype(mx.float32)
+    g, u = (exact_product(normed32, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
+    return close_enough(got, _mlx_gated(mlp, norm(h), 1), g * mx.sigmoid(g) * u)
 
 
 @cache

@@ -234,7 +234,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            if norm is not None and norm[0].dtype != dtype:  # (a cast made here could be a trace's placeholder)
+            if norm and norm[0].dtype != dtype:  # (a cast made here could be a trace's placeholder)
                 raise ValueError(f"the norm's weight is {norm[0].dtype}, the input {dtype}: they must match")
             kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k, residual,
                                                 eps)
