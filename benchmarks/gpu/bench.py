@@ -145,6 +145,8 @@ GMLX_VARIANTS = {
     # the defaults, the worker logging its decode steps' phases every 128 steps (the run log:
     # build, hand over, wait, read, between; gmlx.engine.step_times)
     "gmlx-steptimes": {"GMLX_STEP_TIMES": "128"},
+    # the norm before each MLP left to MLX's kernel (12-06 evening's fold off: one kernel a layer more)
+    "gmlx-nofold": {"GMLX_NORM_FOLD": "0"},
     # fewer kernels a step (the q-k-v product at one row: -48; the rope in the attention:
     # -64), which moved the bare loop's GPU time by 1-3% (12-06 evening) but, where the served
     # loop is the host's, each kernel fewer is one fewer handed over: with the phases logged

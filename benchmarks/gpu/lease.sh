@@ -38,10 +38,11 @@
 # compact: the in-place attention's builds served: both paths (gmlx-strided: the default
 #   before 12-06 midday) and 4 keys in flight (gmlx-compact) against gmlx (dense rows
 #   alone), at widths 1 and 32.
+# (12-06 evening: gmlx-nowide and gmlx-noresidual were the default pair; both measured)
 # variants: the served one-stream step traced in process, a process a setting, alternating
 #   at 1 and 8 streams: ms a step, the GPU's busy time, the kernels' sum and count; the
-#   medians against gmlx's. By default the defaults against each new one turned off
-#   (gmlx-nowide, gmlx-noresidual: ~300 s); then, as a second call, the candidates:
+#   medians against gmlx's. By default the defaults against the newest one turned off
+#   (gmlx-nofold: the norm before each MLP in MLX's kernel again; ~200 s); then the candidates:
 #   VARIANTS=gmlx,gmlx-qkv,gmlx-fold,gmlx-ops200 bash benchmarks/gpu/lease.sh variants (~400 s).
 # host: the served step's phases (GMLX_STEP_TIMES: build, hand over, wait, read, between) at
 #   widths 1 and 8 through the server, the defaults against 112 kernels a step fewer
@@ -199,7 +200,7 @@ case ${1:-} in
     # /tmp/gmlx-home, so after `gmlx`): served tok/s moved 199-262 between processes of one
     # build on 12-06, too much to show a few percent
     with_env
-    GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-nowide,gmlx-noresidual}" \
+    GMLX_HOME=/tmp/gmlx-home timeout 570 python3 $GPU/step_variants.py /tmp/models/llama3-8b/q4_k_m.gguf --variants "${VARIANTS:-gmlx,gmlx-nofold}" \
       --rounds "${ROUNDS:-2}" --widths 1,8 --keep "$OUT/variants" > "$OUT/variants.txt" 2>&1
     cat "$OUT/variants.txt"
     ;;

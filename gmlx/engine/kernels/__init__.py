@@ -20,7 +20,9 @@ def prepare_layers(model: Any) -> list[str]:
     (unless ``GMLX_GLU_KERNEL=0``) an MLP's gate and up projections and swiglu in one
     kernel (:mod:`glu_cuda`) and (unless ``GMLX_QKV_KERNEL=0``) an attention's queries,
     keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
-    measures faster. The one-token steps of llama-pattern blocks run in two compiled pieces
+    measures faster, and (unless ``GMLX_NORM_FOLD=0``) where an MLP takes the gated
+    kernel at one stream, the block's norm before it folded into that kernel
+    (:func:`glu_cuda.fold_norms`, logged). The one-token steps of llama-pattern blocks run in two compiled pieces
     each (:mod:`compiled_blocks`, logged; on the CPU and CUDA unless ``GMLX_COMPILE_BLOCKS=0``),
     attached before the tuners, so they time whole steps as they will be served (a custom
     kernel's host cost paid at a trace, not every step), and traced again after them with
