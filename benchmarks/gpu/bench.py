@@ -195,7 +195,7 @@ PEER_VARIANTS = {"mlx_lm-gmlxenv": dict(MLX_CUDA_DEFAULTS)}
 # and anything that went wrong: kept with its result, as the log itself is lost with the
 # device machine.
 LOG_KEYS = ("loaded ", "warmed up", "cuda:", "convert", "cache", "hrashing", "uncompiled", "WARNING", "ERROR",
-            "Traceback")
+            "Traceback", "decode steps of")
 # quant -> server -> the file or folder (inside MODELS_DIR/SHAPE) it loads
 FILES: dict[str, dict[str, str | None]] = {
     "f16": {"gmlx": "f16.gguf", "gmlx-mlx": "mlx-bf16", "mlx_lm": "mlx-bf16", "llama": "f16.gguf"},
@@ -357,7 +357,7 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
         finally:
             stop_profile(spy)
         if kind.startswith("gmlx"):
-            later = log_lines(s.log)[len(result["load_log"]):]
+            later = log_lines(s.log, limit=400)[len(result["load_log"]):]  # (GMLX_STEP_TIMES: a line a summary)
             if later:
                 result["run_log"] = later
                 print("\n".join(f"    | {line}" for line in later), flush=True)

@@ -23,8 +23,8 @@ each a ``time.perf_counter`` stamp, and what lies between two steps:
 
 Each line also gives the steps' mean and longest period (a stall once a request, a
 trace or a collection, hides in the medians but not in the mean) and the cyclic garbage
-collector's passes meanwhile (``gc.callbacks``: how many of each generation, and their
-time).
+collector's passes while the steps ran (``gc.callbacks``: how many of each generation,
+and their time; not those of a load or of an idle worker).
 
 Off by default: one attribute test a step. The log line is at INFO, under this module's
 logger (``gmlx serve``'s log)."""
@@ -70,9 +70,10 @@ class StepTimes:
         gc.callbacks.append(self._on_collection)
 
     def _on_collection(self, phase: str, info: dict) -> None:
+        # counted while steps run back to back only (not a load's collection, nor an idle one)
         if phase == "start":
             self._collecting = time.perf_counter()
-        else:
+        elif self._last_end is not None:
             passes = self._collections[info["generation"]]
             passes[0] += 1
             passes[1] += time.perf_counter() - self._collecting
