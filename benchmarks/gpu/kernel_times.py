@@ -39,7 +39,6 @@ import glob
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -78,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from benchmarks.gpu.pipeline_check import _primed
-    from benchmarks.gpu.served_step import attention, layered, load
+    from benchmarks.gpu.served_step import attention, layered, load, pipelined
     from gmlx.engine.kernels import cuda_source, fast_linear, glu_cuda, qkv_cuda
 
     loaded = load(args.model, args.dtype)
@@ -124,15 +123,7 @@ def child(args: argparse.Namespace) -> None:
                     _profiler(True)
                     marker(index)
                 with tracer.window(index) if tracer else contextlib.nullcontext():
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        nxt = step(current)
-                        mx.async_eval(nxt)
-                        mx.eval(current)
-                        current.tolist()
-                        current = nxt
-                    mx.eval(current)
-                    elapsed = time.perf_counter() - start
+                    elapsed = pipelined(step, current, args.steps)
                 if profiled:
                     _profiler(False)
             print(f"window {index} width {width} loop {mode}: {elapsed / args.steps * 1e3:.2f} ms a step", flush=True)
