@@ -276,8 +276,9 @@ def fold_norms(model: Any) -> str | None:
     for norm, mlp in blocks:
         object.__setattr__(mlp, "_normed", None)
         gate = mlp.gate_proj
-        if 1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,):
-            continue
+        k = gate.weight.shape[1] * 32 // gate.bits
+        if 1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (k,):
+            continue  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
         group_size, bits = layout(mlp)
         key = _key(mlp)
         shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
