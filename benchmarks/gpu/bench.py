@@ -151,6 +151,10 @@ GMLX_VARIANTS = {
     # -64), which moved the bare loop's GPU time by 1-3% (12-06 evening) but, where the served
     # loop is the host's, each kernel fewer is one fewer handed over: with the phases logged
     "gmlx-fewer-steptimes": {"GMLX_QKV_KERNEL": "1", "GMLX_ROPE_ATTENTION": "1", "GMLX_STEP_TIMES": "128"},
+    # and the norm before the attention folded into the q-k-v product at one stream (-32 more)
+    "gmlx-fewest-steptimes": {"GMLX_QKV_KERNEL": "1", "GMLX_ROPE_ATTENTION": "1", "GMLX_QKV_NORM": "1",
+                              "GMLX_STEP_TIMES": "128"},
+    "gmlx-qkvnorm": {"GMLX_QKV_NORM": "1"},
     # the layers' rope folded into the in-place attention (one operation a layer fewer:
     # cached_attention_cuda.folded_rope), and that with the add-norm kernel in the compiled
     # blocks (two more): 11-12 operations a layer of the 8B's step down to 8

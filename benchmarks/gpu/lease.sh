@@ -15,7 +15,7 @@
 #   the rope folded into the attention:        bash benchmarks/gpu/lease.sh fold      (~450 s)
 #   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
 #   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
-#   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~300 s)
+#   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~450 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -46,7 +46,8 @@
 #   VARIANTS=gmlx,gmlx-qkv,gmlx-fold,gmlx-ops200 bash benchmarks/gpu/lease.sh variants (~400 s).
 # host: the served step's phases (GMLX_STEP_TIMES: build, hand over, wait, read, between) at
 #   widths 1 and 8 through the server, the defaults against 112 kernels a step fewer
-#   (gmlx-fewer-steptimes: the q-k-v product and the folded rope), then in process (served_step.py --modes served:
+#   (gmlx-fewer-steptimes: the q-k-v product and the folded rope) and ~190 fewer
+#   (gmlx-fewest-steptimes: and the norm before the attention in the q-k-v product), then in process (served_step.py --modes served:
 #   the waited step, the pipelined bare loop and the worker on the layers a server's load
 #   leaves): why one stream served 4.29 ms a token where the bare loop took 3.40 (12-06
 #   evening, H100)
@@ -206,7 +207,7 @@ case ${1:-} in
     ;;
   host)
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-host --servers gmlx-steptimes,gmlx-fewer-steptimes,gmlx-steptimes \
+    "${BENCH[@]}" --results /tmp/gpu-results-host --servers gmlx-steptimes,gmlx-fewer-steptimes,gmlx-fewest-steptimes,gmlx-steptimes \
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/host.md" > "$OUT/host.txt" 2>&1
     grep -E "decode steps of|tok/s|steptimes" "$OUT/host.txt" | cut -c1-400 | head -40
     GMLX_HOME=/tmp/gmlx-home GMLX_STEP_TIMES=128 timeout 300 python3 $GPU/served_step.py /tmp/models/llama3-8b/q4_k_m.gguf \

@@ -22,7 +22,8 @@ def prepare_layers(model: Any) -> list[str]:
     keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
     measures faster, and (unless ``GMLX_NORM_FOLD=0``) where an MLP takes the gated
     kernel at one stream, the block's norm before it folded into that kernel
-    (:func:`glu_cuda.fold_norms`, logged). The one-token steps of llama-pattern blocks run in two compiled pieces
+    (:func:`glu_cuda.fold_norms`, logged; with ``GMLX_QKV_NORM=1`` the norm before the
+    attention into its projections' product, :func:`qkv_cuda.fold_norms`). The one-token steps of llama-pattern blocks run in two compiled pieces
     each (:mod:`compiled_blocks`, logged; on the CPU and CUDA unless ``GMLX_COMPILE_BLOCKS=0``),
     attached before the tuners, so they time whole steps as they will be served (a custom
     kernel's host cost paid at a trace, not every step), and traced again after them with
@@ -69,12 +70,13 @@ def prepare_layers(model: Any) -> list[str]:
             decided = None
         if decided is not None:
             notes.append(decided)
-    if glu_cuda in step_kernels:
+    for kernel in (k for k in (glu_cuda, qkv_cuda) if k in step_kernels):
         try:
-            if (line := glu_cuda.fold_norms(model)) is not None:
+            if (line := kernel.fold_norms(model)) is not None:
                 log.info("%s", line)
         except Exception as error:  # noqa: BLE001 - the norms stay MLX's; the load goes on
-            log.warning("cuda: the norms are not folded into the MLPs' kernels: %s", error)
+            log.warning("cuda: the norms are not folded into %s's kernels: %s", kernel.__name__.rsplit(".", 1)[-1],
+                        error)
     compiled_blocks.retrace(model)  # the paths and kernels the tuners left in place
     return notes
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from gmlx.engine.kernels import glu_cuda, one_token, swaps, traces
+from gmlx.engine.kernels import glu_cuda, one_token, qkv_cuda, swaps, traces
 from gmlx.engine.kernels.fast_linear import plus
 
 ENV = "GMLX_COMPILE_BLOCKS"
@@ -89,8 +89,8 @@ def pieces(block: Any) -> tuple[Any, Any]:
     ``after(x, attended) -> the block's output``."""
     attention = block.self_attn
 
-    def before(x: Any, offset: Any) -> tuple[Any, Any, Any]:
-        return one_token.queries_keys_values(attention, block.input_layernorm(x), offset)
+    def before(x: Any, offset: Any) -> tuple[Any, Any, Any]:  # (the norm in the product's kernel where it can)
+        return qkv_cuda.normed_queries_keys_values(attention, block.input_layernorm, x, offset)
 
     def after(x: Any, attended: Any) -> Any:
         h = plus(attention.o_proj, attended, x)  # (the residual in the product's kernel where it can)

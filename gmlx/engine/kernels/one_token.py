@@ -108,6 +108,13 @@ def queries_keys_values(attention: Any, x: Any, offset: Any) -> tuple[Any, Any, 
                                          [q_end, q_end + attention.n_kv_heads * attention.head_dim], axis=-1)
     else:
         queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    return shaped(attention, queries, keys, values, offset)
+
+
+def shaped(attention: Any, queries: Any, keys: Any, values: Any, offset: Any) -> tuple[Any, Any, Any]:
+    """A one-token step's projected queries, keys and values (each ``(B, 1, width)``) as
+    :func:`queries_keys_values` hands them on: shaped per head, normed and rotated."""
+    B = queries.shape[0]
     values = values.reshape(B, attention.n_kv_heads, 1, -1)
     if attention._fold is not None:  # the in-place attention rotates them (or attend, where it is not taken)
         return queries.reshape(B, attention.n_heads, 1, -1), keys.reshape(B, attention.n_kv_heads, 1, -1), values

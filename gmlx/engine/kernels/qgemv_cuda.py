@@ -156,13 +156,13 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``depth``: at one row, the chunks a lane loads before using any; ``tiles``: at one
     row, x staged in shared memory (``k`` values) and that many row tiles a block;
     ``residual``: a plain product with one more input, ``res``, added to each output as
-    it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain or
-    gated product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight one more
-    input, ``nw`` (:data:`qgemv_source.NORMED_BODY`)."""
+    it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain,
+    gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
+    one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`)."""
     if residual and (gated or parts):
         raise ValueError("a residual is added to a plain product's output only")
-    if eps is not None and (parts or residual or max_rows > 1 or tiles):
-        raise ValueError("the norm is folded into a plain or gated product of one unstaged row only")
+    if eps is not None and (residual or max_rows > 1 or tiles):
+        raise ValueError("the norm is folded into a product of one unstaged row, without a residual, only")
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
@@ -211,8 +211,8 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     and input width) the products of all of them in one launch, returned as a tuple; with
     ``residual``, a function of ``x`` and ``r`` (the output's shape and type): ``r`` plus
     the product, added as it is written; with ``norm`` (an RMSNorm's weight, of the input's
-    type, and epsilon; one row, an unstaged ``config``) the product of ``rms_norm(x)``, the
-    norm in the kernel."""
+    type, and epsilon; one row, an unstaged ``config``) the product (gated, or of several
+    layers) of ``rms_norm(x)``, the norm in the kernel."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]

@@ -306,3 +306,48 @@ def test_a_norm_fold_that_disagrees_is_not_taken(monkeypatch: pytest.MonkeyPatch
     assert glu_cuda.fold_norms(model).endswith(f"in 0 of {LAYERS} block(s)")
     assert all(layer.mlp._normed is None for layer in model.layers)
     glu_cuda.detach(model)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-layout", "values-8-bit"])
+def test_the_norm_before_the_attention_rides_in_its_projections_with_gmlx_qkv_norm(monkeypatch: pytest.MonkeyPatch,
+                                                                                    mixed: bool) -> None:
+    """With ``GMLX_QKV_NORM=1`` a block's queries, keys and values at one stream come from
+    one product with the norm before them folded in (the values from a normed product of
+    their own where their layout differs): the same logits bit for bit where the kernels
+    compute what MLX's norm and products do (``qgemv_cuda.bound`` stands in with them;
+    the kernel's own source is checked in test_qgemv_cuda); two streams keep the norm;
+    without the setting nothing is folded."""
+    from gmlx.engine.kernels import qgemv_cuda, qkv_cuda
+
+    calls: list[int] = []
+
+    def bind(w, scales, biases, group_size, bits, config, more=(), norm=None, **kw):
+        def run(x):
+            n = mx.fast.rms_norm(x, norm[0], norm[1])
+            calls.append(1 + len(more))
+            outs = tuple(mx.quantized_matmul(n, *layer, transpose=True, group_size=group_size, bits=bits)
+                         for layer in ((w, scales, biases), *more))
+            return outs if more else outs[0]
+        return run
+
+    monkeypatch.setattr(qgemv_cuda, "bound", bind)
+    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
+    if mixed:
+        for layer in model.layers:
+            v = layer.self_attn.v_proj
+            dense = nn.Linear(v.weight.shape[1] * 32 // v.bits, v.weight.shape[0], bias=False)
+            dense.weight = mx.dequantize(v.weight, v.scales, v.biases, group_size=v.group_size, bits=v.bits)
+            layer.self_attn.v_proj = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=8)
+    want = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
+    assert qkv_cuda.fold_norms(model) is None  # off unless asked
+    monkeypatch.setenv(qkv_cuda.NORM_ENV, "1")
+    assert qkv_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} layer(s)")
+    assert compiled_blocks.attach(model) == LAYERS
+    calls.clear()  # (the load's check)
+    got = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
+    for rows, (w, g) in enumerate(zip(want, got, strict=True), start=1):
+        for step, (a, b) in enumerate(zip(w, g, strict=True)):
+            assert mx.array_equal(a, b).item(), f"{rows} row(s), step {step} differs"
+    # traced once a layer at one stream: one product of three layers, or of two and the values' own
+    assert calls == ([2, 1] if mixed else [3]) * LAYERS
+    compiled_blocks.detach(model)

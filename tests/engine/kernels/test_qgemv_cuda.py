@@ -391,3 +391,59 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
     unnormed = [mx.quantized_matmul(h, *layer, transpose=True, group_size=group, bits=bits) for layer in layers]
     assert not agrees(swiglu(*unnormed) if gated else unnormed[0], want, exact)  # the norm is not a no-op here
     assert mx.abs(got.astype(mx.float32)).max().item() > 0
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("bits", "sizes", "config"), [(4, (10, 3, 3), (4, 2)), (4, (12, 4), (4, 4, 1, 2))])
+def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp_path, bits: int,
+                                                                            sizes: tuple[int, ...], config) -> None:
+    """The parts source (an attention's queries, keys and values) with the norm before it
+    folded in: each layer's output as close to a float32 norm and product as MLX's norm
+    then product are."""
+    dtype, k, group, eps = mx.float16, 1088, 32, 1e-5
+    mx.random.seed(bits + len(sizes))
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
+    h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
+    nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
+    made = _made(dtype, bits, group, config, parts=sizes, k=k, eps=eps)
+    assert made["input_names"][-1] == "nw"
+    suffix = ["", "2", "3"][:len(sizes)]
+    body = emulation.function(made, ["float16", *(["uint32", "float16", "float16"] * len(sizes)), "float16"],
+                              ["float16"] * len(sizes))
+    names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws", "nw": "nw.data()"}
+    for i, sfx in enumerate(suffix):
+        names |= {f"w{sfx}": f"w{sfx}.data()", f"scales{sfx}": f"s{sfx}.data()", f"biases{sfx}": f"b{sfx}.data()",
+                  f"out{sfx}": f"out{sfx}.data()"}
+    args = ", ".join(names[p] for p in _parameters(body))
+    loads = [f'auto w{x} = load<uint32_t>("w{x}.bin", (size_t)N{i} * K / 32 * BITS_); '
+             f'auto s{x} = load<E>("s{x}.bin", (size_t)N{i} * K / G_); auto b{x} = load<E>("b{x}.bin", (size_t)N{i} * K / G_); '
+             f"std::vector<E> out{x}(N{i});" for i, x in enumerate(suffix)]
+    sizes_c = " ".join(f"const int N{i} = {n};" for i, n in enumerate(sizes))
+    main = f"""
+int main(int argc, char** argv) {{
+    const int K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]), BITS_ = std::atoi(argv[5]);
+    const int warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
+    {sizes_c}
+    auto x = load<E>("x.bin", (size_t)K);
+    auto nw = load<E>("nw.bin", (size_t)K);
+    {" ".join(loads)}
+    Shape xs{{1, K}}, ws{{N0, K / 32 * BITS_}};
+    const int blocks = (N + warps * rpw - 1) / (warps * rpw);
+    run_blocks(blocks, 32 * warps, [&] {{ kernel({args}); }});
+    {" ".join(f'save("out{x}.bin", out{x});' for x in suffix)}
+}}
+"""
+    program = emulation.PRELUDE + "using E = __half;\n" + body + main
+    (tmp_path / "x.bin").write_bytes(np.array(h.view(mx.uint16)).tobytes())
+    (tmp_path / "nw.bin").write_bytes(np.array(nw.view(mx.uint16)).tobytes())
+    for sfx, (wq, sc, bi) in zip(suffix, layers):
+        for name, a in ((f"w{sfx}", wq), (f"s{sfx}", sc.view(mx.uint16)), (f"b{sfx}", bi.view(mx.uint16))):
+            (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [1, k, sum(sizes), group, bits, config[0], config[1], 0])
+    normed = mx.fast.rms_norm(h, nw, eps)
+    h32 = h.astype(mx.float32)
+    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)
+    for sfx, n, layer in zip(suffix, sizes, layers):
+        got = mx.array(np.frombuffer((tmp_path / f"out{sfx}.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
+        want = mx.quantized_matmul(normed, *layer, transpose=True, group_size=group, bits=bits)
+        assert agrees(got, want, exact_product(normed32, *layer, group, bits)), f"part {sfx or 1}"
