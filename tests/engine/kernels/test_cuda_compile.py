@@ -87,6 +87,11 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                                       ((4096, 1024, 1024), qgemv_cuda.STAGED[0])):
                     qgemv_cuda.kernel_of(dtype, bits, 64, config, parts=sizes, k=4096)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes)]))
+                for sizes in ((4096, 1024, 1024), (4096, 1024)):  # the norm before them folded in
+                    qgemv_cuda.kernel_of(dtype, bits, 64, (4, 2, 1, 2), parts=sizes, k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes), dtype]))
+                qgemv_cuda.kernel_of(dtype, bits, 64, (4, 4), k=4096, eps=1e-6)  # a plain one (the values)
+                kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
             for rows in (1, 16, 64):
                 for bits in qmmw_cuda.BITS:
                     for ft, warps, unroll in qmmw_cuda.configs(rows):
