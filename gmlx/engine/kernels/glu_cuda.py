@@ -264,39 +264,23 @@ def fold_norms(model: Any) -> str | None:
     swiglu as MLX's norm, products and swiglu are, or no block of that shape takes it.
     ``GMLX_NORM_FOLD=0`` leaves the norms as they are. Returns the log line (None: no
     block could take it)."""
-    import mlx.core as mx
-    from mlx import nn
-
     if os.environ.get(NORM_ENV, "1") == "0":
         return None
-    blocks = [(m.post_attention_layernorm, m.mlp) for _, m in model.named_modules()
-              if isinstance(m.get("post_attention_layernorm"), nn.RMSNorm) and vars(type(m.get("mlp"))).get("glu")]
-    verdicts: dict[str, bool] = {}
-    folded = 0
-    for norm, mlp in blocks:
-        object.__setattr__(mlp, "_normed", None)
+
+    def bind(norm: Any, mlp: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
         gate = mlp.gate_proj
-        k = gate.weight.shape[1] * 32 // gate.bits
-        if 1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (k,):
-            continue  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
+        if (1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1)
+                or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,)):
+            return None  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
         group_size, bits = layout(mlp)
         key = _key(mlp)
         shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
-        weight = norm.weight.astype(gate.scales.dtype)
-        mx.eval(weight)  # made here, outside any trace
-        run = qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape[:4],
-                               up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
-                               norm=(weight, norm.eps))
-        if key not in verdicts:
-            verdicts[key] = _normed_agrees(mlp, norm, run)
-            if not verdicts[key]:
-                log.warning("cuda: the norm folded into gate, up and swiglu of %s disagrees with MLX's norm and "
-                            "products: that shape keeps MLX's norm", key)
-        if verdicts[key]:
-            object.__setattr__(mlp, "_normed", (run, gate.scales.dtype))  # (the kernel, its input's type)
-            folded += 1
-    return (f"cuda: the norm before the MLP folded into its gate-up-swiglu kernel at one stream in {folded} of "
-            f"{len(blocks)} block(s)") if blocks else None
+        return key, qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape[:4],
+                                     up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
+                                     norm=(weight, norm.eps))
+
+    return step_tuning.fold_norms(model, "post_attention_layernorm", "mlp", "glu", "_normed", bind, _normed_agrees,
+                                  "the MLP's gate, up and swiglu")
 
 
 def _normed_agrees(mlp: Any, norm: Any, run: Callable[[Any], Any]) -> bool:
@@ -306,19 +290,13 @@ def _normed_agrees(mlp: Any, norm: Any, run: Callable[[Any], Any]) -> bool:
     import mlx.core as mx
 
     from gmlx.engine.kernels.timing import agrees as close_enough
-    from gmlx.engine.kernels.timing import exact_product
+    from gmlx.engine.kernels.timing import exact_norm, exact_product
 
     gate, up = mlp.gate_proj, mlp.up_proj
-    k = gate.weight.shape[1] * 32 // gate.bits
-    h = (mx.random.normal((1, 1, k), key=mx.random.key(11)) * 3 + 0.5).astype(gate.scales.dtype)
-    try:
-        got = run(h)
-        mx.eval(got)
-    except (TypeError, ValueError, RuntimeError):
+    if (ran := step_tuning.tried_far(run, gate, 11)) is None:
         return False
-    h32 = h.astype(mx.float32)
-    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + norm.eps) * norm.weight.astype(mx.float32)
-    g, u = (exact_product(normed32, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
+    h, got = ran
+    g, u = (exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
     return close_enough(got, _mlx_gated(mlp, norm(h), 1), g * mx.sigmoid(g) * u)
 
 

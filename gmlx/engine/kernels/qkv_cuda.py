@@ -238,26 +238,17 @@ def fold_norms(model: Any) -> str | None:
     q-k-v product on the H100, 12-06: the keys' and values' own products ran beside the
     queries'), so off by default until a lease measures it; each shape's first layer is
     checked against MLX's norm and products. Returns the log line (None: off, or no layer)."""
-    import mlx.core as mx
-    from mlx import nn
-
     if os.environ.get(NORM_ENV) != "1":
         return None
-    blocks = [(m.input_layernorm, m.self_attn) for _, m in model.named_modules()
-              if isinstance(m.get("input_layernorm"), nn.RMSNorm) and vars(type(m.get("self_attn"))).get("one_token")]
-    verdicts: dict[str, bool] = {}
-    folded = 0
-    for norm, attention in blocks:
-        object.__setattr__(attention, "_normed_project", None)
+
+    def bind(norm: Any, attention: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
         names = joined(attention)
         if not names or step_tuning.tensor_cores(attention.q_proj, 1):
-            continue
+            return None
         group, bits, _, k, dtype = qgemv_cuda.layout(attention.q_proj)
         v = attention.v_proj
         if norm.weight.shape != (k,) or (len(names) == 2 and (qgemv_cuda.layout(v) or (0,) * 5)[4] != dtype):
-            continue
-        weight = norm.weight.astype(dtype)
-        mx.eval(weight)  # made here, outside any trace
+            return None
         key = _key(attention)
         shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.configs(1)[0]))[:4]
         parts = qgemv_cuda.bound(attention.q_proj.weight, attention.q_proj.scales, attention.q_proj.biases, group, bits,
@@ -266,43 +257,28 @@ def fold_norms(model: Any) -> str | None:
         values = None if len(names) == 3 else qgemv_cuda.bound(v.weight, v.scales, v.biases, v.group_size, v.bits,
                                                                qgemv_cuda.configs(1)[0], norm=(weight, norm.eps))
 
-        def run(h: Any, parts: Any = parts, values: Any = values) -> tuple[Any, Any, Any]:
+        def run(h: Any) -> tuple[Any, Any, Any]:
             outs = parts(h)
             return outs if values is None else (*outs, values(h))
 
-        if key not in verdicts:
-            verdicts[key] = _normed_close(attention, norm, run)
-            if not verdicts[key]:
-                log.warning("cuda: the norm folded into the queries, keys and values of %s disagrees with MLX's norm "
-                            "and products: that shape keeps MLX's norm", key)
-        if verdicts[key]:
-            object.__setattr__(attention, "_normed_project", (run, dtype))
-            folded += 1
-    return (f"cuda: the norm before the attention folded into its queries', keys' and values' products at one "
-            f"stream in {folded} of {len(blocks)} layer(s)") if blocks else None
+        return key, run
+
+    return step_tuning.fold_norms(model, "input_layernorm", "self_attn", "one_token", "_normed_project", bind,
+                                  _normed_close, "the attention's queries, keys and values")
 
 
 def _normed_close(attention: Any, norm: Any, run: Callable[[Any], tuple[Any, Any, Any]]) -> bool:
     """Whether ``run`` (the projections with ``norm`` folded in) gives each projection as
     close to a float32 norm and product as MLX's norm and the layer's product are, on a
     random row far from unit RMS; False when it does not build or run here."""
-    import mlx.core as mx
-
     from gmlx.engine.kernels.timing import agrees as close_enough
-    from gmlx.engine.kernels.timing import exact_product
+    from gmlx.engine.kernels.timing import exact_norm, exact_product
 
-    q = attention.q_proj
-    h = (mx.random.normal((1, 1, q.weight.shape[1] * 32 // q.bits), key=mx.random.key(13)) * 3 + 0.5).astype(
-        q.scales.dtype)
-    try:
-        got = run(h)
-        mx.eval(got)
-    except (TypeError, ValueError, RuntimeError):
+    if (ran := step_tuning.tried_far(run, attention.q_proj, 13)) is None:
         return False
-    h32 = h.astype(mx.float32)
-    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + norm.eps) * norm.weight.astype(mx.float32)
+    h, got = ran
     for g, w, name in zip(got, _mlx_project(attention, norm(h), 1), NAMES, strict=True):
         m = attention[name]
-        if not close_enough(g, w, exact_product(normed32, m.weight, m.scales, m.biases, m.group_size, m.bits)):
+        if not close_enough(g, w, exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits)):
             return False
     return True

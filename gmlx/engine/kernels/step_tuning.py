@@ -151,6 +151,64 @@ def tried(run: Callable[[Any, int], Any], k: int, dtype: Any, rows: tuple[int, .
     return results
 
 
+def tried_far(run: Callable[[Any], Any], layer: Any, seed: int) -> tuple[Any, Any] | None:
+    """``(h, run(h))`` for one random row as wide as quantized ``layer``'s input and far
+    from unit RMS (:func:`timing.far_row`), evaluated; None when the kernel would not
+    build or run here (a folded norm's check)."""
+    import mlx.core as mx
+
+    from gmlx.engine.kernels.timing import far_row
+
+    h = far_row(layer.weight.shape[1] * 32 // layer.bits, layer.scales.dtype, seed)
+    try:
+        got = run(h)
+        mx.eval(got)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return h, got
+
+
 def speedups(kept: dict[int, float]) -> str:
     """``kept`` for a load note."""
     return ", ".join(f"{b}: {x:.2f}x" for b, x in sorted(kept.items())) or "none faster"
+
+
+def fold_norms(model: Any, norm_name: str, part_name: str, marker: str, attr: str,
+               bind: Callable[[Any, Any, Any], tuple[str, Callable[[Any], Any]] | None],
+               check: Callable[[Any, Any, Callable[[Any], Any]], bool], what: str) -> str | None:
+    """The load's part of a norm folded into the kernel after it (:mod:`glu_cuda`'s and
+    :mod:`qkv_cuda`'s ``fold_norms``): for each block whose ``norm_name`` is an RMSNorm
+    and whose ``part_name`` layer carries ``marker``, ``bind(norm, part, weight)`` (the
+    norm's weight in the layer's type, evaluated here, outside any trace) gives the layer
+    shape's key and the folded kernel, or None where it cannot take it; each key's first
+    is ``check``-ed against MLX's norm and products, and where it agrees the layer gets
+    ``(kernel, its input's type)`` as ``attr``. Returns the log line (None: no block)."""
+    import mlx.core as mx
+    from mlx import nn
+
+    blocks = [(m[norm_name], m[part_name]) for _, m in model.named_modules()
+              if isinstance(m.get(norm_name), nn.RMSNorm) and vars(type(m.get(part_name))).get(marker)]
+    verdicts: dict[str, bool] = {}
+    folded = 0
+    for norm, part in blocks:
+        object.__setattr__(part, attr, None)
+        dtype = next((layer.scales.dtype for _, layer in part.named_modules()
+                      if isinstance(layer, nn.QuantizedLinear)), None)
+        if dtype is None:  # nothing quantized to fold it into
+            continue
+        weight = norm.weight.astype(dtype)
+        mx.eval(weight)
+        bound = bind(norm, part, weight)
+        if bound is None:
+            continue
+        key, run = bound
+        if key not in verdicts:
+            verdicts[key] = check(part, norm, run)
+            if not verdicts[key]:
+                log.warning("cuda: the norm folded into %s of %s disagrees with MLX's norm and products: that "
+                            "shape keeps MLX's norm", what, key)
+        if verdicts[key]:
+            object.__setattr__(part, attr, (run, dtype))
+            folded += 1
+    return (f"cuda: the norm before {what} folded into their kernel at one stream in {folded} of {len(blocks)} "
+            f"block(s)") if blocks else None

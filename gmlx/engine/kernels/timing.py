@@ -123,6 +123,21 @@ def agrees(got: Any, want: Any, exact: Any) -> bool:
     return (err_kernel <= 2 * err_mlx + 1e-3 * mx.abs(exact).max()).item()
 
 
+def exact_norm(x: Any, norm: Any) -> Any:
+    """``norm`` (an RMSNorm) of ``x`` in float32: what a folded norm is held to."""
+    import mlx.core as mx
+
+    x = x.astype(mx.float32)
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + norm.eps) * norm.weight.astype(mx.float32)
+
+
+def far_row(k: int, dtype: Any, seed: int) -> Any:
+    """One random row of ``k`` values, far from unit RMS (a folded norm's scale shows)."""
+    import mlx.core as mx
+
+    return (mx.random.normal((1, 1, k), key=mx.random.key(seed)) * 3 + 0.5).astype(dtype)
+
+
 def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
     """``x @ dequantize(w).T`` in float32: the reference every product is held to."""
     import mlx.core as mx

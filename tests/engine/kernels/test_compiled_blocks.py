@@ -341,7 +341,7 @@ def test_the_norm_before_the_attention_rides_in_its_projections_with_gmlx_qkv_no
     want = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
     assert qkv_cuda.fold_norms(model) is None  # off unless asked
     monkeypatch.setenv(qkv_cuda.NORM_ENV, "1")
-    assert qkv_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} layer(s)")
+    assert qkv_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
     assert compiled_blocks.attach(model) == LAYERS
     calls.clear()  # (the load's check)
     got = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
