@@ -104,7 +104,7 @@ def _decode_batch() -> type:
         def _step(self) -> tuple[list[int], list[Any]]:
             # mlx-lm 0.32's GenerationBatch._step but for the processors and the
             # log-probabilities' evaluation (and the phases' stamps, where wanted)
-            begin = time.perf_counter() if self.times is not None else 0.0
+            begin = time.perf_counter()
             self._current_tokens = self._next_tokens
             self._current_logprobs = self._next_logprobs
             inputs = self._current_tokens
@@ -119,17 +119,13 @@ def _decode_batch() -> type:
                 sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
             self._next_tokens = sampled
             self._next_logprobs = list(logprobs)  # views of `logprobs`, evaluated with it
-            if self.times is None:
-                mx.async_eval(sampled, logprobs, token_context)
-                mx.eval(inputs)
-                tokens = inputs.tolist()
-            else:
-                built = time.perf_counter()
-                mx.async_eval(sampled, logprobs, token_context)
-                handed = time.perf_counter()
-                mx.eval(inputs)
-                waited = time.perf_counter()
-                tokens = inputs.tolist()
+            built = time.perf_counter()
+            mx.async_eval(sampled, logprobs, token_context)
+            handed = time.perf_counter()
+            mx.eval(inputs)
+            waited = time.perf_counter()
+            tokens = inputs.tolist()
+            if self.times is not None:
                 self.times.note(len(tokens), begin, built, handed, waited, time.perf_counter())
             for held, token in zip(self.tokens, tokens, strict=True):
                 held.append(token)

@@ -311,8 +311,7 @@ def release_memory() -> None:
     """Collect what an unload left unreachable (what :func:`settle` froze included) and
     return MLX's buffer cache to the system, on any backend."""
     gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+    settle()
     try:
         import mlx.core as mx
 

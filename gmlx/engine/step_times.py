@@ -26,7 +26,8 @@ trace or a collection, hides in the medians but not in the mean) and the cyclic 
 collector's passes while the steps ran (``gc.callbacks``: how many of each generation,
 and their time; not those of a load or of an idle worker).
 
-Off by default: one attribute test a step. The log line is at INFO, under this module's
+Off by default: the stamps are taken every step (four clock reads, well under a
+microsecond) and handed on only when asked for. The log line is at INFO, under this module's
 logger (``gmlx serve``'s log)."""
 
 from __future__ import annotations

@@ -200,8 +200,7 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     strides: four kernels a head split, rope, unroll and build per float type, head size,
     scale and group, whatever the cache's length. ``layout`` :data:`WIDE`: a key a warp in
     blocks of :func:`wide_threads` (``hsplit`` then the whole group: a query head a block)."""
-    wide = layout == WIDE
-    head = (attention_cuda.kernel_head(dtype, head_dim, scale, wide_threads(head_dim) if wide else attention_cuda.THREADS)
+    head = (attention_cuda.kernel_head(dtype, head_dim, scale, block_threads(layout, head_dim))
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
             + f"constexpr bool DENSE = {'true' if dense else 'false'};\n"
@@ -210,7 +209,7 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
             f"{f'_h{hsplit}' if hsplit > 1 else ''}{f'_{layout}' if layout != 'warp' else ''}{'_split' if split else ''}"
             f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}")
-    return build(name, head, body("warp" if wide else layout, bool(rope)),
+    return build(name, head, body("warp" if layout == WIDE else layout, bool(rope)),
                  ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
@@ -248,13 +247,19 @@ def wide_threads(d: int) -> int:
     return 1024 if d <= 128 else 512
 
 
+def block_threads(layout: str, d: int) -> int:
+    """A block's threads in ``layout``: :func:`wide_threads` in the wide form, else the
+    one-query kernels' own."""
+    return wide_threads(d) if layout == WIDE else attention_cuda.THREADS
+
+
 def fits(group: int, d: int, layout: str = "warp", rope: bool = False) -> bool:
     """Whether the kernel in ``layout`` is built for ``group`` query heads a key-value
     head of size ``d``: its shared memory (the warps' shares of every head's output,
     maximum and total; a key a lane, also the group's queries, a tile's weights a warp
     and the step's key and value; with the ``rope`` folded in, the rotated queries and
     key) within :data:`SHARED_BYTES`."""
-    warps = (wide_threads(d) if layout == WIDE else attention_cuda.THREADS) // 32
+    warps = block_threads(layout, d) // 32
     group = 1 if layout == WIDE else group  # (a query head a block)
     floats = warps * group * d + 2 * warps * group + (group * d + warps * 32 * group + d if layout == "lane" else 0)
     floats += group * d + d // 2 if rope else 0  # (halves of the key: d / 2 floats' room)
@@ -352,4 +357,4 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
                                                           hsplit, pairs, in_flight, dense),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
                                     q, n, b * kv_heads * hsplit, (b, 1, heads * d),
-                                    wide_threads(d) if layout == WIDE else attention_cuda.THREADS)
+                                    block_threads(layout, d))

@@ -248,9 +248,9 @@ def normed_plus(mlp: Any, norm: Any, h: Any) -> Any:
     the norm folded in and this is a one-token step of one stream taking the gated
     product, the norm, gate, up and swiglu in one launch (and the residual in the down
     projection's, :func:`plus`); else as :func:`plus` takes it."""
-    normed = getattr(mlp, "_normed", None) if vars(type(mlp)).get("glu") else None
-    if normed is not None and h.size == h.shape[-1] and h.dtype == normed[1] and _takes_gated(mlp, h):
-        return product_plus(mlp.down_proj, normed[0](h), h)
+    run = step_tuning.folded(mlp, "_normed", h) if vars(type(mlp)).get("glu") else None
+    if run is not None and _takes_gated(mlp, h):
+        return product_plus(mlp.down_proj, run(h), h)
     return plus(mlp, norm(h), h)
 
 

@@ -227,19 +227,19 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     threadgroup = (32 * warps, 1, 1)
     inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
     eps = None if norm is None else float(norm[1])
-    norm = norm or ()
+    norm_weight = () if norm is None else (norm[0],)  # one more input, after any residual
     kernels: dict[Any, Any] = {}  # per activation dtype
 
     def run(x: Any, *r: Any) -> Any:
         dtype = x.dtype
         kernel = kernels.get(dtype)
         if kernel is None:
-            if norm and norm[0].dtype != dtype:  # (a cast made here could be a trace's placeholder)
-                raise ValueError(f"the norm's weight is {norm[0].dtype}, the input {dtype}: they must match")
+            if norm_weight and norm_weight[0].dtype != dtype:  # (a cast made here could be a trace's placeholder)
+                raise ValueError(f"the norm's weight is {norm_weight[0].dtype}, the input {dtype}: they must match")
             kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k, residual,
                                                 eps)
         lead = x.shape[:-1]
-        outs = kernel(inputs=[x, *inputs_after_x, *r, *norm[:1]], grid=grid, threadgroup=threadgroup,
+        outs = kernel(inputs=[x, *inputs_after_x, *r, *norm_weight], grid=grid, threadgroup=threadgroup,
                       output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))
         return tuple(outs) if more else outs[0]
 

@@ -221,9 +221,8 @@ def normed_queries_keys_values(attention: Any, norm: Any, x: Any, offset: Any) -
     ``norm(x)``."""
     from gmlx.engine.kernels import one_token
 
-    normed = getattr(attention, "_normed_project", None)
-    if normed is not None and x.size == x.shape[-1] and x.dtype == normed[1]:
-        return one_token.shaped(attention, *normed[0](x), offset)
+    if (run := step_tuning.folded(attention, "_normed_project", x)) is not None:
+        return one_token.shaped(attention, *run(x), offset)
     return one_token.queries_keys_values(attention, norm(x), offset)
 
 

@@ -212,3 +212,10 @@ def fold_norms(model: Any, norm_name: str, part_name: str, marker: str, attr: st
             folded += 1
     return (f"cuda: the norm before {what} folded into their kernel at one stream in {folded} of {len(blocks)} "
             f"block(s)") if blocks else None
+
+
+def folded(part: Any, attr: str, x: Any) -> Callable[[Any], Any] | None:
+    """The kernel :func:`fold_norms` gave ``part`` as ``attr``, where ``x`` is one row of
+    its input's type; else None."""
+    kept = getattr(part, attr, None)
+    return kept[0] if kept is not None and x.size == x.shape[-1] and x.dtype == kept[1] else None
