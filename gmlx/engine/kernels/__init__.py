@@ -22,7 +22,7 @@ def prepare_layers(model: Any) -> list[str]:
     keys and values in one product (:mod:`qkv_cuda`) for the one-token steps where each
     measures faster, and (unless ``GMLX_NORM_FOLD=0``) where an MLP takes the gated
     kernel at one stream, the block's norm before it folded into that kernel
-    (:func:`glu_cuda.fold_norms`, logged; with ``GMLX_QKV_NORM=1`` the norm before the
+    (:func:`glu_cuda.fold_norms`, logged; unless ``GMLX_QKV_NORM=0`` the norm before the
     attention into its projections' product, :func:`qkv_cuda.fold_norms`). The one-token steps of llama-pattern blocks run in two compiled pieces
     each (:mod:`compiled_blocks`, logged; on the CPU and CUDA unless ``GMLX_COMPILE_BLOCKS=0``),
     attached before the tuners, so they time whole steps as they will be served (a custom

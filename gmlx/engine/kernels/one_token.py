@@ -53,7 +53,7 @@ def attach(model: Any, rotation: Callable[[Any], Any] | None = None, in_place: b
     and shaped for the attention) or None for it; by default, with ``GMLX_ROPE_KERNEL=1``
     on CUDA, :func:`rope_cuda.rotation`. With ``in_place`` (by default on CUDA) the
     attention writes the cache in place (:func:`cached_attention_cuda.attend_cached`), and
-    with ``fold`` too (by default ``GMLX_ROPE_ATTENTION=1``) it also rotates the queries
+    with ``fold`` too (by default, unless ``GMLX_ROPE_ATTENTION=0``) it also rotates the queries
     and key itself where the layer's rope allows (:func:`cached_attention_cuda.folded_rope`)."""
     if not enabled():
         return 0

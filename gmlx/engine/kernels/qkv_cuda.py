@@ -34,7 +34,7 @@ from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning,
 log = logging.getLogger(__name__)
 
 ENV = "GMLX_QKV_KERNEL"
-NORM_ENV = "GMLX_QKV_NORM"  # 1: at one stream, the norm before them folded into their product (untimed)
+NORM_ENV = "GMLX_QKV_NORM"  # 0: at one stream, the norm before them stays MLX's own kernel
 NAMES = ("q_proj", "k_proj", "v_proj")
 _shapes: dict[str, tuple[int, ...]] = {}  # the one-row launch shape the load timed fastest, per layer key
 
@@ -227,17 +227,18 @@ def normed_queries_keys_values(attention: Any, norm: Any, x: Any, offset: Any) -
 
 
 def fold_norms(model: Any) -> str | None:
-    """With ``GMLX_QKV_NORM=1``: give each one-token attention layer whose queries and
+    """Unless ``GMLX_QKV_NORM=0``: give each one-token attention layer whose queries and
     keys (and values) share a layout the CUDA-core source takes at one row its q-k-v
     product at one stream with the block's RMSNorm folded in
     (:data:`qgemv_source.NORMED_BODY`; the values through a normed product of their own
     where their layout differs), for :func:`normed_queries_keys_values`: the norm's kernel
     and two products' a layer fewer at one stream, where a step's host hands over each
-    kernel. Untimed (the tuner's whole-step timing at one stream did not take the plain
-    q-k-v product on the H100, 12-06: the keys' and values' own products ran beside the
-    queries'), so off by default until a lease measures it; each shape's first layer is
+    kernel. Untimed: the tuner's whole-step timing at one stream did not take the plain
+    q-k-v product (H100, 12-06: 0.98x), but served, where the step's host paces it (the
+    GPU waited 0.01 ms a step for it), the fold with the rope's in the attention took one
+    stream from 230-238 tok/s to 279-282 (12-06 evening). Each shape's first layer is
     checked against MLX's norm and products. Returns the log line (None: off, or no layer)."""
-    if os.environ.get(NORM_ENV) != "1":
+    if os.environ.get(NORM_ENV, "1") == "0":
         return None
 
     def bind(norm: Any, attention: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:

@@ -585,7 +585,7 @@ def test_a_load_compiles_both_forms_of_the_in_place_kernel_for_each_shape(monkey
     monkeypatch.setattr(cached_attention_cuda, "_wide_agrees", {})
     monkeypatch.setattr(cached_attention_cuda, "attend_cached", recorded)
     assert cached_attention_load.compile_cached(model) == 0  # nothing writes in place
-    one_token.attach(model, in_place=True)
+    one_token.attach(model, in_place=True, fold=False)  # (the rope folded in: its own test)
     assert cached_attention_load.compile_cached(model) == 1  # two layers, one shape
     # whole, split, then whole a query head a block (the group of two split), a key a warp, then a key a lane;
     # then the wide form whole over a short cache and a longer one
@@ -1134,7 +1134,8 @@ def test_a_padded_batch_decodes_through_the_cached_kernel_as_through_the_cache(
     prompts = [[5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 16, 17, 18]]
 
     def decode(in_place: bool):
-        one_token.attach(model, rotation=lambda attention: None, in_place=in_place)
+        # (the rope folded in is checked by its own tests: the stand-in here does not rotate)
+        one_token.attach(model, rotation=lambda attention: None, in_place=in_place, fold=False)
         try:
             cache = [_AlignedBatchKVCache([0, 4]) for _ in model.layers]
             for c in cache:

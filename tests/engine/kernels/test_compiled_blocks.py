@@ -309,14 +309,13 @@ def test_a_norm_fold_that_disagrees_is_not_taken(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["one-layout", "values-8-bit"])
-def test_the_norm_before_the_attention_rides_in_its_projections_with_gmlx_qkv_norm(monkeypatch: pytest.MonkeyPatch,
-                                                                                    mixed: bool) -> None:
-    """With ``GMLX_QKV_NORM=1`` a block's queries, keys and values at one stream come from
+def test_the_norm_before_the_attention_rides_in_its_projections(monkeypatch: pytest.MonkeyPatch, mixed: bool) -> None:
+    """Unless ``GMLX_QKV_NORM=0`` a block's queries, keys and values at one stream come from
     one product with the norm before them folded in (the values from a normed product of
     their own where their layout differs): the same logits bit for bit where the kernels
     compute what MLX's norm and products do (``qgemv_cuda.bound`` stands in with them;
     the kernel's own source is checked in test_qgemv_cuda); two streams keep the norm;
-    without the setting nothing is folded."""
+    with ``GMLX_QKV_NORM=0`` nothing is folded."""
     from gmlx.engine.kernels import qgemv_cuda, qkv_cuda
 
     calls: list[int] = []
@@ -339,8 +338,10 @@ def test_the_norm_before_the_attention_rides_in_its_projections_with_gmlx_qkv_no
             dense.weight = mx.dequantize(v.weight, v.scales, v.biases, group_size=v.group_size, bits=v.bits)
             layer.self_attn.v_proj = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=8)
     want = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
-    assert qkv_cuda.fold_norms(model) is None  # off unless asked
-    monkeypatch.setenv(qkv_cuda.NORM_ENV, "1")
+    monkeypatch.setenv(qkv_cuda.NORM_ENV, "0")
+    assert qkv_cuda.fold_norms(model) is None  # turned off
+    assert all(getattr(layer.self_attn, "_normed_project", None) is None for layer in model.layers)
+    monkeypatch.delenv(qkv_cuda.NORM_ENV)  # the default
     assert qkv_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
     assert compiled_blocks.attach(model) == LAYERS
     calls.clear()  # (the load's check)
