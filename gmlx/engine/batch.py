@@ -241,13 +241,15 @@ class Batch:
                 if pr.end_of_prompt:
                     started.append(active)
         stats.note_step(len(responses))
-        if self.step_times is not None and not responses:
-            self.step_times.pause()  # nothing decoding: the gap until the next decode step is no step's
         for r in responses:
             self._on_token(r)
         if started:
             self._hand_out_first_tokens(started)
         self._drop_failed()
+        if self.step_times is not None and (not responses or not self.running):
+            # nothing decoding now or after this step (the worker may idle, a load run):
+            # the gap until the next decode step is no step's, nor a collection in it
+            self.step_times.pause()
         return self._ended
 
     def _end(self, active: ActiveRequest, reason: FinishReason, error: GmlxError | None) -> None:

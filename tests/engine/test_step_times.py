@@ -3,6 +3,7 @@ real steps stamped and summarised."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -32,8 +33,6 @@ def test_phases_are_the_medians_of_the_steps_and_the_period_spans_them():
 
 
 def test_a_stall_shows_in_the_mean_and_the_longest_and_collections_are_counted():
-    import gc
-
     times = StepTimes(every=10)
     try:
         gc.collect()  # before any step: not counted
@@ -76,12 +75,17 @@ def test_a_workers_decode_steps_are_stamped(monkeypatch, demo_model, caplog):
             prompt = tuple(demo_model.tokenizer.encode_chat([{"role": "user", "content": "Hello"}]))
             events = list(worker.generate(GenerateRequest(prompt, max_tokens=20,
                                                           sampling=SamplingParams(temperature=0.0))))
+        times = worker._batch.step_times
+        passes = [n for n, _ in times._collections]
+        gc.collect()  # the request ended, the worker idle: a load's or an idle collection is no step's
+        idle_passes = [n for n, _ in times._collections]
     finally:
         worker.close()
     assert events[-1].usage.completion_tokens == 20
     lines = [r.getMessage().split("; collector passes")[0] for r in caplog.records if r.name == step_times.__name__]
     # 20 tokens: the first from the prompt's step, then decode steps, eight a summary
     assert lines and all(line.startswith("decode steps of 1 row(s), the last 8:") for line in lines)
+    assert idle_passes == passes
     for line in lines:
         phases = dict(part.split() for part in line.split("medians in ms: ")[1].split(", "))
         assert set(phases) == set(step_times.PHASES)
