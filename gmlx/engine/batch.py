@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from gmlx.engine import handover, mlxlm, scheduling, step_times
+from gmlx.engine import handover, mailbox, mlxlm, scheduling, step_times
 from gmlx.engine.errors import EngineError, GmlxError
 from gmlx.engine.kv_layers import make_cache
 from gmlx.engine.kv_quant import KVQuant
@@ -74,6 +74,13 @@ class Batch:
         """Slots no request holds."""
         return max(0, self.width - len(self.running))
 
+    @property
+    def wakes_at_handover(self) -> bool:
+        """Whether the generator's next step starts with a decode step that wakes the
+        held streams as it is handed over (``mailbox.wake_held``, where held)."""
+        decoding = None if self._gen is None else self._gen._generation_batch
+        return decoding is not None and getattr(decoding, "before_hand", None) is not None and len(decoding) > 0
+
     def new_cache(self) -> list[Any]:
         """A fresh cache for one request (its KV layers quantized under ``kv_quant``)."""
         return make_cache(self.loaded, self.kv_quant)
@@ -88,7 +95,7 @@ class Batch:
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
                                           self.width, self.prefill_step_size,
                                           None if self._handover is None else self._handover.stream,
-                                          self.step_times)
+                                          self.step_times, mailbox.wake_held if mailbox.hold_enabled() else None)
         if self.speculation is not None:  # decoding streams verify drafts in rounds
             mlxlm.use_generation_batch(self._gen, self.speculation.generation_batch(
                 self.loaded.model, self._draft_policy, self.prefill_step_size))

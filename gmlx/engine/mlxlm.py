@@ -56,12 +56,14 @@ def infer_tool_parser(hf_tokenizer: Any) -> str | None:
 
 
 def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step: int,
-                    stream: Any = None, times: Any = None) -> Any:
+                    stream: Any = None, times: Any = None, before_hand: Callable[[], None] | None = None) -> Any:
     """mlx-lm's ``BatchGenerator`` decoding up to ``width`` streams, each ending at any
     of ``stop_tokens``. Prompts prefill ``prefill_step`` tokens a step, one prompt at
     a time until the caller sets ``prefill_batch_size`` (the worker sets both before
     every step). ``stream``: the one it computes on (default: mlx-lm's own). ``times``:
-    a :class:`~gmlx.engine.step_times.StepTimes` its decode steps are stamped into."""
+    a :class:`~gmlx.engine.step_times.StepTimes` its decode steps are stamped into.
+    ``before_hand``: called in each decode step as its graph is built, just before it is
+    handed to the device (:func:`gmlx.engine.mailbox.wake_held`)."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(
@@ -74,6 +76,7 @@ def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step
     )
     gen._generation_batch = _decode_batch().empty(model, gen.sampler)
     gen._generation_batch.times = times
+    gen._generation_batch.before_hand = before_hand
     return gen
 
 
@@ -96,6 +99,7 @@ def _decode_batch() -> type:
 
     class DecodeBatch(GenerationBatch):
         times = None  # a StepTimes, where the step's phases are wanted (GMLX_STEP_TIMES)
+        before_hand: Callable[[], None] | None = None  # called as the step is handed over
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._bias = BatchBias()
@@ -120,6 +124,8 @@ def _decode_batch() -> type:
             self._next_tokens = sampled
             self._next_logprobs = list(logprobs)  # views of `logprobs`, evaluated with it
             built = time.perf_counter()
+            if self.before_hand is not None:
+                self.before_hand()
             mx.async_eval(sampled, logprobs, token_context)
             handed = time.perf_counter()
             mx.eval(inputs)

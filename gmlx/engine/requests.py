@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gmlx.engine import sampling
 from gmlx.engine.errors import InvalidRequestError, PromptTooLongError, SlowClientError
+from gmlx.engine.mailbox import Mailbox, mailbox
 from gmlx.engine.pipeline import TextPipeline, pipeline_for
 from gmlx.engine.reasoning import make_thinking_budget_processor, prompt_opens_thinking
 from gmlx.engine.structured import make_grammar_processor
@@ -46,53 +45,6 @@ _DECODE = RequestState.DECODE  # read once: an enum member costs a lookup on eve
 MAX_BACKLOG = 4096
 
 
-class _Mailbox:
-    """Events bound for one event loop, handed over in batches: the first event posted
-    while none waits schedules one callback on the loop, the ones posted before it runs
-    join it. A decode step of N streams wakes the loop once, not N times (each wake-up
-    is a write to the loop's self-pipe and a turn of the loop for the GIL)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: list[tuple[RequestHandle, Event]] = []
-        self._lock = threading.Lock()
-
-    def post(self, handle: RequestHandle, event: Event) -> None:
-        """Called on a worker thread."""
-        with self._lock:
-            self._items.append((handle, event))
-            if len(self._items) > 1:  # a delivery is scheduled already
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            with self._lock:
-                self._items.clear()
-
-    def _deliver(self) -> None:
-        """On the event loop: every event posted so far, in order."""
-        with self._lock:
-            items, self._items = self._items, []
-        for handle, event in items:
-            try:
-                handle._push(event)
-            except Exception:  # one stream's failure must not lose the others' events
-                log.exception("cannot deliver an event of %s", handle.id)
-
-
-_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
-_mailboxes_lock = threading.Lock()
-
-
-def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
-    """The loop's mailbox."""
-    with _mailboxes_lock:
-        box = _mailboxes.get(loop)
-        if box is None:
-            box = _mailboxes[loop] = _Mailbox(loop)
-        return box
-
-
 class RequestHandle:
     """The consumer's end of one request: iterate it for events, or cancel it.
 
@@ -115,10 +67,10 @@ class RequestHandle:
         # called (on the event loop) with the error when the stream is cut
         self.on_cut: Callable[[GmlxError], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._mailbox: _Mailbox | None = None
+        self._mailbox: Mailbox | None = None
         try:
             self._loop = asyncio.get_running_loop()
-            self._mailbox = _mailbox(self._loop)
+            self._mailbox = mailbox(self._loop)
         except RuntimeError:
             pass
 
