@@ -16,7 +16,7 @@
 #   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
 #   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
 #   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~450 s)
-#   the wake-ups at the hand-over:            bash benchmarks/gpu/lease.sh wake      (~420 s)
+#   the wake-ups at the hand-over:            bash benchmarks/gpu/lease.sh wake      (~470 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -220,9 +220,10 @@ case ${1:-} in
     # the hand-over (GMLX_WAKE_AT_HANDOVER=1) and against the folds off, phases logged
     # (`pairs` after it: one stream alternating with llama-server)
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-wake --servers gmlx-steptimes,gmlx-wake-steptimes,gmlx-nofewer-steptimes \
+    "${BENCH[@]}" --results /tmp/gpu-results-wake --servers gmlx-steptimes,gmlx-wake-steptimes,gmlx-nofewer-steptimes,llama \
       --widths 1,8,32 --rounds 2 --prefix-reps 0 --out "$OUT/wake.md" > "$OUT/wake.txt" 2>&1
-    grep -E "decode steps of (1|8) |tok/s \(" "$OUT/wake.txt" | cut -c1-330 | head -40
+    grep -E "decode steps of (1|8) |tok/s \(|takes the rope|norm before the attention" "$OUT/wake.txt" | cut -c1-330 | head -44
+    bash $GPU/setup.sh kernels "$OUT" | tail -1  # the folds' kernels, for the next lease's .gpu/ptx
     tail -8 "$OUT/wake.md"
     ;;
   pairs)
