@@ -2,7 +2,8 @@
 
 A decode step of N streams posts N events; the first wakes the loop (a write to its
 self-pipe, one callback) and the rest join that delivery. Where the wake-up lands matters
-at one stream: the loop's turn (the events handed to their streams, a chunk written to
+where the host paces a step (H100, 12-06: one stream before the rope and norm folds, 8
+and 32 streams after them): the loop's turn (the events handed to their streams, a chunk written to
 the client) needs the GIL, and the worker holds it while it builds its next step in
 Python. Woken as the events are posted, the loop runs inside that build, which waits for
 it (H100, 12-06: a served step's build took 0.9 ms against 0.67 for the same layers in
