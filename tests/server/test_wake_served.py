@@ -13,15 +13,8 @@ import pytest
 from live_server import serve_config
 
 from gmlx.engine import mailbox
+from tests.server.conftest import CONFIG  # the session server's: its demo model as it serves it
 
-CONFIG = """\
-server:
-  decode_batch: 4
-models:
-  demo:
-    source: demo
-    profile: chat
-"""
 PROMPTS = ["Hello", "Tell me a story", "Count to ten", "Why is the sky blue?"]
 
 
