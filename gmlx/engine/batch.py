@@ -68,6 +68,9 @@ class Batch:
         self._staged: dict[int, tuple[Any, Any]] = {}
         self._staged_uid = 0
         self.step_times = step_times.from_env()  # the decode steps' phases (GMLX_STEP_TIMES), or None
+        # the streams' wake-ups held for the next hand-over (GMLX_WAKE_AT_HANDOVER): read once,
+        # for the generators this batch opens and the worker thread that holds them
+        self.holds_wakes = mailbox.hold_enabled()
 
     @property
     def free(self) -> int:
@@ -95,7 +98,7 @@ class Batch:
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
                                           self.width, self.prefill_step_size,
                                           None if self._handover is None else self._handover.stream,
-                                          self.step_times, mailbox.wake_held if mailbox.hold_enabled() else None)
+                                          self.step_times, mailbox.wake_held if self.holds_wakes else None)
         if self.speculation is not None:  # decoding streams verify drafts in rounds
             mlxlm.use_generation_batch(self._gen, self.speculation.generation_batch(
                 self.loaded.model, self._draft_policy, self.prefill_step_size))

@@ -277,7 +277,7 @@ class ModelWorker:
             keep_buffers(self.buffer_cache_bytes)
         batch = self._batch
         batch.open()
-        if mailbox.hold_enabled():  # the streams woken as the next step is handed over
+        if batch.holds_wakes:  # the streams woken as the next step is handed over
             mailbox.hold()
         try:
             while not self._closed.is_set():
