@@ -89,13 +89,16 @@ def _decode_batch() -> type:
     evaluates every row's log-probabilities as an array of its own. At 32 streams with a
     bias each that is ~5 graph operations a stream fewer a step. Other processors
     (penalties, a grammar) still run row by row, after the bias, as mlx-lm runs them.
+    A step whose rows all sample greedily, none asking for log-probabilities, takes the
+    argmax of the logits and computes no log-probabilities (its rows' are None): two
+    graph operations over the vocabulary and a view a row fewer (``_needs_logprobs``).
     A prompt's first token is still sampled by mlx-lm's own step, as it joins."""
     import time
 
     import mlx.core as mx
     from mlx_lm.generate import GenerationBatch
 
-    from gmlx.engine.sampling import BatchBias, LogitBias
+    from gmlx.engine.sampling import BatchBias, LogitBias, greedy_logprobs_sampler, greedy_sampler
 
     class DecodeBatch(GenerationBatch):
         times = None  # a StepTimes, where the step's phases are wanted (GMLX_STEP_TIMES)
@@ -114,19 +117,27 @@ def _decode_batch() -> type:
             inputs = self._current_tokens
             logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
             logits, token_context = self._processed(logits, inputs)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            samplers = [self.fallback_sampler if s is None else s
-                        for s in (self.samplers or [None] * len(self.uids))]
-            if not samplers or all(s is samplers[0] for s in samplers):
-                sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+            samplers = self._samplers()
+            normalize = self._needs_logprobs(samplers)
+            # the two greedy samplers are one kind: one batched argmax
+            samplers = [greedy_sampler if s is greedy_logprobs_sampler else s for s in samplers]
+            if normalize:
+                scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                self._next_logprobs = list(scores)  # views of `scores`, evaluated with it
+                wanted = [scores]
             else:
-                sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
+                scores = logits
+                self._next_logprobs = [None] * len(samplers)
+                wanted = []
+            if not samplers or all(s is samplers[0] for s in samplers):
+                sampled = (samplers[0] if samplers else self.fallback_sampler)(scores)
+            else:
+                sampled = mx.concatenate([s(scores[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
             self._next_tokens = sampled
-            self._next_logprobs = list(logprobs)  # views of `logprobs`, evaluated with it
             built = time.perf_counter()
             if self.before_hand is not None:
                 self.before_hand()
-            mx.async_eval(sampled, logprobs, token_context)
+            mx.async_eval(sampled, *wanted, token_context)
             handed = time.perf_counter()
             mx.eval(inputs)
             waited = time.perf_counter()
@@ -136,6 +147,21 @@ def _decode_batch() -> type:
             for held, token in zip(self.tokens, tokens, strict=True):
                 held.append(token)
             return tokens, self._current_logprobs
+
+        def _samplers(self) -> list[Any]:
+            """Each row's sampler (mlx-lm's fallback where a row has none)."""
+            return [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * len(self.uids))]
+
+        @staticmethod
+        def _needs_logprobs(samplers: list[Any]) -> bool:
+            """Whether the step must normalize its logits into log-probabilities
+            (a logsumexp and a subtraction over the vocabulary, and a view a row).
+            Not when every row samples with ``greedy_sampler``: an argmax is the same
+            over logits, and a greedy request that asked for log-probabilities has
+            ``greedy_logprobs_sampler`` instead. Every other sampler may read
+            probabilities (a draw, a top-p or min-p filter), so it keeps them."""
+            return any(s is not greedy_sampler for s in samplers)
 
         def _processed(self, logits: Any, inputs: Any) -> tuple[Any, list[Any]]:
             """``logits`` through each row's processors: the biases in one scatter,

@@ -263,10 +263,13 @@ class ActiveRequest:
     # the others, and the request leaves the batch after it (``failure`` is set).
 
     def guarded_sampler(self, protected_ids: list[int]) -> Callable[[Any], Any]:
-        """The request's sampler (XTC never excludes ``protected_ids``), guarded."""
+        """The request's sampler (XTC never excludes ``protected_ids``), guarded. A
+        greedy request's is one of two shared objects (one batched call; it cannot
+        fail): ``greedy_logprobs_sampler`` where it asked for log-probabilities, so the
+        decode step normalizes its logits for it."""
         sampler = sampling.make_sampler(self.request.sampling, protected_ids)
-        if sampler is sampling.greedy_sampler:  # shared by greedy requests (one batched
-            return sampler  # call): it cannot fail
+        if sampler is sampling.greedy_sampler:
+            return sampling.greedy_logprobs_sampler if self.request.logprobs else sampler
         return self._guard(sampler, sampling.greedy_sampler)
 
     def guarded_processors(self) -> list[Callable[[Any, Any], Any]]:

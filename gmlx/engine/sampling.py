@@ -145,6 +145,13 @@ def logit_filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]
     return filters
 
 
+def greedy_logprobs_sampler(logprobs: mx.array) -> mx.array:
+    """mlx-lm's ``greedy_sampler`` (the same argmax) for greedy requests that asked for
+    log-probabilities. A distinct object, so a decode step can tell it must normalize
+    its logits for them; a batch of either sampler is still sampled in one call."""
+    return greedy_sampler(logprobs)
+
+
 def make_sampler(params: SamplingParams, protected_ids: list[int] | None = None) -> Sampler:
     """A sampler over log-probabilities of shape (1, vocab) for one request.
 

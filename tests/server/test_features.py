@@ -4,6 +4,7 @@ server and the official SDKs (issue: the request features agents depend on)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -229,6 +230,22 @@ def test_logprobs_stream_and_top_cap(openai_client, server, monkeypatch):
     assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries)
     # Greedy: each chosen token is the most likely one.
     assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in entries)
+
+
+def test_greedy_logprobs_are_log_probabilities_and_change_no_text(openai_client, server, monkeypatch):
+    # A greedy decode step computes log-probabilities only where a request asks for them.
+    monkeypatch.setattr(server.app.state.engine, "top_logprobs_cap", 2)
+    asked = openai_client.chat.completions.create(
+        model="demo", messages=USER, logprobs=True, top_logprobs=2, max_tokens=12, temperature=0)
+    plain = openai_client.chat.completions.create(model="demo", messages=USER, max_tokens=12, temperature=0)
+    content = asked.choices[0].logprobs.content
+    assert len(content) == 12
+    for t in content:
+        assert math.isfinite(t.logprob) and t.logprob <= 0
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == asked.choices[0].message.content
 
 
 def test_timings_per_token(http):
