@@ -137,7 +137,10 @@ GMLX_VARIANTS = {
     "gmlx-hsplit": {"GMLX_HEAD_SPLIT": "1"},
     "gmlx-chain": {"GMLX_PRODUCT_TIMING": "chain"},
     "gmlx-staged": {"GMLX_STAGED": "1"},
-    "gmlx-shapes": {"GMLX_STEP_SHAPES": "1"},
+    "gmlx-shapes": {"GMLX_STEP_SHAPES": "1"},  # the default since 12-06 evening (as is "gmlx")
+    "gmlx-noshapes": {"GMLX_STEP_SHAPES": "0"},
+    # the two that each took one stream past 0.4 of the floor on 12-06 (19:30 lease), together
+    "gmlx-shapes80": {"GMLX_STEP_SHAPES": "1", "MLX_MAX_OPS_PER_BUFFER": "80"},
     "gmlx-all1206": {"GMLX_HEAD_SPLIT": "1", "GMLX_PRODUCT_TIMING": "chain", "GMLX_STAGED": "1",
                      "GMLX_STEP_SHAPES": "1"},
     # q/k/v and gate/up stacked into one product each (gmlx.engine.kernels.fused; off by default)

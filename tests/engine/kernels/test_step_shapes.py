@@ -48,7 +48,7 @@ def test_the_fastest_shape_that_agrees_is_kept_per_machine(tmp_path, monkeypatch
     kept); one that disagrees is never timed, however fast; one that does not launch is
     skipped; the choice is kept, so a second load times nothing."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
-    monkeypatch.setenv("GMLX_STEP_SHAPES", "1")
+    monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)  # the default: timed
     took = {SHAPES[0]: [9.0, 5.0], SHAPES[1]: [6.0], SHAPES[3]: [7.0]}
     order = _clock(monkeypatch, took)
 
@@ -147,15 +147,10 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     assert bound == [qgemv_cuda.configs(1, k)[-1], qgemv_cuda.configs(2)[0]]
 
 
-@pytest.mark.parametrize("value", [None, "0"])
-def test_unless_asked_the_first_shape_is_taken_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch, value) -> None:
-    """Without ``GMLX_STEP_SHAPES=1`` (the default, or ``0``): the first shape, nothing
-    timed, nothing kept."""
+def test_with_step_shapes_off_the_first_shape_is_taken_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_STEP_SHAPES=0``: the first shape, nothing timed, nothing kept."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
-    if value is None:
-        monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
-    else:
-        monkeypatch.setenv("GMLX_STEP_SHAPES", value)
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "0")
     order = _clock(monkeypatch, {})
     assert step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: True, 64, mx.bfloat16)[0] == SHAPES[0]
     assert order == [] and not (tmp_path / "cache").exists()
