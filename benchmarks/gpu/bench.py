@@ -139,6 +139,8 @@ GMLX_VARIANTS = {
     "gmlx-staged": {"GMLX_STAGED": "1"},
     "gmlx-shapes": {"GMLX_STEP_SHAPES": "1"},  # the default since 12-06 evening (as is "gmlx")
     "gmlx-noshapes": {"GMLX_STEP_SHAPES": "0"},
+    # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
+    "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},
     # the two that each took one stream past 0.4 of the floor on 12-06 (19:30 lease), together
     "gmlx-shapes80": {"GMLX_STEP_SHAPES": "1", "MLX_MAX_OPS_PER_BUFFER": "80"},
     "gmlx-all1206": {"GMLX_HEAD_SPLIT": "1", "GMLX_PRODUCT_TIMING": "chain", "GMLX_STAGED": "1",

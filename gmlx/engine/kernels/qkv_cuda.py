@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qkv_mixed, qmmw_cuda, step_tuning, swaps
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +230,9 @@ def fold_norms(model: Any) -> str | None:
     """Unless ``GMLX_QKV_NORM=0``: give each one-token attention layer whose queries and
     keys (and values) share a layout the CUDA-core source takes at one row its q-k-v
     product at one stream with the block's RMSNorm folded in
-    (:data:`qgemv_source.NORMED_BODY`; the values through a normed product of their own
-    where their layout differs), for :func:`normed_queries_keys_values`: the norm's kernel
+    (:data:`qgemv_source.NORMED_BODY`; where the values' layout differs, all three in one
+    launch of two layouts, :mod:`qkv_mixed`, or with ``GMLX_QKV_MIXED=0`` the values through
+    a normed product of their own), for :func:`normed_queries_keys_values`: the norm's kernel
     and two products' a layer fewer at one stream, where a step's host hands over each
     kernel. Untimed: the tuner's whole-step timing at one stream did not take the plain
     q-k-v product (H100, 12-06: 0.98x), but served, where the step's host paces it (the
@@ -240,6 +241,7 @@ def fold_norms(model: Any) -> str | None:
     checked against MLX's norm and products. Returns the log line (None: off, or no layer)."""
     if os.environ.get(NORM_ENV, "1") == "0":
         return None
+    mixed_agrees: dict[str, bool] = {}  # per shape of the one-launch form of two layouts
 
     def bind(norm: Any, attention: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
         names = joined(attention)
@@ -251,6 +253,10 @@ def fold_norms(model: Any) -> str | None:
             return None
         key = _key(attention)
         shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.configs(1)[0]))[:4]
+        if len(names) == 2 and qkv_mixed.enabled() and qgemv_cuda.layout(v) is not None:
+            mixed = _mixed(key, attention, norm, weight, shape, mixed_agrees)
+            if mixed is not None:
+                return mixed
         parts = qgemv_cuda.bound(attention.q_proj.weight, attention.q_proj.scales, attention.q_proj.biases, group, bits,
                                  shape, more=tuple((attention[n].weight, attention[n].scales, attention[n].biases)
                                                    for n in names[1:]), norm=(weight, norm.eps))
@@ -265,6 +271,26 @@ def fold_norms(model: Any) -> str | None:
 
     return step_tuning.fold_norms(model, "input_layernorm", "self_attn", "one_token", "_normed_project", bind,
                                   _normed_close, "the attention's queries, keys and values")
+
+
+def _mixed(key: str, attention: Any, norm: Any, weight: Any, shape: tuple[int, ...],
+           agreed: dict[str, bool]) -> tuple[str, Callable[[Any], Any]] | None:
+    """The queries, keys and values of two layouts in one normed launch
+    (:mod:`qkv_mixed`), keyed by both layouts, where its shape's first layer agrees with
+    MLX's norm and products (``agreed`` keeps each shape's verdict); else None (the
+    values' own normed launch beside the others')."""
+    v = attention.v_proj
+    mixed_key = f"{key}+{v.weight.shape[0]}:{v.bits}/{v.group_size}"
+    try:
+        run = qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape, (weight, norm.eps))
+    except ValueError as error:
+        log.warning("cuda: the queries and keys with values of another layout, %s: %s", mixed_key, error)
+        return None
+    if mixed_key not in agreed:
+        agreed[mixed_key] = _normed_close(attention, norm, run)
+        log.info("cuda: queries, keys and values of %s in one launch with the norm: %s", mixed_key,
+                 "taken" if agreed[mixed_key] else "disagrees with MLX's norm and products, two launches kept")
+    return (mixed_key, run) if agreed[mixed_key] else None
 
 
 def _normed_close(attention: Any, norm: Any, run: Callable[[Any], tuple[Any, Any, Any]]) -> bool:

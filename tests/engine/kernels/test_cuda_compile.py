@@ -23,6 +23,7 @@ from gmlx.engine.kernels import (
     attention_cuda,
     cached_attention_cuda,
     qgemv_cuda,
+    qkv_mixed,
     qmmw_cuda,
     rope_cuda,
 )
@@ -56,7 +57,7 @@ def _wrapped(made: dict, input_types: list, output_types: list | None = None) ->
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
+    for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     attention_cuda._combine_kernel.cache_clear()
     return made
@@ -92,6 +93,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes), dtype]))
                 qgemv_cuda.kernel_of(dtype, bits, 64, (4, 4), k=4096, eps=1e-6)  # a plain one (the values)
                 kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+            for layout, values_layout in (((4, 32), (6, 32)), ((4, 64), (8, 64))):  # two layouts, one launch
+                for warps, rpw, depth in ((4, 2, 1), (4, 4, 2)):
+                    qkv_mixed._kernel(dtype, layout, values_layout, warps, rpw, depth, (4096, 1024), 1024, 1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype], [dtype] * 3))
             for rows in (1, 16, 64):
                 for bits in qmmw_cuda.BITS:
                     for ft, warps, unroll in qmmw_cuda.configs(rows):
@@ -134,7 +139,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 rope_cuda._kernel(dtype, 32, 8, 128, traditional, eps)
                 kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32, *([dtype] * 2 if eps else [])]))
     finally:
-        for module in (qgemv_cuda, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
+        for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
             module._kernel.cache_clear()
         attention_cuda._combine_kernel.cache_clear()
     names = [kernel[0]["name"] for kernel in kernels]

@@ -1,0 +1,98 @@
+"""The q-k-v product of two layouts with the norm folded in (``qkv_mixed``): its own
+source run on the CPU (``emulation``: CUDA cannot run here) against MLX's norm and each
+layer's product, as close to a float32 norm and product as MLX's are; and how a load
+binds it (``qkv_cuda.fold_norms``), with MLX's operations standing in for the kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gmlx.engine.kernels import qkv_mixed
+from gmlx.engine.kernels.timing import agrees, exact_product
+from tests.engine.kernels import emulation
+
+
+def _made(dtype, layout, values_layout, config, sizes, values, eps) -> dict:
+    """What ``qkv_mixed`` hands ``mx.fast.cuda_kernel``."""
+    made: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+        qkv_mixed._kernel.cache_clear()
+        try:
+            warps, rpw, *rest = config
+            qkv_mixed._kernel(dtype, layout, values_layout, warps, rpw, rest[1] if len(rest) > 1 else 1, sizes,
+                              values, eps)
+        finally:
+            qkv_mixed._kernel.cache_clear()
+    return made[0]
+
+
+def _parameters(function: str) -> list[str]:
+    head = function[function.index("(") + 1:function.index(")")]
+    return [p.split()[-1].lstrip("*") for p in head.split(",")]
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("layout", "values_layout", "sizes", "values", "config"), [
+    ((4, 32), (6, 32), (12, 4), 6, (4, 2)),  # a Q4_K_M's: 4-bit queries and keys, 6-bit values
+    ((4, 32), (8, 64), (10, 6), 9, (4, 4, 1, 2)),  # two chunks a lane in flight; the values' part ends mid-block
+    ((6, 32), (4, 32), (8, 8), 8, (8, 1)),
+])
+def test_each_part_is_mlx_norm_then_its_layers_product(tmp_path, layout, values_layout, sizes, values, config) -> None:
+    dtype, k, eps = mx.float16, 1088, 1e-5
+    mx.random.seed(sum(sizes) + values)
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=g, bits=b)
+              for n, (b, g) in ((sizes[0], layout), (sizes[1], layout), (values, values_layout))]
+    h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
+    nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
+    made = _made(dtype, layout, values_layout, config, sizes, values, eps)
+    assert made["input_names"][-1] == "nw" and made["output_names"] == ["out", "out2", "out3"]
+    body = emulation.function(made, ["float16", *(["uint32", "float16", "float16"] * 3), "float16"], ["float16"] * 3)
+    suffix = ["", "2", "3"]
+    names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws", "w3_shape": "ws3", "nw": "nw.data()"}
+    for sfx in suffix:
+        names |= {f"w{sfx}": f"w{sfx}.data()", f"scales{sfx}": f"s{sfx}.data()", f"biases{sfx}": f"b{sfx}.data()",
+                  f"out{sfx}": f"out{sfx}.data()"}
+    args = ", ".join(names[p] for p in _parameters(body))
+    rows = (*sizes, values)
+    shapes = ((layout[0], layout[1]), (layout[0], layout[1]), values_layout)
+    loads = [f'auto w{x} = load<uint32_t>("w{x}.bin", {n * k // 32 * b}); auto s{x} = load<E>("s{x}.bin", {n * k // g}); '
+             f'auto b{x} = load<E>("b{x}.bin", {n * k // g}); std::vector<E> out{x}({n});'
+             for x, n, (b, g) in zip(suffix, rows, shapes, strict=True)]
+    warps, rpw = config[0], config[1]
+    grid = qkv_mixed.blocks(sum(sizes), warps, rpw) + qkv_mixed.blocks(values, warps, rpw)
+    main = f"""
+int main() {{
+    auto x = load<E>("x.bin", {k});
+    auto nw = load<E>("nw.bin", {k});
+    {" ".join(loads)}
+    Shape xs{{1, {k}}}, ws{{{sizes[0]}, {k // 32 * layout[0]}}}, ws3{{{values}, {k // 32 * values_layout[0]}}};
+    run_blocks({grid}, {32 * warps}, [&] {{ kernel({args}); }});
+    {" ".join(f'save("out{x}.bin", out{x});' for x in suffix)}
+}}
+"""
+    program = emulation.PRELUDE + "using E = __half;\n" + body + main
+    (tmp_path / "x.bin").write_bytes(np.array(h.view(mx.uint16)).tobytes())
+    (tmp_path / "nw.bin").write_bytes(np.array(nw.view(mx.uint16)).tobytes())
+    for sfx, (wq, sc, bi) in zip(suffix, layers, strict=True):
+        for name, a in ((f"w{sfx}", wq), (f"s{sfx}", sc.view(mx.uint16)), (f"b{sfx}", bi.view(mx.uint16))):
+            (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
+    emulation.compile_and_run(tmp_path, program, [])
+    normed = mx.fast.rms_norm(h, nw, eps)
+    h32 = h.astype(mx.float32)
+    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)
+    for sfx, n, layer, (bits, group) in zip(suffix, rows, layers, shapes, strict=True):
+        got = mx.array(np.frombuffer((tmp_path / f"out{sfx}.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
+        want = mx.quantized_matmul(normed, *layer, transpose=True, group_size=group, bits=bits)
+        assert agrees(got, want, exact_product(normed32, *layer, group, bits)), f"part {sfx or 1}"
+        unnormed = mx.quantized_matmul(h, *layer, transpose=True, group_size=group, bits=bits)
+        assert not agrees(unnormed, want, exact_product(normed32, *layer, group, bits))  # the norm is not a no-op
+
+
+def test_staged_shapes_are_refused() -> None:
+    layer = type("L", (), {"bits": 4, "group_size": 32, "weight": mx.zeros((8, 32), mx.uint32),
+                           "scales": mx.zeros((8, 8)), "biases": mx.zeros((8, 8))})()
+    with pytest.raises(ValueError, match="unstaged"):
+        qkv_mixed.bound(layer, layer, layer, (8, 2, 1, 1, 1), (mx.ones((256,)), 1e-5))
