@@ -17,6 +17,8 @@
 #   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
 #   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~450 s)
 #   the wake-ups at the hand-over:            bash benchmarks/gpu/lease.sh wake      (~470 s)
+#   point 3 on an H200 (kind nvidia-h200):    bash benchmarks/gpu/lease.sh h200      (~450 s)
+#   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -225,6 +227,34 @@ case ${1:-} in
     grep -E "decode steps of (1|8) |tok/s \(|takes the rope|norm before the attention" "$OUT/wake.txt" | cut -c1-330 | head -44
     bash $GPU/setup.sh kernels "$OUT" | tail -1  # the folds' kernels, for the next lease's .gpu/ptx
     tail -8 "$OUT/wake.md"
+    ;;
+  h200)
+    # point 3 where the issue set it (an H200: its floor at 4.8 TB/s): the defaults (phases
+    # logged), against the 6-bit values' own normed launch (gmlx-nomixed) and MLX's command
+    # buffers of 80 operations (gmlx-ops80: fewer graph launches, for a host-paced step), then
+    # the defaults again; the kernel cache packed
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-h200 --servers gmlx-steptimes,gmlx-nomixed,gmlx-ops80,gmlx \
+      --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/h200.md" > "$OUT/h200.txt" 2>&1
+    grep -E "decode steps of 1 .*the last 12|tok/s \(|in one launch with the norm|launch shape" "$OUT/h200.txt" | cut -c1-300 | head -40
+    bash $GPU/setup.sh kernels "$OUT" | tail -1
+    tail -14 "$OUT/h200.md"
+    ;;
+  point4)
+    # point 4 on the current defaults: served width 1 against mlx_lm.server, Qwen2.5-1.5B
+    # shape, bf16, three alternating runs (the second mlx_lm.server first), then the worker
+    # against mlx-lm's BatchGenerator in process on the 8B shape, bf16, at 32 and 1 streams
+    with_env
+    python3 $GPU/models.py --shape qwen1.5b --only mlx-bf16 2>&1 | tail -1
+    for i in 1 2 3; do
+      servers=gmlx-mlx,mlx_lm-gmlxenv; [ $i = 2 ] && servers=mlx_lm-gmlxenv,gmlx-mlx
+      timeout 170 python3 $GPU/bench.py --models qwen1.5b:f16 --servers $servers --widths 1 --rounds 2 --prefix-reps 2 \
+        --start-timeout 150 --results /tmp/p4-$i --out "$OUT/point4-$i.md" > "$OUT/point4-$i.txt" 2>&1
+      grep -E "^\| 1 \|" "$OUT/point4-$i.md" | head -1; grep -E "^\| (gmlx-mlx|mlx_lm)" "$OUT/point4-$i.md" | head -2
+    done
+    timeout 200 python3 $GPU/served_step.py synthetic:llama3-8b --float --modes compiled,plain,plain,plain \
+      --widths 32,1 --tokens 256 --prefix 0 > "$OUT/point4-inprocess.txt" 2>&1
+    tail -8 "$OUT/point4-inprocess.txt"
     ;;
   pairs)
     with_env
