@@ -141,6 +141,13 @@ GMLX_VARIANTS = {
     "gmlx-noshapes": {"GMLX_STEP_SHAPES": "0"},
     # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
     "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},
+    # MLX's CUDA graphs: its CommandEncoder commits a graph each 30 operations or 400 MB of
+    # inputs on sm_90 (an 8B Q4_K_M step reads 4.3 GB: ~11 commits, each an update, a launch
+    # and a completion handler); a host-paced step may gain from fewer (bigbuffers) or none
+    # (nographs: each kernel launched as it is encoded, the GPU starting at once)
+    "gmlx-nographs-steptimes": {"MLX_USE_CUDA_GRAPHS": "0", "GMLX_STEP_TIMES": "128"},
+    "gmlx-bigbuffers-steptimes": {"MLX_MAX_OPS_PER_BUFFER": "400", "MLX_MAX_MB_PER_BUFFER": "16000",
+                                  "GMLX_STEP_TIMES": "128"},
     # the two that each took one stream past 0.4 of the floor on 12-06 (19:30 lease), together
     "gmlx-shapes80": {"GMLX_STEP_SHAPES": "1", "MLX_MAX_OPS_PER_BUFFER": "80"},
     "gmlx-all1206": {"GMLX_HEAD_SPLIT": "1", "GMLX_PRODUCT_TIMING": "chain", "GMLX_STAGED": "1",
