@@ -118,6 +118,12 @@ def function(made: dict, input_types: list[str], output_type: str | list[str], d
     return head + ", ".join(params) + ") {\n" + source + "\n}\n"
 
 
+def parameters(function: str) -> list[str]:
+    """The parameter names of the host function ``kernel`` (:func:`function`'s), in order."""
+    head = function[function.index("(") + 1:function.index(")")]
+    return [p.split()[-1].lstrip("*") for p in head.split(",")]
+
+
 def compile_and_run(tmp: Path, program: str, args: list[int]) -> None:
     """Compile ``program`` (``PRELUDE``, the kernel and a ``main``) in ``tmp`` and run it
     there with ``args``; it reads and writes its arrays as files in ``tmp``."""

@@ -163,7 +163,7 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
                               "bfloat16")
     args = ", ".join({"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
                       "scales": "s.data()", "biases": "b.data()", "out": "out.data()"}[name]
-                     for name in _parameters(body))
+                     for name in emulation.parameters(body))
     program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _MAIN.replace("ARGS", args)
     for name, a in (("x", x.view(mx.uint16)), ("w", wq), ("s", s.view(mx.uint16)), ("b", b.view(mx.uint16))):
         (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
@@ -196,7 +196,7 @@ def test_the_residual_is_added_as_mlx_adds_it(tmp_path, bits: int, rows: int, co
         body = emulation.function(made, [name, "uint32", name, name, *([name] if residual else [])], name)
         args = ", ".join({"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
                           "scales": "s.data()", "biases": "b.data()", "res": "res.data()", "out": "out.data()"}[p]
-                         for p in _parameters(body))
+                         for p in emulation.parameters(body))
         main = _MAIN.replace("ARGS", args).replace("    std::vector<E> out(",
                                                    '    auto res = load<E>("r.bin", (size_t)rows * N);\n'
                                                    "    std::vector<E> out(")
@@ -233,12 +233,6 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
     return made[0]
 
 
-def _parameters(function: str) -> list[str]:
-    """The parameter names of the host function ``kernel``, in order."""
-    head = function[function.index("(") + 1:function.index(")")]
-    return [p.split()[-1].lstrip("*") for p in head.split(",")]
-
-
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
     (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 1, (4, 4, 1, 2)), (4, 32, 3, (4, 2, 4)),
@@ -263,7 +257,7 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
              "scales": "s.data()", "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()",
              "biases2": "b2.data()", "out": "out.data()"}
-    args = ", ".join(names[name] for name in _parameters(body))
+    args = ", ".join(names[name] for name in emulation.parameters(body))
     program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _GATED_MAIN.replace("ARGS", args)
     files = (("x", x.view(mx.uint16)), ("w", gate[0]), ("s", gate[1].view(mx.uint16)), ("b", gate[2].view(mx.uint16)),
              ("w2", up[0]), ("s2", up[1].view(mx.uint16)), ("b2", up[2].view(mx.uint16)))
@@ -310,7 +304,7 @@ def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tup
         saves.append(f'save("o{i}.bin", o{i});')
         names |= {f"w{sfx}": f"w{i}.data()", f"scales{sfx}": f"s{i}.data()", f"biases{sfx}": f"b{i}.data()",
                   f"out{sfx}": f"o{i}.data()"}
-    args = ", ".join(names[name] for name in _parameters(body))
+    args = ", ".join(names[name] for name in emulation.parameters(body))
     main = (r"""
 int main(int argc, char** argv) {
     const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), G_ = std::atoi(argv[4]);
@@ -366,7 +360,7 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws", "scales": "s.data()",
              "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()", "biases2": "b2.data()",
              "nw": "nw.data()", "out": "out.data()"}
-    args = ", ".join(names[p] for p in _parameters(body))
+    args = ", ".join(names[p] for p in emulation.parameters(body))
     main = (_GATED_MAIN if gated else _MAIN).replace("ARGS", args).replace(
         "    std::vector<E> out(", '    auto nw = load<E>("nw.bin", (size_t)K);\n    std::vector<E> out(')
     program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + body + main
@@ -414,7 +408,7 @@ def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp
     for i, sfx in enumerate(suffix):
         names |= {f"w{sfx}": f"w{sfx}.data()", f"scales{sfx}": f"s{sfx}.data()", f"biases{sfx}": f"b{sfx}.data()",
                   f"out{sfx}": f"out{sfx}.data()"}
-    args = ", ".join(names[p] for p in _parameters(body))
+    args = ", ".join(names[p] for p in emulation.parameters(body))
     loads = [f'auto w{x} = load<uint32_t>("w{x}.bin", (size_t)N{i} * K / 32 * BITS_); '
              f'auto s{x} = load<E>("s{x}.bin", (size_t)N{i} * K / G_); auto b{x} = load<E>("b{x}.bin", (size_t)N{i} * K / G_); '
              f"std::vector<E> out{x}(N{i});" for i, x in enumerate(suffix)]

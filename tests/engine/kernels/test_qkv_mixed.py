@@ -29,11 +29,6 @@ def _made(dtype, layout, values_layout, config, sizes, values, eps) -> dict:
     return made[0]
 
 
-def _parameters(function: str) -> list[str]:
-    head = function[function.index("(") + 1:function.index(")")]
-    return [p.split()[-1].lstrip("*") for p in head.split(",")]
-
-
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("layout", "values_layout", "sizes", "values", "config"), [
     ((4, 32), (6, 32), (12, 4), 6, (4, 2)),  # a Q4_K_M's: 4-bit queries and keys, 6-bit values
@@ -55,7 +50,7 @@ def test_each_part_is_mlx_norm_then_its_layers_product(tmp_path, layout, values_
     for sfx in suffix:
         names |= {f"w{sfx}": f"w{sfx}.data()", f"scales{sfx}": f"s{sfx}.data()", f"biases{sfx}": f"b{sfx}.data()",
                   f"out{sfx}": f"out{sfx}.data()"}
-    args = ", ".join(names[p] for p in _parameters(body))
+    args = ", ".join(names[p] for p in emulation.parameters(body))
     rows = (*sizes, values)
     shapes = ((layout[0], layout[1]), (layout[0], layout[1]), values_layout)
     loads = [f'auto w{x} = load<uint32_t>("w{x}.bin", {n * k // 32 * b}); auto s{x} = load<E>("s{x}.bin", {n * k // g}); '
