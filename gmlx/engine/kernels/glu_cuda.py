@@ -267,17 +267,17 @@ def fold_norms(model: Any) -> str | None:
     if os.environ.get(NORM_ENV, "1") == "0":
         return None
 
-    def bind(norm: Any, mlp: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
+    def bind(norm: Any, mlp: Any, weight: Any) -> list[tuple[str, Callable[[Any], Any]]]:
         gate = mlp.gate_proj
         if (1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1)
                 or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,)):
-            return None  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
+            return []  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
         group_size, bits = layout(mlp)
         key = _key(mlp)
         shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
-        return key, qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape[:4],
-                                     up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
-                                     norm=(weight, norm.eps))
+        return [(key, qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape[:4],
+                                       up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
+                                       norm=(weight, norm.eps)))]
 
     return step_tuning.fold_norms(model, "post_attention_layernorm", "mlp", "glu", "_normed", bind, _normed_agrees,
                                   "the MLP's gate, up and swiglu")

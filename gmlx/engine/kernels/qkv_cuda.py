@@ -241,56 +241,36 @@ def fold_norms(model: Any) -> str | None:
     checked against MLX's norm and products. Returns the log line (None: off, or no layer)."""
     if os.environ.get(NORM_ENV, "1") == "0":
         return None
-    mixed_agrees: dict[str, bool] = {}  # per shape of the one-launch form of two layouts
 
-    def bind(norm: Any, attention: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
+    def bind(norm: Any, attention: Any, weight: Any) -> list[tuple[str, Callable[[Any], Any]]]:
         names = joined(attention)
         if not names or step_tuning.tensor_cores(attention.q_proj, 1):
-            return None
+            return []
         group, bits, _, k, dtype = qgemv_cuda.layout(attention.q_proj)
         v = attention.v_proj
         if norm.weight.shape != (k,) or (len(names) == 2 and (qgemv_cuda.layout(v) or (0,) * 5)[4] != dtype):
-            return None
+            return []
         key = _key(attention)
         shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.configs(1)[0]))[:4]
-        if len(names) == 2 and qkv_mixed.enabled() and qgemv_cuda.layout(v) is not None:
-            mixed = _mixed(key, attention, norm, weight, shape, mixed_agrees)
-            if mixed is not None:
-                return mixed
         parts = qgemv_cuda.bound(attention.q_proj.weight, attention.q_proj.scales, attention.q_proj.biases, group, bits,
                                  shape, more=tuple((attention[n].weight, attention[n].scales, attention[n].biases)
                                                    for n in names[1:]), norm=(weight, norm.eps))
-        values = None if len(names) == 3 else qgemv_cuda.bound(v.weight, v.scales, v.biases, v.group_size, v.bits,
-                                                               qgemv_cuda.configs(1)[0], norm=(weight, norm.eps))
+        if len(names) == 3:
+            return [(key, parts)]
+        values = qgemv_cuda.bound(v.weight, v.scales, v.biases, v.group_size, v.bits, qgemv_cuda.configs(1)[0],
+                                  norm=(weight, norm.eps))
 
-        def run(h: Any) -> tuple[Any, Any, Any]:
-            outs = parts(h)
-            return outs if values is None else (*outs, values(h))
+        def apart(h: Any) -> tuple[Any, Any, Any]:
+            return (*parts(h), values(h))
 
-        return key, run
+        # the values of another layout: in the one launch of both layouts first (keyed by both)
+        one = ([(f"{key}+{v.weight.shape[0]}:{v.bits}/{v.group_size}",
+                 qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape, (weight, norm.eps)))]
+               if qkv_mixed.enabled() else [])
+        return [*one, (key, apart)]
 
     return step_tuning.fold_norms(model, "input_layernorm", "self_attn", "one_token", "_normed_project", bind,
                                   _normed_close, "the attention's queries, keys and values")
-
-
-def _mixed(key: str, attention: Any, norm: Any, weight: Any, shape: tuple[int, ...],
-           agreed: dict[str, bool]) -> tuple[str, Callable[[Any], Any]] | None:
-    """The queries, keys and values of two layouts in one normed launch
-    (:mod:`qkv_mixed`), keyed by both layouts, where its shape's first layer agrees with
-    MLX's norm and products (``agreed`` keeps each shape's verdict); else None (the
-    values' own normed launch beside the others')."""
-    v = attention.v_proj
-    mixed_key = f"{key}+{v.weight.shape[0]}:{v.bits}/{v.group_size}"
-    try:
-        run = qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape, (weight, norm.eps))
-    except ValueError as error:
-        log.warning("cuda: the queries and keys with values of another layout, %s: %s", mixed_key, error)
-        return None
-    if mixed_key not in agreed:
-        agreed[mixed_key] = _normed_close(attention, norm, run)
-        log.info("cuda: queries, keys and values of %s in one launch with the norm: %s", mixed_key,
-                 "taken" if agreed[mixed_key] else "disagrees with MLX's norm and products, two launches kept")
-    return (mixed_key, run) if agreed[mixed_key] else None
 
 
 def _normed_close(attention: Any, norm: Any, run: Callable[[Any], tuple[Any, Any, Any]]) -> bool:

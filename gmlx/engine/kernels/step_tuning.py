@@ -174,15 +174,16 @@ def speedups(kept: dict[int, float]) -> str:
 
 
 def fold_norms(model: Any, norm_name: str, part_name: str, marker: str, attr: str,
-               bind: Callable[[Any, Any, Any], tuple[str, Callable[[Any], Any]] | None],
+               bind: Callable[[Any, Any, Any], list[tuple[str, Callable[[Any], Any]]]],
                check: Callable[[Any, Any, Callable[[Any], Any]], bool], what: str) -> str | None:
     """The load's part of a norm folded into the kernel after it (:mod:`glu_cuda`'s and
     :mod:`qkv_cuda`'s ``fold_norms``): for each block whose ``norm_name`` is an RMSNorm
     and whose ``part_name`` layer carries ``marker``, ``bind(norm, part, weight)`` (the
-    norm's weight in the layer's type, evaluated here, outside any trace) gives the layer
-    shape's key and the folded kernel, or None where it cannot take it; each key's first
-    is ``check``-ed against MLX's norm and products, and where it agrees the layer gets
-    ``(kernel, its input's type)`` as ``attr``. Returns the log line (None: no block)."""
+    norm's weight in the layer's type, evaluated here, outside any trace) gives the folded
+    kernels it may take, each with its shape's key, the preferred first (none where it
+    cannot take one); each key's first is ``check``-ed against MLX's norm and products,
+    and the layer gets the first that agrees as ``attr``, with its input's type. Returns
+    the log line (None: no block)."""
     import mlx.core as mx
     from mlx import nn
 
@@ -198,18 +199,16 @@ def fold_norms(model: Any, norm_name: str, part_name: str, marker: str, attr: st
             continue
         weight = norm.weight.astype(dtype)
         mx.eval(weight)
-        bound = bind(norm, part, weight)
-        if bound is None:
-            continue
-        key, run = bound
-        if key not in verdicts:
-            verdicts[key] = check(part, norm, run)
-            if not verdicts[key]:
-                log.warning("cuda: the norm folded into %s of %s disagrees with MLX's norm and products: that "
-                            "shape keeps MLX's norm", what, key)
-        if verdicts[key]:
-            object.__setattr__(part, attr, (run, dtype))
-            folded += 1
+        for key, run in bind(norm, part, weight):
+            if key not in verdicts:
+                verdicts[key] = check(part, norm, run)
+                log.log(logging.INFO if verdicts[key] else logging.WARNING,
+                        "cuda: the norm folded into %s of %s: %s", what, key,
+                        "taken" if verdicts[key] else "disagrees with MLX's norm and products, not taken")
+            if verdicts[key]:
+                object.__setattr__(part, attr, (run, dtype))
+                folded += 1
+                break
     return (f"cuda: the norm before {what} folded into their kernel at one stream in {folded} of {len(blocks)} "
             f"block(s)") if blocks else None
 

@@ -308,24 +308,25 @@ def test_a_norm_fold_that_disagrees_is_not_taken(monkeypatch: pytest.MonkeyPatch
     glu_cuda.detach(model)
 
 
-@pytest.mark.parametrize(("mixed", "one_launch"), [(False, True), (True, True), (True, False)],
-                         ids=["one-layout", "values-8-bit", "values-8-bit-two-launches"])
+@pytest.mark.parametrize(("mixed", "one_launch"), [(False, True), (True, True), (True, False), (True, "disagrees")],
+                         ids=["one-layout", "values-8-bit", "values-8-bit-two-launches", "values-8-bit-one-disagrees"])
 def test_the_norm_before_the_attention_rides_in_its_projections(monkeypatch: pytest.MonkeyPatch, mixed: bool,
-                                                                 one_launch: bool) -> None:
+                                                                 one_launch: bool | str) -> None:
     """Unless ``GMLX_QKV_NORM=0`` a block's queries, keys and values at one stream come from
     one product with the norm before them folded in (where the values' layout differs, one
     launch of two layouts, or with ``GMLX_QKV_MIXED=0`` the values from a normed product of
-    their own): the same logits bit for bit where the kernels compute what MLX's norm and
-    products do (``qgemv_cuda.bound`` and ``qkv_mixed.bound`` stand in with them; the
-    kernels' own sources are checked in test_qgemv_cuda and test_qkv_mixed); two streams
-    keep the norm; with ``GMLX_QKV_NORM=0`` nothing is folded."""
+    their own, as where the one launch disagrees with MLX's norm and products at load): the
+    same logits bit for bit where the kernels compute what MLX's norm and products do
+    (``qgemv_cuda.bound`` and ``qkv_mixed.bound`` stand in with them; the kernels' own
+    sources are checked in test_qgemv_cuda and test_qkv_mixed); two streams keep the norm;
+    with ``GMLX_QKV_NORM=0`` nothing is folded."""
     from gmlx.engine.kernels import qgemv_cuda, qkv_cuda, qkv_mixed
 
     calls: list[int | str] = []
 
     def bind_mixed(queries, keys, values, config, norm):
         def run(x):
-            n = mx.fast.rms_norm(x, norm[0], norm[1])
+            n = x if one_launch == "disagrees" else mx.fast.rms_norm(x, norm[0], norm[1])
             calls.append("mixed")
             return tuple(mx.quantized_matmul(n, m.weight, m.scales, m.biases, transpose=True, group_size=m.group_size,
                                              bits=m.bits) for m in (queries, keys, values))
@@ -365,5 +366,5 @@ def test_the_norm_before_the_attention_rides_in_its_projections(monkeypatch: pyt
         for step, (a, b) in enumerate(zip(w, g, strict=True)):
             assert mx.array_equal(a, b).item(), f"{rows} row(s), step {step} differs"
     # traced once a layer at one stream: one product of three layers, or of two and the values' own
-    assert calls == ([3] if not mixed else ["mixed"] if one_launch else [2, 1]) * LAYERS
+    assert calls == ([3] if not mixed else ["mixed"] if one_launch is True else [2, 1]) * LAYERS
     compiled_blocks.detach(model)
