@@ -81,8 +81,7 @@ class Batch:
     def wakes_at_handover(self) -> bool:
         """Whether the generator's next step starts with a decode step that wakes the
         held streams as it is handed over (``mailbox.wake_held``, where held)."""
-        decoding = None if self._gen is None else self._gen._generation_batch
-        return decoding is not None and getattr(decoding, "before_hand", None) is not None and len(decoding) > 0
+        return self.holds_wakes and self._gen is not None and mlxlm.hands_over_hooked(self._gen)
 
     def new_cache(self) -> list[Any]:
         """A fresh cache for one request (its KV layers quantized under ``kv_quant``)."""

@@ -20,6 +20,7 @@ __all__ = [
     "FirstToken",
     "batch_generator",
     "first_token",
+    "hands_over_hooked",
     "infer_tool_parser",
     "kv_used",
     "model_classes",
@@ -187,6 +188,16 @@ def _decode_batch() -> type:
             return mx.concatenate(pieces, axis=0), token_context
 
     return DecodeBatch
+
+
+def hands_over_hooked(gen: Any) -> bool:
+    """Whether ``gen``'s next step starts with a decode step that calls its
+    ``before_hand`` hook (:func:`batch_generator`) as it hands the step over: rows are
+    decoding, in gmlx's decode batch with a hook (not a speculative batch swapped in).
+
+    Reads ``BatchGenerator._generation_batch``."""
+    decoding = gen._generation_batch
+    return getattr(decoding, "before_hand", None) is not None and len(decoding) > 0
 
 
 def prefill_lengths(gen: Any) -> list[int]:
