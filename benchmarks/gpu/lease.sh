@@ -17,8 +17,8 @@
 #   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
 #   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~450 s)
 #   the wake-ups at the hand-over:            bash benchmarks/gpu/lease.sh wake      (~470 s)
-#   point 3 on an H200 (kind nvidia-h200):    bash benchmarks/gpu/lease.sh h200      (~350 s)
-#   MLX's graph commits on a host-paced step: bash benchmarks/gpu/lease.sh h200host  (~400 s)
+#   point 3 on an H200 (kind nvidia-h200):    bash benchmarks/gpu/lease.sh h200      (~250 s)
+#   MLX's graph commits on a host-paced step: bash benchmarks/gpu/lease.sh h200host  (~350 s)
 #   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -230,23 +230,25 @@ case ${1:-} in
     tail -8 "$OUT/wake.md"
     ;;
   h200)
-    # point 3 where the issue set it (an H200: its floor at 4.8 TB/s): the defaults (phases
-    # logged), against the 6-bit values' own normed launch (gmlx-nomixed), then the defaults
-    # again; the kernel cache packed
+    # point 3 where the issue set it (an H200: its floor at 4.8 TB/s): the defaults, phases
+    # logged, beside llama-server's run from `prepare` (its results copied in); the kernel
+    # cache packed
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-h200 --servers gmlx-steptimes,gmlx-nomixed,gmlx \
+    mkdir -p /tmp/gpu-results-h200 && cp /tmp/gpu-results/*_llama.json /tmp/gpu-results-h200/ 2>/dev/null
+    "${BENCH[@]}" --results /tmp/gpu-results-h200 --servers gmlx-steptimes \
       --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/h200.md" > "$OUT/h200.txt" 2>&1
-    grep -E "decode steps of 1 .*the last 12|tok/s \(|norm folded into .*: (taken|disagrees)|launch shape" "$OUT/h200.txt" | cut -c1-300 | head -40
+    grep -E "decode steps of (1|8|32) .*the last 12|tok/s \(|norm folded into .*: (taken|disagrees)|launch shape" "$OUT/h200.txt" | cut -c1-300 | head -40
     bash $GPU/setup.sh kernels "$OUT" | tail -1
     tail -14 "$OUT/h200.md"
     ;;
   h200host)
-    # MLX's graph commits, for a host-paced step: none (each kernel launched as encoded) and
-    # few (a graph each 400 operations or 16 GB), against the defaults, phases logged
+    # one stream's host time on the H200: MLX's graph commits none (each kernel launched as
+    # encoded) and few (a graph each 400 operations or 16 GB), the two launches of the 6-bit
+    # values again (gmlx-nomixed), then the defaults again, phases logged
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-h200host --servers gmlx-nographs-steptimes,gmlx-bigbuffers-steptimes,gmlx-steptimes \
-      --widths 1,8,32 --rounds 2 --prefix-reps 0 --out "$OUT/h200host.md" > "$OUT/h200host.txt" 2>&1
-    grep -E "decode steps of (1|8) .*the last 12|tok/s \(" "$OUT/h200host.txt" | cut -c1-300 | head -40
+    "${BENCH[@]}" --results /tmp/gpu-results-h200host --servers gmlx-nographs-steptimes,gmlx-bigbuffers-steptimes,gmlx-nomixed,gmlx-steptimes \
+      --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/h200host.md" > "$OUT/h200host.txt" 2>&1
+    grep -E "decode steps of 1 .*the last 12|tok/s \(" "$OUT/h200host.txt" | cut -c1-300 | head -40
     tail -8 "$OUT/h200host.md"
     ;;
   point4)
