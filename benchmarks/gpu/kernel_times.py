@@ -27,6 +27,9 @@ server does (``prepare_layers``: its tuning read from ``GMLX_HOME`` under the se
 own keys, not confirmed again in this script's forms, which on 12-06 dropped the one-row
 paths the server had taken): the served step's own kernels.
 ``--ncu PATH`` names the profiler; ``--csv FILE`` only reads an earlier run's output.
+``--sections N`` prints ncu's own report (speed of light, memory, the warps' stall
+reasons, launch, occupancy) for the first N launches of gmlx's products and attention
+inside the windows: why a product reads at a fraction of the card's bandwidth.
 """
 
 from __future__ import annotations
@@ -191,6 +194,9 @@ TIME = "gpu__time_duration.sum"
 # how near each kernel runs to the memory's and the SMs' peak (each costs ncu a replay)
 BOUND = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 
+# what --sections asks ncu for, a replay each
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy")
+
 Row = tuple[float, float, float | None, float | None]  # us a step, launches a step, DRAM %, SM %
 
 
@@ -293,6 +299,10 @@ def main() -> None:
                         "of every kernel: the GPU's busy time and the gaps between kernels)")
     p.add_argument("--torch-site", default="/opt/torch/.venv/lib/python3.12/site-packages",
                    help="where --trace imports PyTorch from (the GPU machine's own)")
+    p.add_argument("--sections", type=int, default=0, metavar="N",
+                   help="instead of the table: the first N launches of gmlx's one-row products (and the "
+                        "attention) inside the windows under ncu's sections (the SMs' and memory's speed of "
+                        "light, the warps' stall reasons, launch and occupancy), its report printed")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -308,6 +318,15 @@ def main() -> None:
         if plain.returncode or not walls:
             raise SystemExit("kernel_times: the plain run failed: " + plain.stderr[-2000:])
         print("\n".join(walls), flush=True)
+    if args.sections:
+        # why a product reads at a fraction of the card's bandwidth: latency (the warps
+        # stalled on loads, few bytes in flight), occupancy or the SMs' own work
+        stdout, code = _profile([args.ncu, "--profile-from-start", "off", "--clock-control", "none",
+                                 "--kernel-name", "regex:gmlx_(q|attend)", "--launch-count", str(args.sections),
+                                 *[arg for s in SECTIONS for arg in ("--section", s)], *common, "--profiled"],
+                                args.limit)
+        print(stdout if code is not None else f"kernel_times: ncu cut off at {args.limit:.0f} s\n" + stdout)
+        return
     out = Path(args.csv or "/tmp/kernel_times.csv")
     code: int | None = 0
     if not args.csv:

@@ -20,6 +20,7 @@
 #   point 3 on an H200 (kind nvidia-h200):    bash benchmarks/gpu/lease.sh h200      (~250 s)
 #   MLX's graph commits on a host-paced step: bash benchmarks/gpu/lease.sh h200host  (~350 s)
 #   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
+#   the products' stall reasons under ncu:    bash benchmarks/gpu/lease.sh ncu-products (~300 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -240,6 +241,19 @@ case ${1:-} in
     grep -E "decode steps of (1|8|32) .*the last 12|tok/s \(|norm folded into .*: (taken|disagrees)|launch shape" "$OUT/h200.txt" | cut -c1-300 | head -40
     bash $GPU/setup.sh kernels "$OUT" | tail -1
     tail -14 "$OUT/h200.md"
+    ;;
+  ncu-products)
+    # why the served one-stream step's products read at 0.3-1.8 TB/s of the H200's 4.8 (12-06
+    # night: the GPU busy 99% of the step; the 6-bit output layer alone at 3.5): each kind
+    # of one-row product and the attention in the served step under ncu's sections (the
+    # load's tuning read from /tmp/gmlx-home, so after `gmlx` or `h200`); the launches of
+    # one step are ~168, each kind's first few are enough
+    with_env
+    GMLX_HOME=/tmp/gmlx-home timeout 420 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1 \
+      --loops served --steps 1 --dtype float16 --no-plain --sections "${LAUNCHES:-24}" --limit 400 \
+      --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu-products.txt" 2>&1
+    grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|==PROF==|==ERROR==" \
+      "$OUT/ncu-products.txt" | cut -c1-200 | head -120
     ;;
   h200host)
     # one stream's host time on the H200: MLX's graph commits none (each kernel launched as
