@@ -139,6 +139,9 @@ GMLX_VARIANTS = {
     "gmlx-staged": {"GMLX_STAGED": "1"},
     "gmlx-shapes": {"GMLX_STEP_SHAPES": "1"},  # the default since 12-06 evening (as is "gmlx")
     "gmlx-noshapes": {"GMLX_STEP_SHAPES": "0"},
+    # the launch shapes timed by the device's part alone (each chain behind a lead product):
+    # on the H200 (12-06 night) the plain chain timed every q-k-v shape at the host's ~22-26 us
+    "gmlx-deviceshapes": {"GMLX_STEP_SHAPES": "device"},
     # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
     "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},
     # MLX's CUDA graphs: its CommandEncoder commits a graph each 30 operations or 400 MB of

@@ -21,6 +21,7 @@
 #   MLX's graph commits on a host-paced step: bash benchmarks/gpu/lease.sh h200host  (~350 s)
 #   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
 #   the products' stall reasons under ncu:    bash benchmarks/gpu/lease.sh ncu-products (~300 s)
+#   launch shapes by the device's time alone:  bash benchmarks/gpu/lease.sh shapes    (~300 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -254,6 +255,16 @@ case ${1:-} in
       --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu-products.txt" 2>&1
     grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|==PROF==|==ERROR==" \
       "$OUT/ncu-products.txt" | cut -c1-200 | head -120
+    ;;
+  shapes)
+    # the one-row kernels' launch shapes timed by the device's part alone (gmlx-deviceshapes:
+    # each chain behind a lead product, tuned under keys of their own) against the chain's
+    # own clock, one stream alternating; the load logs each shape's time both ways
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-shapes --servers gmlx-deviceshapes,gmlx,gmlx-deviceshapes,gmlx \
+      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/shapes.md" > "$OUT/shapes.txt" 2>&1
+    grep -E "launch shape|tok/s \(" "$OUT/shapes.txt" | cut -c1-300 | head -30
+    tail -8 "$OUT/shapes.md"
     ;;
   h200host)
     # one stream's host time on the H200: MLX's graph commits none (each kernel launched as

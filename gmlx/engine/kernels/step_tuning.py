@@ -93,18 +93,25 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     each call's input the last one's output, the weights read from memory as a step
     reads them), where its first call ``agrees``; the first shape timed again last (a
     GPU still speeding up favours what it meets later). A shape that does not build or
-    launch is no shape. ``GMLX_STEP_SHAPES=0`` takes the first shape, untimed (the default
+    launch is no shape. ``GMLX_STEP_SHAPES=device`` times each chain behind a lead product
+    (:func:`timing.device_chain_time`: the device's part alone, where a small kernel's
+    chain is the host's), its choices kept under their own key; not yet measured served.
+    ``GMLX_STEP_SHAPES=0`` takes the first shape, untimed (the default
     until the 12-06 evening lease: the timed shapes served one stream 5% faster, 302-310
     against 288 tok/s on an H100, the gate-up-swiglu taking 4x2x1 at 43.7 against 46.9 us)."""
     import itertools
 
     import mlx.core as mx
 
-    from gmlx.engine.kernels.timing import chain_time, fed
+    from gmlx.engine.kernels.timing import chain_time, device_chain_time, fed
     from gmlx.engine.kernels.tuning import Tuning
 
-    if os.environ.get("GMLX_STEP_SHAPES", "1") == "0":
+    mode = os.environ.get("GMLX_STEP_SHAPES", "1")
+    if mode == "0":
         return shapes[0], "the first shape (GMLX_STEP_SHAPES=0)"
+    timer = chain_time
+    if mode == "device":  # the device's part alone, kept apart from the chain's choices
+        timer, key = device_chain_time, f"{key}:device"
     tuning = Tuning()
     known = tuning.layer(key)
     if known and 1 in known:
@@ -122,7 +129,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
                 out = bound[next(turn) % len(bound)](y)
                 return fed(out[0] if isinstance(out, tuple) else out, y)
 
-            took = chain_time(chain, x, max(reps, len(bound))) / max(reps, len(bound))
+            took = timer(chain, x, max(reps, len(bound))) / max(reps, len(bound))
         except (TypeError, ValueError, RuntimeError) as error:
             log.warning("cuda: a launch shape %s is not used: %s", shape, str(error).splitlines()[0][:200])
             continue
@@ -130,7 +137,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     best = min(times, key=lambda s: times[s]) if times else shapes[0]
     tuning.set_layer(key, {1: ("gemv", best)})
     tuning.save()
-    return best, ", ".join(f"{'x'.join(map(str, s))}: {t * 1e6:.1f}" for s, t in times.items()) + " us"
+    said = ", ".join(f"{'x'.join(map(str, s))}: {t * 1e6:.1f}" for s, t in times.items()) + " us"
+    return best, said + (", the device's part" if timer is device_chain_time else "")
 
 
 def tried(run: Callable[[Any, int], Any], k: int, dtype: Any, rows: tuple[int, ...] = (1, 3)) -> list | None:

@@ -1,5 +1,6 @@
 """What a load's tuners measure with: whole decode steps pipelined as the worker runs them (:func:`step_time`, :func:`step_times`),
-calls in a chain, each one's input the last one's output (:func:`chain_time`, :func:`chained`, :func:`fed`), and the agreement every path must show
+calls in a chain, each one's input the last one's output (:func:`chain_time`, :func:`chained`, :func:`fed`; the device's
+part alone: :func:`device_chain_time`), and the agreement every path must show
 with a float32 product before it is timed (:func:`agrees`). Used by :mod:`fast_linear`
 (the products' paths) and :mod:`step_tuning` (the step kernels)."""
 
@@ -169,6 +170,72 @@ def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     start = time.perf_counter()
     mx.eval(y)
     return time.perf_counter() - start
+
+
+# the lead's product: (rows, LEAD_K) @ (LEAD_K, LEAD_K), its rows doubled (or more) up
+# to LEAD_ROWS until the GPU takes long enough over it (2**17 rows: 1.1 TFLOP, 512 MB of
+# float16 in and out, ~2 ms on an H200)
+LEAD_K = 2048
+LEAD_ROWS = 1 << 17
+
+
+def _once(call: Callable[[], Any]) -> float:
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    mx.eval(call())
+    return time.perf_counter() - start
+
+
+def lead_for(seconds: float, dtype: Any) -> tuple[Callable[[], Any], float] | None:
+    """A product the device takes at least twice ``seconds`` over (one call, its output
+    never read), and its seconds alone; None where even :data:`LEAD_ROWS` rows take less."""
+    import mlx.core as mx
+
+    b = mx.random.normal((LEAD_K, LEAD_K), key=mx.random.key(1)).astype(dtype)
+    rows = 1
+    while rows <= LEAD_ROWS:
+        a = mx.random.normal((rows, LEAD_K), key=mx.random.key(2)).astype(dtype)
+        mx.eval(a, b)
+
+        def lead(a: Any = a) -> Any:
+            return a @ b
+
+        mx.eval(lead())
+        alone = min(_once(lead), _once(lead))
+        if alone >= 2 * seconds:
+            return lead, alone
+        rows *= min(64, max(2, int(2 * seconds / max(alone, 1e-7)) + 1))
+    return None
+
+
+def device_chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
+    """:func:`chain_time`'s calls with the host's part hidden: the whole chain handed
+    over while the device works through a lead product (:func:`lead_for`, sized to twice
+    the chain's own time, which is at least the host's), then the lead's time alone taken
+    away. What is left is the device's time for the calls one after another. Why: a small
+    kernel's chain is the host's (each call's MLX operations built and handed over, ~6 us
+    each on the H200's host), so every launch shape of a small product times alike and the
+    fastest is noise: on the H200 (12-06 night) the q-k-v shapes timed 22-26 us at load,
+    the one taken ran 20.7 us in the step where another ran the same layers in 12.5-13.5.
+    Falls back to :func:`chain_time` where no lead is long enough or nothing is left."""
+    import mlx.core as mx
+
+    plain = chain_time(call, x, reps)
+    found = lead_for(plain, x.dtype)
+    if found is None:
+        return plain
+    lead, _ = found
+    y = x
+    for _ in range(reps):
+        y = call(y)
+    head = lead()
+    start = time.perf_counter()
+    mx.async_eval(head)  # the device starts the lead; the chain queues behind it
+    mx.eval(y)
+    behind = time.perf_counter() - start
+    left = behind - _once(lead)
+    return left if left > 0 else plain
 
 
 def queue_time(call: Callable[[], Any], reps: int) -> float:

@@ -174,3 +174,66 @@ def test_staged_shapes_only_where_asked_else_their_unstaged_twins(monkeypatch: p
     finally:
         qgemv_cuda._kernel.cache_clear()
     assert "xs4" not in made[0]["source"] and launch["grid"] == (32 * 8, 1, 1)  # 16 rows: one block of 8 x 2
+
+
+def test_device_shapes_take_the_device_timer_and_keep_their_own_choice(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_STEP_SHAPES=device`` times each shape with ``timing.device_chain_time`` (the
+    chain's clock stands in) and keeps its choice under a key of its own: a later load
+    with the plain chain times again, and a device load after it reads its own choice."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "device")
+    plain = _clock(monkeypatch, {SHAPES[0]: [9.0, 9.0], SHAPES[1]: [1.0], SHAPES[2]: [5.0]})
+    device: list[tuple[int, ...]] = []
+
+    def device_chain_time(call, x, reps):
+        call(x)
+        device.append(_last[0])
+        return {SHAPES[0]: 4.0, SHAPES[1]: 8.0, SHAPES[2]: 6.0}[_last[0]] * reps
+
+    monkeypatch.setattr(timing, "device_chain_time", device_chain_time)
+    three = SHAPES[:3]
+    shape, said = step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, mx.bfloat16)
+    assert shape == SHAPES[0] and plain == [] and device == [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[0]]
+    assert said.endswith("us, the device's part")
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "1")  # the chain's own choice is not the device's
+    assert step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, mx.bfloat16)[0] == SHAPES[1]
+    assert plain == [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[0]]
+    monkeypatch.setenv("GMLX_STEP_SHAPES", "device")
+    assert step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, mx.bfloat16) == (
+        SHAPES[0], "from an earlier load")
+
+
+def test_a_lead_is_sized_to_twice_the_time_it_must_cover(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timing.lead_for`` grows its product until the device takes at least twice the
+    seconds asked over it (here the CPU backend's clock, a few milliseconds); none where
+    its largest product (64 rows here) is still shorter."""
+    lead, alone = timing.lead_for(0.004, mx.float32)
+    assert alone >= 0.008
+    out = lead()
+    assert out.shape[1] == timing.LEAD_K and out.dtype == mx.float32
+    monkeypatch.setattr(timing, "LEAD_ROWS", 64)
+    assert timing.lead_for(60.0, mx.float32) is None
+
+
+def test_the_device_part_is_what_the_chain_adds_behind_the_lead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timing.device_chain_time``: the chain built, the lead handed over first and the
+    chain waited for behind it, the lead's time alone taken away; where nothing is left
+    (the clock's noise) or no lead is long enough, the plain chain's time. The clock
+    stands in (seconds: the chain behind the lead 0.9, the lead alone 0.6)."""
+    calls: list[int] = []
+
+    def call(y):
+        calls.append(1)
+        return y + 1
+
+    monkeypatch.setattr(timing, "chain_time", lambda call, x, reps: 0.25)
+    handed: list[str] = []
+    monkeypatch.setattr(timing, "lead_for", lambda seconds, dtype: (lambda: handed.append("lead") or mx.zeros(1), 0.6))
+    ticks = iter([10.0, 10.9, 20.0, 20.6])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
+    assert timing.device_chain_time(call, mx.zeros(4), 5) == pytest.approx(0.3)
+    assert len(calls) == 5 and handed == ["lead", "lead"]  # the chain built once; the lead behind it and alone
+    ticks = iter([10.0, 10.5, 20.0, 20.6])  # less behind the lead than alone: noise
+    assert timing.device_chain_time(call, mx.zeros(4), 5) == 0.25
+    monkeypatch.setattr(timing, "lead_for", lambda seconds, dtype: None)
+    assert timing.device_chain_time(call, mx.zeros(4), 5) == 0.25
