@@ -51,9 +51,11 @@ def per_product(fn, x, reps: int) -> float:
 
 
 def _shape(c: tuple[int, ...]) -> str:
-    """A launch shape as the tables name it: warps x rows a warp, its depth, its row tiles with x staged."""
-    warps, rpw, _, depth, tiles = qgemv_cuda.launch_shape(c)
-    return f"{warps}x{rpw}" + (f" d{depth}" if depth > 1 else "") + (f" x{tiles}" if tiles else "")
+    """A launch shape as the tables name it: warps x rows a warp, its depth, its row tiles
+    with x staged, the warps splitting K."""
+    warps, rpw, _, depth, tiles, split = qgemv_cuda.launch_shape(c)
+    return (f"{warps}x{rpw}" + (f" d{depth}" if depth > 1 else "") + (f" x{tiles}" if tiles else "")
+            + (f" s{split}" if split > 1 else ""))
 
 
 def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> str:
@@ -67,7 +69,7 @@ def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> s
         w32 = mx.dequantize(wq, s, b, group_size=g, bits=bits).astype(mx.float32)
         exact = x.astype(mx.float32) @ w32.T
         mx.eval(want, exact)
-    configs = qgemv_cuda.configs(rows, k)
+    configs = qgemv_cuda.configs(rows, k) + (qgemv_cuda.splits(k) if rows == 1 else [])  # GMLX_SPLIT_K=1
     ok = all(agrees(qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), want, exact) for c in configs)
     mlx_us = per_product(lambda y: mx.quantized_matmul(y, wq, s, b, transpose=True, group_size=g, bits=bits), x, reps)
     times = {c: per_product(lambda y, c=c: qgemv_cuda.gemv(y, wq, s, b, g, bits, config=c), x, reps)

@@ -22,6 +22,7 @@
 #   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
 #   the products' stall reasons under ncu:    bash benchmarks/gpu/lease.sh ncu-products (~300 s)
 #   launch shapes by the device's time alone:  bash benchmarks/gpu/lease.sh shapes    (~300 s)
+#   the products' K split between warps:       bash benchmarks/gpu/lease.sh split     (~400 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -265,6 +266,17 @@ case ${1:-} in
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/shapes.md" > "$OUT/shapes.txt" 2>&1
     grep -E "launch shape|tok/s \(" "$OUT/shapes.txt" | cut -c1-300 | head -30
     tail -8 "$OUT/shapes.md"
+    ;;
+  split)
+    # the plain one-row products with K split between a block's warps (gmlx-splitk: the tuner
+    # times those shapes too, under keys of their own; ~100 s of load the first time)
+    # against the defaults, one and eight streams alternating; the load log's chosen paths
+    # (`1:gemv4x4x1x1x0x4`, a sixth number past 1) say where a split shape won
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-split --servers gmlx-splitk,gmlx,gmlx-splitk,gmlx \
+      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/split.md" > "$OUT/split.txt" 2>&1
+    grep -E "decode-sized paths|tok/s \(" "$OUT/split.txt" | cut -c1-700 | head -20
+    tail -8 "$OUT/split.md"
     ;;
   h200host)
     # one stream's host time on the H200: MLX's graph commits none (each kernel launched as

@@ -231,9 +231,10 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
         alike.setdefault(_key(m), []).append(m)
     for m in layers:
         if (key := _key(m)) not in chosen:
-            # a tuning kept under the default choices is not one with the chain's or the staged shapes'
+            # a tuning kept under the default choices is not one with the chain's, the staged or the split shapes'
             keys[key] = (layer_key(m.scales.dtype, *key) + ("" if _queued() else ":chain")
-                         + (":staged" if qgemv_cuda.staged() else ""))
+                         + (":staged" if qgemv_cuda.staged() else "")
+                         + (":split" if os.environ.get(qgemv_cuda.SPLIT_ENV, "0") == "1" else ""))
             known = tuning.layer(keys[key])
             if known is None:
                 started = time.perf_counter()
@@ -349,7 +350,7 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
             for config in qmmw_cuda.configs(rows):
                 products[(KERNEL, config)] = lambda x, *w, c=config: qmmw_cuda.qmm(x, *w, g, bits, config=c)
         if qgemv_cuda.supports(rows, k, g, bits) and rows <= GEMV_ROWS and x.dtype in (mx.bfloat16, mx.float16):
-            for config in qgemv_cuda.configs(rows, k):
+            for config in qgemv_cuda.configs(rows, k) + (qgemv_cuda.splits(k) if rows == 1 else []):
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
         exact = timing.exact_product(x, *args, g, bits)
         want = products[(MLX, (0, 0))](x, *args)

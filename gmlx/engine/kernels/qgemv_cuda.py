@@ -35,6 +35,11 @@ row's; lane 0 writes them. (Its first form loaded and converted ``x`` again for 
 weight row: about 32 instructions a code at 8 rows, where this is about half.) New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
 buckets beside MLX's product and the tensor-core kernel, and keeps whichever is fastest.
 
+At one row a plain product may also split each row's K between warps of a block
+(:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuner time those shapes), so
+a product of few outputs keeps enough warps in flight: see :mod:`qgemv_source`'s
+``SPLIT_BODY``.
+
 At one row a launch shape may also stage x in the block's shared memory first (its
 fifth number, the row tiles a block takes; :data:`STAGED`), so a lane's loads in flight
 are the weights' alone (see :mod:`qgemv_source`'s ``_STAGED_SOURCE``); with ``GMLX_STAGED=1`` the load times
@@ -67,6 +72,7 @@ from gmlx.engine.kernels.qgemv_source import (
     PLAIN,
     RESIDUAL,
     ROWS_BODY,
+    SPLIT_BODY,
     STAGED_BODY,
     parts_head,
 )
@@ -93,8 +99,8 @@ def stages(k: int) -> bool:
 
 def unstaged(config: tuple[int, ...]) -> tuple[int, ...]:
     """``config`` without x staged (the same warps, rows a warp and depth)."""
-    warps, rpw, max_rows, depth, _ = launch_shape(config)
-    return (warps, rpw, max_rows, depth)
+    warps, rpw, max_rows, depth, _, split = launch_shape(config)
+    return (warps, rpw, max_rows, depth) + ((0, split) if split > 1 else ())
 
 
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
@@ -120,6 +126,19 @@ def layout(layer: Any) -> tuple[int, int, str, int, Any] | None:
 
 # one row, x staged in shared memory: (warps, rows a warp, 1, chunks a lane in flight, row tiles a block)
 STAGED = [(8, 2, 1, 1, 1), (8, 2, 1, 2, 2), (8, 4, 1, 1, 2), (16, 2, 1, 2, 1)]
+# one row, each row's K split between warps (:data:`qgemv_source.SPLIT_BODY`): (warps, rows
+# a group of warps, 1, chunks a lane in flight, 0, warps a group)
+SPLIT = [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 8)]
+SPLIT_ENV = "GMLX_SPLIT_K"  # 1: the plain products' tuner times the split shapes beside the others
+
+
+def splits(k: int) -> list[tuple[int, ...]]:
+    """The split shapes a plain one-row product of ``k`` values is timed in
+    (``GMLX_SPLIT_K=1``; off by default until a served run measures them): those whose
+    warps each get at least one chunk a lane."""
+    if os.environ.get(SPLIT_ENV, "0") != "1":
+        return []
+    return [c for c in SPLIT if k // 32 >= 32 * c[3] * c[5]]
 
 
 def configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
@@ -148,7 +167,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
-            residual: bool = False, eps: float | None = None) -> Any:
+            residual: bool = False, eps: float | None = None, split: int = 1) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -158,7 +177,11 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``residual``: a plain product with one more input, ``res``, added to each output as
     it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain,
     gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
-    one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`)."""
+    one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row, a plain
+    product (with or without a residual) with each row's K split between that many warps
+    (:data:`qgemv_source.SPLIT_BODY`)."""
+    if split > 1 and (gated or parts or max_rows > 1 or tiles or eps is not None or warps % split):
+        raise ValueError("K is split between the warps of a plain one-row product, unstaged, without a norm, only")
     if residual and (gated or parts):
         raise ValueError("a residual is added to a plain product's output only")
     if eps is not None and (residual or max_rows > 1 or tiles):
@@ -168,6 +191,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
             + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "")
+            + (f" constexpr int SPLIT = {split};" if split > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "") + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
@@ -175,28 +199,31 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     inputs += ["res"] if residual else ["nw"] if eps is not None else []
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
-    body = ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else NORMED_BODY if eps is not None else BODY
+    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else NORMED_BODY if eps is not None
+            else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
-                 + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else ""),
+                 + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
+                 + (f"_s{split}" if split > 1 else ""),
                  head, body, inputs, outputs=outputs)
 
 
-def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
-    """A launch shape of :func:`configs` or :func:`gated_configs` in full: (warps per
-    block, weight rows per warp, rows of x at most, chunks a lane in flight, row tiles a
-    block with x staged (0: not staged))."""
+def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
+    """A launch shape of :func:`configs`, :func:`gated_configs` or :data:`SPLIT` in full:
+    (warps per block, weight rows per warp (per group of warps where K is split), rows of
+    x at most, chunks a lane in flight, row tiles a block with x staged (0: not staged),
+    warps that split each row's K (1: none))."""
     warps, rpw, *most = config
     return (warps, rpw, most[0] if most else 1, most[1] if len(most) > 1 else 1,
-            most[2] if len(most) > 2 else 0)
+            most[2] if len(most) > 2 else 0, most[3] if len(most) > 3 else 1)
 
 
 def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
               parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> Any:
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
-    warps, rpw, max_rows, depth, tiles = launch_shape(config)
+    warps, rpw, max_rows, depth, tiles, split = launch_shape(config)
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0,
-                   residual, eps)
+                   residual, eps, split)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
@@ -221,9 +248,9 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         if staged():
             raise ValueError(f"a row of {k} values does not fit the staged source's shared memory")
         config = unstaged(config)
-    warps, rpw, _, _, tiles = launch_shape(config)
+    warps, rpw, _, _, tiles, split = launch_shape(config)
     outs = rpw // 2 if up is not None else rpw
-    grid = (-(-n // (warps * outs * max(tiles, 1))) * 32 * warps, 1, 1)
+    grid = (-(-n // (warps // split * outs * max(tiles, 1))) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
     inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
     eps = None if norm is None else float(norm[1])

@@ -78,6 +78,11 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 for config in (one[0], qgemv_cuda.configs(8)[0]):  # a residual added as it writes
                     qgemv_cuda.kernel_of(dtype, bits, 64, config, k=14336, residual=True)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                for config in qgemv_cuda.SPLIT:  # K split between warps, plain and with a residual
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, k=14336)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
+                    qgemv_cuda.kernel_of(dtype, bits, 64, config, k=14336, residual=True)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
                 for config in qgemv_cuda.gated_configs(1, 4096) + qgemv_cuda.gated_configs(8):
                     qgemv_cuda.kernel_of(dtype, bits, 64, config, gated=True, k=4096)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))

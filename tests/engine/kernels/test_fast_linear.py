@@ -570,3 +570,25 @@ def test_the_load_checks_the_residual_kernel_against_mlx_add(monkeypatch, caplog
     assert ("add their residuals after the product" in caplog.text) != right
     x, r = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 32))
     assert mx.allclose(layers[1].plus(x, r), r + layers[1](x), atol=1e-5).item()  # right either way
+
+
+def test_the_split_shapes_tuning_is_kept_apart(monkeypatch) -> None:
+    """With ``GMLX_SPLIT_K=1`` the products' tuner times the split shapes too, so its
+    choices are kept under keys of their own: a load with it measures again after one
+    without, and a second load with it measures nothing."""
+    from gmlx.engine.kernels import fast_linear, qgemv_cuda
+
+    measured = []
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
+    monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: measured.append(1) or {1: (fast_linear.DENSE, (0, 0))})
+    monkeypatch.setattr(timing, "step_time", lambda model, rows: 1.0)
+    monkeypatch.delenv(qgemv_cuda.SPLIT_ENV, raising=False)
+    use_fast_kernels(_tiny_quantized_llama())
+    assert measured
+    measured.clear()
+    monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "1")
+    use_fast_kernels(_tiny_quantized_llama())
+    assert measured
+    measured.clear()
+    use_fast_kernels(_tiny_quantized_llama())
+    assert not measured

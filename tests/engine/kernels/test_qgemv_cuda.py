@@ -82,6 +82,32 @@ def test_which_products_it_takes() -> None:
     assert all(c[2] == 4 for c in qgemv_cuda.configs(4))  # a bucket's kernels take its rows
 
 
+def test_split_shapes_only_where_asked_and_where_each_warp_has_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split shapes are timed only with ``GMLX_SPLIT_K=1``, for a row wide enough that
+    each warp of a group gets a chunk a lane; they launch as many groups of warps a
+    block as their warps over the split, and they split plain products alone."""
+    monkeypatch.delenv(qgemv_cuda.SPLIT_ENV, raising=False)
+    assert qgemv_cuda.splits(14336) == []
+    monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "1")
+    assert qgemv_cuda.splits(14336) == qgemv_cuda.SPLIT
+    assert qgemv_cuda.splits(4096) == [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4)]  # 128 chunks: not eight ways
+    assert qgemv_cuda.splits(1024) == []
+    assert qgemv_cuda.launch_shape((8, 2, 1, 1, 0, 4)) == (8, 2, 1, 1, 0, 4)
+    assert qgemv_cuda.launch_shape((4, 2)) == (4, 2, 1, 1, 0, 1)
+    grids: list[tuple] = []
+    monkeypatch.setattr(qgemv_cuda, "kernel_of", lambda *a, **kw: lambda **call: grids.append(call["grid"]) or [None])
+    w = mx.zeros((4096, 14336 // 8), mx.uint32)
+    s = mx.zeros((4096, 14336 // 32), mx.float16)
+    for config in ((8, 2, 1, 1, 0, 4), (4, 4)):
+        qgemv_cuda.bound(w, s, s, 32, 4, config)(mx.zeros((1, 14336), mx.float16))
+    assert grids == [(4096 // 4 * 256, 1, 1), (4096 // 16 * 128, 1, 1)]  # blocks of 2 x 2 rows; of 4 x 4
+    for kind in ({"gated": True}, {"parts": (4096, 1024)}, {"eps": 1e-5}):
+        with pytest.raises(ValueError, match="split"):
+            qgemv_cuda._kernel(mx.float16, 4, 32, 8, 2, split=4, **kind)
+    with pytest.raises(ValueError, match="split"):
+        qgemv_cuda._kernel(mx.float16, 4, 32, 6, 2, split=4)  # warps not a whole number of groups
+
+
 def test_each_layout_is_a_kernel_of_its_own_with_its_constants(monkeypatch: pytest.MonkeyPatch) -> None:
     """MLX rebuilds a custom kernel's source at every call: the constants go into the
     source once per layout (no template arguments to hash per call), comments out.
@@ -122,13 +148,15 @@ int main(int argc, char** argv) {
     const int rows = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]);
     const int BITS_ = std::atoi(argv[5]), warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
     const int tiles = std::max(1, std::atoi(argv[8]));
+    const int split = argc > 9 ? std::atoi(argv[9]) : 1;  // warps a row's K is split between
     auto x = load<E>("x.bin", (size_t)rows * K);
     auto w = load<uint32_t>("w.bin", (size_t)N * K / 32 * BITS_);
     auto s = load<E>("s.bin", (size_t)N * K / G_);
     auto b = load<E>("b.bin", (size_t)N * K / G_);
     std::vector<E> out((size_t)rows * N);
     Shape xs{rows, K}, ws{N, K / 32 * BITS_};
-    const int blocks = (N + warps * rpw * tiles - 1) / (warps * rpw * tiles);
+    const int per = warps * rpw * tiles / split;  // weight rows a block
+    const int blocks = (N + per - 1) / per;
     run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
     save("out.bin", out);
 }
@@ -146,16 +174,22 @@ _GATED_MAIN = _MAIN.replace("    std::vector<E> out(", """    auto w2 = load<uin
     (4, 32, 1, (4, 2)), (6, 64, 1, (8, 1)), (8, 32, 1, (4, 4)),
     (4, 32, 1, (4, 2, 1, 2)), (6, 64, 1, (8, 1, 1, 3)), (8, 32, 1, (4, 4, 1, 2)),
     (4, 32, 3, (4, 1, 4)), (6, 32, 8, (4, 2, 8)), (8, 64, 2, (8, 1, 2)), (4, 128, 5, (4, 2, 8)),
-    (4, 32, 1, (2, 2, 1, 1, 2)), (6, 64, 1, (2, 1, 1, 2, 3)), (8, 32, 1, (4, 2, 1, 2, 1)), (4, 128, 1, (2, 4, 1, 1, 1))])
+    (4, 32, 1, (2, 2, 1, 1, 2)), (6, 64, 1, (2, 1, 1, 2, 3)), (8, 32, 1, (4, 2, 1, 2, 1)), (4, 128, 1, (2, 4, 1, 1, 1)),
+    (4, 32, 1, (4, 2, 1, 1, 0, 4)), (6, 32, 1, (8, 2, 1, 2, 0, 2)), (8, 64, 1, (4, 4, 1, 1, 0, 2)),
+    (4, 128, 1, (8, 1, 1, 1, 0, 8))])
 def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int, rows: int, config) -> None:
-    """The one-row, the few-rows and the staged sources, each warp run as 32 host threads
-    with CUDA's shuffles and bit instructions emulated: 1,088 columns (lanes take a second
-    chunk; at depths 2 and 3 in the same round of loads, some lanes one chunk, none a
-    third), 12 weight rows (a block's last warp past the end; staged, a block's last
-    tile or warp of a tile), fewer rows of x than the kernel takes (5 of 8), against
-    MLX's own product on the CPU, as closely as MLX's is to float32."""
+    """The one-row, the few-rows, the staged and the split sources, each warp run as 32
+    host threads with CUDA's shuffles and bit instructions emulated: 1,088 columns (lanes
+    take a second chunk; at depths 2 and 3 in the same round of loads, some lanes one
+    chunk, none a third; K split four or eight ways, some warps no chunk at all), 12
+    weight rows (a block's last warp past the end; staged, a block's last tile or warp of
+    a tile; split, a block's last group of warps past the end, reading and never
+    writing), fewer rows of x than the kernel takes (5 of 8), against MLX's own product
+    on the CPU, as closely as MLX's is to float32."""
     dtype = mx.bfloat16
     k, n = 1088 if group != 128 else 1152, 12
+    if _split(config) > 1:  # 68 chunks: two or three warps of a group with chunks to sum, the rest none
+        k = 2176
     mx.random.seed(bits * rows + group)
     wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 3).astype(dtype)
@@ -167,7 +201,8 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
     program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _MAIN.replace("ARGS", args)
     for name, a in (("x", x.view(mx.uint16)), ("w", wq), ("s", s.view(mx.uint16)), ("b", b.view(mx.uint16))):
         (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config)])
+    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config),
+                                                  _split(config)])
     got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
     want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
     assert agrees(got, want, exact_product(x, wq, s, b, group, bits))
@@ -176,7 +211,8 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "rows", "config", "dtype"), [(4, 1, (4, 2, 1, 2), mx.bfloat16),
                                                                (6, 1, (4, 4), mx.float16),
-                                                               (4, 3, (4, 1, 4), mx.bfloat16)])
+                                                               (4, 3, (4, 1, 4), mx.bfloat16),
+                                                               (6, 1, (4, 2, 1, 1, 0, 4), mx.float16)])
 def test_the_residual_is_added_as_mlx_adds_it(tmp_path, bits: int, rows: int, config, dtype) -> None:
     """A plain product with a residual added as it is written (``bound(...,
     residual=True)``: the attention's output projection and the MLP's down projection
@@ -204,7 +240,8 @@ def test_the_residual_is_added_as_mlx_adds_it(tmp_path, bits: int, rows: int, co
         for file, a in (("x", x.view(mx.uint16)), ("w", wq), ("s", s.view(mx.uint16)), ("b", b.view(mx.uint16)),
                         ("r", r.view(mx.uint16))):
             (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
-        emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config)])
+        emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config),
+                                                      _split(config)])
         outs.append(mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n))
                     .view(dtype))
     product, summed = outs
@@ -216,6 +253,10 @@ def test_the_residual_is_added_as_mlx_adds_it(tmp_path, bits: int, rows: int, co
 
 def _tiles(config: tuple[int, ...]) -> int:
     return qgemv_cuda.launch_shape(config)[4]
+
+
+def _split(config: tuple[int, ...]) -> int:
+    return qgemv_cuda.launch_shape(config)[5]
 
 
 def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
@@ -313,7 +354,8 @@ int main(int argc, char** argv) {
     LOADS
     Shape xs{rows, K}, ws{SIZE0, K / 32 * BITS_};
     const int N = std::atoi(argv[3]), tiles = std::max(1, std::atoi(argv[8]));
-    const int blocks = (N + warps * rpw * tiles - 1) / (warps * rpw * tiles);
+    const int per = warps * rpw * tiles;  // weight rows a block
+    const int blocks = (N + per - 1) / per;
     run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
     SAVES
 }
