@@ -142,9 +142,10 @@ GMLX_VARIANTS = {
     # the launch shapes timed by the device's part alone (each chain behind a lead product):
     # on the H200 (12-06 night) the plain chain timed every q-k-v shape at the host's ~22-26 us
     "gmlx-deviceshapes": {"GMLX_STEP_SHAPES": "device"},
-    # the plain one-row products' K split between a block's warps, timed beside the other shapes
-    # (tuned under keys of their own): the down products and the o-projection of 4,096 outputs
-    # read at 1.4-1.8 TB/s on the H200 (12-06 night) with 2-8 warps a streaming multiprocessor
+    # the one-row products' (and the fused step kernels') K split between a block's warps, timed
+    # beside the other shapes (tuned under keys of their own): the down products and the
+    # o-projection of 4,096 outputs read at 1.4-1.8 TB/s on the H200 (12-06 night) with 2-8
+    # warps a streaming multiprocessor
     "gmlx-splitk": {"GMLX_SPLIT_K": "1"},
     # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
     "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},

@@ -69,7 +69,7 @@ def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> s
         w32 = mx.dequantize(wq, s, b, group_size=g, bits=bits).astype(mx.float32)
         exact = x.astype(mx.float32) @ w32.T
         mx.eval(want, exact)
-    configs = qgemv_cuda.configs(rows, k) + (qgemv_cuda.splits(k) if rows == 1 else [])  # GMLX_SPLIT_K=1
+    configs = qgemv_cuda.configs(rows, k)  # with the split shapes where GMLX_SPLIT_K=1
     ok = all(agrees(qgemv_cuda.gemv(x, wq, s, b, g, bits, config=c), want, exact) for c in configs)
     mlx_us = per_product(lambda y: mx.quantized_matmul(y, wq, s, b, transpose=True, group_size=g, bits=bits), x, reps)
     times = {c: per_product(lambda y, c=c: qgemv_cuda.gemv(y, wq, s, b, g, bits, config=c), x, reps)

@@ -268,14 +268,15 @@ case ${1:-} in
     tail -8 "$OUT/shapes.md"
     ;;
   split)
-    # the plain one-row products with K split between a block's warps (gmlx-splitk: the tuner
-    # times those shapes too, under keys of their own; ~100 s of load the first time)
+    # the one-row products and fused step kernels with K split between a block's warps
+    # (gmlx-splitk: the tuners time those shapes too, under keys of their own; ~100 s of load
+    # the first time)
     # against the defaults, one and eight streams alternating; the load log's chosen paths
     # (`1:gemv4x4x1x1x0x4`, a sixth number past 1) say where a split shape won
     with_env
     "${BENCH[@]}" --results /tmp/gpu-results-split --servers gmlx-splitk,gmlx,gmlx-splitk,gmlx \
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/split.md" > "$OUT/split.txt" 2>&1
-    grep -E "decode-sized paths|tok/s \(" "$OUT/split.txt" | cut -c1-700 | head -20
+    grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/split.txt" | cut -c1-700 | head -20
     tail -8 "$OUT/split.md"
     ;;
   h200host)

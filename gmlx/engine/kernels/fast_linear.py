@@ -350,7 +350,7 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
             for config in qmmw_cuda.configs(rows):
                 products[(KERNEL, config)] = lambda x, *w, c=config: qmmw_cuda.qmm(x, *w, g, bits, config=c)
         if qgemv_cuda.supports(rows, k, g, bits) and rows <= GEMV_ROWS and x.dtype in (mx.bfloat16, mx.float16):
-            for config in qgemv_cuda.configs(rows, k) + (qgemv_cuda.splits(k) if rows == 1 else []):
+            for config in qgemv_cuda.configs(rows, k):
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
         exact = timing.exact_product(x, *args, g, bits)
         want = products[(MLX, (0, 0))](x, *args)

@@ -274,8 +274,8 @@ def fold_norms(model: Any) -> str | None:
             return []  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
         group_size, bits = layout(mlp)
         key = _key(mlp)
-        shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
-        return [(key, qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape[:4],
+        shape = qgemv_cuda.unstaged(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
+        return [(key, qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape,
                                        up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
                                        norm=(weight, norm.eps)))]
 

@@ -73,6 +73,7 @@ from gmlx.engine.kernels.qgemv_source import (
     RESIDUAL,
     ROWS_BODY,
     SPLIT_BODY,
+    SPLIT_NORMED_BODY,
     STAGED_BODY,
     parts_head,
 )
@@ -127,15 +128,16 @@ def layout(layer: Any) -> tuple[int, int, str, int, Any] | None:
 # one row, x staged in shared memory: (warps, rows a warp, 1, chunks a lane in flight, row tiles a block)
 STAGED = [(8, 2, 1, 1, 1), (8, 2, 1, 2, 2), (8, 4, 1, 1, 2), (16, 2, 1, 2, 1)]
 # one row, each row's K split between warps (:data:`qgemv_source.SPLIT_BODY`): (warps, rows
-# a group of warps, 1, chunks a lane in flight, 0, warps a group)
+# a group of warps, 1, chunks a lane in flight, 0, warps a group); every product kind,
+# the norm folded in or not
 SPLIT = [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 8)]
-SPLIT_ENV = "GMLX_SPLIT_K"  # 1: the plain products' tuner times the split shapes beside the others
+SPLIT_ENV = "GMLX_SPLIT_K"  # 1: the one-row tuners time the split shapes beside the others
 
 
 def splits(k: int) -> list[tuple[int, ...]]:
-    """The split shapes a plain one-row product of ``k`` values is timed in
-    (``GMLX_SPLIT_K=1``; off by default until a served run measures them): those whose
-    warps each get at least one chunk a lane."""
+    """The split shapes a one-row product of ``k`` values is timed in beside
+    :func:`configs`' others (``GMLX_SPLIT_K=1``; off by default until a served run
+    measures them): those whose warps each get at least one chunk a lane."""
     if os.environ.get(SPLIT_ENV, "0") != "1":
         return []
     return [c for c in SPLIT if k // 32 >= 32 * c[3] * c[5]]
@@ -149,7 +151,7 @@ def configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     in its shared memory (:data:`STAGED`; given ``k``, the row's width, where it fits)."""
     if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last three, depth 2
         return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2),
-                *(STAGED if k and stages(k) else [])]
+                *(STAGED if k and stages(k) else []), *splits(k)]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
@@ -161,7 +163,8 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     if rows > 1:
         return [(4, 2, rows)]
     return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2),
-            *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else [])]
+            *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else []),
+            *(c for c in splits(k) if c[1] % 2 == 0)]
 
 
 @cache
@@ -177,11 +180,10 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``residual``: a plain product with one more input, ``res``, added to each output as
     it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain,
     gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
-    one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row, a plain
-    product (with or without a residual) with each row's K split between that many warps
-    (:data:`qgemv_source.SPLIT_BODY`)."""
-    if split > 1 and (gated or parts or max_rows > 1 or tiles or eps is not None or warps % split):
-        raise ValueError("K is split between the warps of a plain one-row product, unstaged, without a norm, only")
+    one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row,
+    unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`)."""
+    if split > 1 and (max_rows > 1 or tiles or warps % split):
+        raise ValueError("K is split between whole groups of a block's warps at one unstaged row only")
     if residual and (gated or parts):
         raise ValueError("a residual is added to a plain product's output only")
     if eps is not None and (residual or max_rows > 1 or tiles):
@@ -199,7 +201,8 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     inputs += ["res"] if residual else ["nw"] if eps is not None else []
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
-    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else NORMED_BODY if eps is not None
+    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
+            else (SPLIT_NORMED_BODY if split > 1 else NORMED_BODY) if eps is not None
             else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")

@@ -320,31 +320,41 @@ BODY = compact(_SOURCE)
 # leaves early (its rows past the end are read, never written): the block meets at one
 # barrier.
 _SPLIT_SUMS = r"""    {
-        __shared__ float split_sums[WARPS][RPW];
+        __shared__ float split_sums[WARPS][RPW + 1];
         if (lane == 0) {
             #pragma unroll
             for (int r = 0; r < RPW; ++r) split_sums[warp][r] = red[r];
+            split_sums[warp][RPW] = SQUARES;
         }
         __syncthreads();
         #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
+        for (int r = 0; r <= RPW; ++r) {
             float v = 0.0f;
             #pragma unroll
             for (int s = 0; s < SPLIT; ++s) v += split_sums[warp - sub + s][r];
-            red[r] = v;
+            if (r < RPW) red[r] = v; else SQUARES_TOTAL;
         }
     }
 """
 
 
 def _split(source: str) -> str:
-    """The one-row source ``source`` with K split between warps (see ``_SPLIT_SUMS``)."""
+    """The one-row source ``source`` with K split between warps (see ``_SPLIT_SUMS``); a
+    source with the norm folded in (``_normed``) meets its squares' sums too, each warp's
+    after its shuffles, before the scale is taken."""
+    scale = "    const float scale = rsqrtf(ss / (float)K + EPS);\n"
+    if scale in source:
+        sums = _SPLIT_SUMS.replace("SQUARES_TOTAL", "ss = v").replace("SQUARES", "ss")
+        meet = (scale, sums + scale)
+    else:
+        sums = _SPLIT_SUMS.replace("SQUARES_TOTAL", "(void)v").replace("SQUARES", "0.0f")
+        meet = ("        red[r] = v;\n    }\n", "        red[r] = v;\n    }\n" + sums)
     steps = [("    const int n0 = (blockIdx.x * WARPS + warp) * OUTS;\n    if (n0 >= N) return;\n",
               ("    const int n0 = (blockIdx.x * (WARPS / SPLIT) + warp / SPLIT) * OUTS;\n"
                "    const int sub = warp % SPLIT;\n")),
              ("    for (int c0 = lane; c0 < chunks; c0 += 32 * DEPTH) {\n",
               "    for (int c0 = lane + 32 * DEPTH * sub; c0 < chunks; c0 += 32 * DEPTH * SPLIT) {\n"),
-             ("        red[r] = v;\n    }\n", "        red[r] = v;\n    }\n" + _SPLIT_SUMS),
+             meet,
              ("if (lane == r && n0 + r < N)", "if (lane == r && sub == 0 && n0 + r < N)")]
     for old, new in steps:
         if source.count(old) != 1:
@@ -353,7 +363,6 @@ def _split(source: str) -> str:
     return source
 
 
-SPLIT_BODY = compact(_split(_SOURCE))
 
 
 # The one-row source with the RMSNorm before the product folded in (``NORMED_BODY``): the
@@ -412,6 +421,8 @@ def _normed(source: str) -> str:
 
 
 NORMED_BODY = compact(_normed(_SOURCE))
+SPLIT_BODY = compact(_split(_SOURCE))
+SPLIT_NORMED_BODY = compact(_split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)
 STAGED_BODY = compact(_STAGED_SOURCE)
 

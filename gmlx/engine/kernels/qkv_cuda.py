@@ -251,7 +251,7 @@ def fold_norms(model: Any) -> str | None:
         if norm.weight.shape != (k,) or (len(names) == 2 and (qgemv_cuda.layout(v) or (0,) * 5)[4] != dtype):
             return []
         key = _key(attention)
-        shape = qgemv_cuda.launch_shape(_shapes.get(key, qgemv_cuda.configs(1)[0]))[:4]
+        shape = qgemv_cuda.unstaged(_shapes.get(key, qgemv_cuda.configs(1)[0]))
         parts = qgemv_cuda.bound(attention.q_proj.weight, attention.q_proj.scales, attention.q_proj.biases, group, bits,
                                  shape, more=tuple((attention[n].weight, attention[n].scales, attention[n].biases)
                                                    for n in names[1:]), norm=(weight, norm.eps))
@@ -265,7 +265,7 @@ def fold_norms(model: Any) -> str | None:
 
         # the values of another layout: in the one launch of both layouts first (keyed by both)
         one = ([(f"{key}+{v.weight.shape[0]}:{v.bits}/{v.group_size}",
-                 qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape, (weight, norm.eps)))]
+                 qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape[:4], (weight, norm.eps)))]
                if qkv_mixed.enabled() else [])
         return [*one, (key, apart)]
 

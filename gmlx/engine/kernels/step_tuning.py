@@ -112,6 +112,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     timer = chain_time
     if mode == "device":  # the device's part alone, kept apart from the chain's choices
         timer, key = device_chain_time, f"{key}:device"
+    if any(len(shape) > 5 and shape[5] > 1 for shape in shapes):  # K split (GMLX_SPLIT_K=1): kept apart
+        key = f"{key}:split"
     tuning = Tuning()
     known = tuning.layer(key)
     if known and 1 in known:

@@ -96,6 +96,15 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 for sizes in ((4096, 1024, 1024), (4096, 1024)):  # the norm before them folded in
                     qgemv_cuda.kernel_of(dtype, bits, 64, (4, 2, 1, 2), parts=sizes, k=4096, eps=1e-5)
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * len(sizes), dtype]))
+                split = qgemv_cuda.SPLIT[0]  # K split between warps: gated, parts, each with the norm folded in
+                qgemv_cuda.kernel_of(dtype, bits, 64, split, gated=True, k=4096)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2]))
+                qgemv_cuda.kernel_of(dtype, bits, 64, split, gated=True, k=4096, eps=1e-5)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
+                qgemv_cuda.kernel_of(dtype, bits, 64, split, parts=(4096, 1024, 1024), k=4096)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3]))
+                qgemv_cuda.kernel_of(dtype, bits, 64, split, parts=(4096, 1024, 1024), k=4096, eps=1e-5)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
                 qgemv_cuda.kernel_of(dtype, bits, 64, (4, 4), k=4096, eps=1e-6)  # a plain one (the values)
                 kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
             for layout, values_layout in (((4, 32), (6, 32)), ((4, 64), (8, 64))):  # two layouts, one launch

@@ -84,8 +84,8 @@ def test_which_products_it_takes() -> None:
 
 def test_split_shapes_only_where_asked_and_where_each_warp_has_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The split shapes are timed only with ``GMLX_SPLIT_K=1``, for a row wide enough that
-    each warp of a group gets a chunk a lane; they launch as many groups of warps a
-    block as their warps over the split, and they split plain products alone."""
+    each warp of a group gets a chunk a lane, by every one-row tuner; they launch as many
+    groups of warps a block as their warps over the split, at one unstaged row only."""
     monkeypatch.delenv(qgemv_cuda.SPLIT_ENV, raising=False)
     assert qgemv_cuda.splits(14336) == []
     monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "1")
@@ -101,11 +101,13 @@ def test_split_shapes_only_where_asked_and_where_each_warp_has_chunks(monkeypatc
     for config in ((8, 2, 1, 1, 0, 4), (4, 4)):
         qgemv_cuda.bound(w, s, s, 32, 4, config)(mx.zeros((1, 14336), mx.float16))
     assert grids == [(4096 // 4 * 256, 1, 1), (4096 // 16 * 128, 1, 1)]  # blocks of 2 x 2 rows; of 4 x 4
-    for kind in ({"gated": True}, {"parts": (4096, 1024)}, {"eps": 1e-5}):
+    for kind in ({"max_rows": 4}, {"tiles": 1, "k": 4096}):  # one unstaged row only
         with pytest.raises(ValueError, match="split"):
             qgemv_cuda._kernel(mx.float16, 4, 32, 8, 2, split=4, **kind)
     with pytest.raises(ValueError, match="split"):
         qgemv_cuda._kernel(mx.float16, 4, 32, 6, 2, split=4)  # warps not a whole number of groups
+    assert (4, 4, 1, 1, 0, 4) in qgemv_cuda.gated_configs(1, 4096)  # the step kernels' tuners time them too
+    assert (8, 2, 1, 1, 0, 4) in qgemv_cuda.configs(1, 4096) and qgemv_cuda.configs(1, 1024)[-1][4:] == ()
 
 
 def test_each_layout_is_a_kernel_of_its_own_with_its_constants(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +279,8 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
     (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 1, (4, 4, 1, 2)), (4, 32, 3, (4, 2, 4)),
-    (6, 64, 8, (4, 4, 8)), (4, 32, 1, (2, 4, 1, 1, 2)), (6, 64, 1, (2, 2, 1, 2, 1))])
+    (6, 64, 8, (4, 4, 8)), (4, 32, 1, (2, 4, 1, 1, 2)), (6, 64, 1, (2, 2, 1, 2, 1)),
+    (4, 32, 1, (4, 4, 1, 1, 0, 4)), (6, 64, 1, (8, 2, 1, 1, 0, 2))])
 def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config) -> None:
     """The gated product (an MLP's gate and up projections and its swiglu in one
     kernel), each source run on the CPU as above: 11 output rows (a warp's second row and
@@ -304,7 +307,8 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
              ("w2", up[0]), ("s2", up[1].view(mx.uint16)), ("b2", up[2].view(mx.uint16)))
     for name, a in files:
         (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config)])
+    emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config),
+                                                  _split(config)])
     got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(rows, n)).view(dtype)
 
     def product(layer):
@@ -320,7 +324,8 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "sizes", "rows", "config"), [
     (4, (10, 3, 3), 1, (4, 2)), (4, (12, 4), 1, (4, 4)), (6, (10, 3, 3), 1, (8, 1)),
-    (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8)), (4, (10, 3, 3), 1, (2, 2, 1, 1, 2))])
+    (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8)), (4, (10, 3, 3), 1, (2, 2, 1, 1, 2)),
+    (4, (10, 3, 3), 1, (8, 2, 1, 1, 0, 4))])
 def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tuple[int, ...], rows: int,
                                                  config) -> None:
     """Two or three layers of one layout read as one product (an attention's queries, keys
@@ -354,7 +359,8 @@ int main(int argc, char** argv) {
     LOADS
     Shape xs{rows, K}, ws{SIZE0, K / 32 * BITS_};
     const int N = std::atoi(argv[3]), tiles = std::max(1, std::atoi(argv[8]));
-    const int per = warps * rpw * tiles;  // weight rows a block
+    const int split = argc > 9 ? std::atoi(argv[9]) : 1;
+    const int per = warps * rpw * tiles / split;  // weight rows a block
     const int blocks = (N + per - 1) / per;
     run_blocks(blocks, 32 * warps, [&] { kernel(ARGS); });
     SAVES
@@ -366,7 +372,8 @@ int main(int argc, char** argv) {
     for i, (wq, sc, bi) in enumerate(layers):
         for name, a in ((f"w{i}", wq), (f"s{i}", sc.view(mx.uint16)), (f"b{i}", bi.view(mx.uint16))):
             (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [rows, k, total, group, bits, config[0], config[1], _tiles(config)])
+    emulation.compile_and_run(tmp_path, program, [rows, k, total, group, bits, config[0], config[1], _tiles(config),
+                                                  _split(config)])
     for i, (n, (wq, sc, bi)) in enumerate(zip(sizes, layers, strict=True)):
         got = mx.array(np.frombuffer((tmp_path / f"o{i}.bin").read_bytes(), dtype=np.uint16).reshape(rows, n))
         got = got.view(dtype)
@@ -377,7 +384,8 @@ int main(int argc, char** argv) {
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "config", "gated", "dtype"), [
     (4, 32, (4, 2), False, mx.bfloat16), (6, 64, (8, 1, 1, 2), False, mx.float16),
-    (4, 32, (4, 4, 1), True, mx.float16), (4, 64, (4, 4, 1, 2), True, mx.bfloat16), (6, 32, (4, 2, 1), True, mx.float16)])
+    (4, 32, (4, 4, 1), True, mx.float16), (4, 64, (4, 4, 1, 2), True, mx.bfloat16), (6, 32, (4, 2, 1), True, mx.float16),
+    (4, 32, (4, 2, 1, 1, 0, 4), False, mx.bfloat16), (4, 64, (8, 4, 1, 1, 0, 2), True, mx.float16)])
 def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_path, bits: int, group: int, config,
                                                                          gated: bool, dtype) -> None:
     """The one-row source with an RMSNorm folded in (``bound(..., norm=(weight, eps))``:
@@ -388,7 +396,7 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
     un-normed row."""
     from mlx_lm.models.activations import swiglu
 
-    k, n, eps = 1088, 11, 1e-5
+    k, n, eps = 1088 if _split(config) == 1 else 2176, 11, 1e-5  # split: three warps of a group with chunks
     name = str(dtype).removeprefix("mlx.core.")
     mx.random.seed(bits + group + gated)
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
@@ -411,7 +419,8 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
         files += [(f"w{suffix}", wq), (f"s{suffix}", sc.view(mx.uint16)), (f"b{suffix}", bi.view(mx.uint16))]
     for file, a in files:
         (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [1, k, n, group, bits, config[0], config[1], _tiles(config)])
+    emulation.compile_and_run(tmp_path, program, [1, k, n, group, bits, config[0], config[1], _tiles(config),
+                                                  _split(config)])
     got = mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
 
     normed = mx.fast.rms_norm(h, nw, eps)
@@ -430,13 +439,14 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("bits", "sizes", "config"), [(4, (10, 3, 3), (4, 2)), (4, (12, 4), (4, 4, 1, 2))])
+@pytest.mark.parametrize(("bits", "sizes", "config"), [(4, (10, 3, 3), (4, 2)), (4, (12, 4), (4, 4, 1, 2)),
+                                                      (4, (10, 3, 3), (8, 2, 1, 1, 0, 4))])
 def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp_path, bits: int,
                                                                             sizes: tuple[int, ...], config) -> None:
     """The parts source (an attention's queries, keys and values) with the norm before it
     folded in: each layer's output as close to a float32 norm and product as MLX's norm
     then product are."""
-    dtype, k, group, eps = mx.float16, 1088, 32, 1e-5
+    dtype, k, group, eps = mx.float16, 1088 if _split(config) == 1 else 2176, 32, 1e-5
     mx.random.seed(bits + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
@@ -458,13 +468,13 @@ def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp
     main = f"""
 int main(int argc, char** argv) {{
     const int K = std::atoi(argv[2]), N = std::atoi(argv[3]), G_ = std::atoi(argv[4]), BITS_ = std::atoi(argv[5]);
-    const int warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]);
+    const int warps = std::atoi(argv[6]), rpw = std::atoi(argv[7]), split = std::atoi(argv[9]);
     {sizes_c}
     auto x = load<E>("x.bin", (size_t)K);
     auto nw = load<E>("nw.bin", (size_t)K);
     {" ".join(loads)}
     Shape xs{{1, K}}, ws{{N0, K / 32 * BITS_}};
-    const int blocks = (N + warps * rpw - 1) / (warps * rpw);
+    const int blocks = (N + warps / split * rpw - 1) / (warps / split * rpw);
     run_blocks(blocks, 32 * warps, [&] {{ kernel({args}); }});
     {" ".join(f'save("out{x}.bin", out{x});' for x in suffix)}
 }}
@@ -475,7 +485,8 @@ int main(int argc, char** argv) {{
     for sfx, (wq, sc, bi) in zip(suffix, layers):
         for name, a in ((f"w{sfx}", wq), (f"s{sfx}", sc.view(mx.uint16)), (f"b{sfx}", bi.view(mx.uint16))):
             (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
-    emulation.compile_and_run(tmp_path, program, [1, k, sum(sizes), group, bits, config[0], config[1], 0])
+    emulation.compile_and_run(tmp_path, program, [1, k, sum(sizes), group, bits, config[0], config[1], 0,
+                                                  _split(config)])
     normed = mx.fast.rms_norm(h, nw, eps)
     h32 = h.astype(mx.float32)
     normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)

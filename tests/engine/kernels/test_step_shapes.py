@@ -237,3 +237,19 @@ def test_the_device_part_is_what_the_chain_adds_behind_the_lead(monkeypatch: pyt
     assert timing.device_chain_time(call, mx.zeros(4), 5) == 0.25
     monkeypatch.setattr(timing, "lead_for", lambda seconds, dtype: None)
     assert timing.device_chain_time(call, mx.zeros(4), 5) == 0.25
+
+
+def test_a_candidate_set_with_split_shapes_keeps_its_choice_apart(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the shapes timed include one that splits K between warps (``GMLX_SPLIT_K=1``
+    adds them), the choice is kept under a key of its own: a load without them times
+    again rather than read a split shape it would not have timed."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
+    split = (4, 4, 1, 1, 0, 4)
+    order = _clock(monkeypatch, {SHAPES[0]: [9.0, 9.0], split: [1.0]})
+    assert step_tuning.one_row_shape("k:shape", [SHAPES[0], split], _calls, lambda call: True, 64,
+                                     mx.bfloat16)[0] == split
+    order.clear()
+    _clock(monkeypatch, {SHAPES[0]: [3.0, 3.0], SHAPES[2]: [5.0]})
+    assert step_tuning.one_row_shape("k:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64,
+                                     mx.bfloat16)[0] == SHAPES[0]
