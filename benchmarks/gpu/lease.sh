@@ -22,7 +22,7 @@
 #   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
 #   the products' stall reasons under ncu:    bash benchmarks/gpu/lease.sh ncu-products (~300 s)
 #   launch shapes by the device's time alone:  bash benchmarks/gpu/lease.sh shapes    (~300 s)
-#   the products' K split between warps:       bash benchmarks/gpu/lease.sh split     (~400 s)
+#   the products' K split between warps:       bash benchmarks/gpu/lease.sh split     (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
