@@ -257,27 +257,21 @@ case ${1:-} in
     grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|==PROF==|==ERROR==" \
       "$OUT/ncu-products.txt" | cut -c1-200 | head -120
     ;;
-  shapes)
-    # the one-row kernels' launch shapes timed by the device's part alone (gmlx-deviceshapes:
-    # each chain behind a lead product, tuned under keys of their own) against the chain's
-    # own clock, one stream alternating; the load logs each shape's time both ways
+  shapes|split)
+    # shapes: the one-row kernels' launch shapes timed by the device's part alone
+    #   (gmlx-deviceshapes: each chain behind a lead product) against the chain's own clock;
+    #   the load logs each shape's time both ways
+    # split: the one-row products and fused step kernels with K split between a block's warps
+    #   (gmlx-splitk: the tuners time those shapes too; ~100 s of load the first time); the
+    #   load log's chosen paths (`1:gemv4x4x1x1x0x4`, a sixth number past 1) and launch
+    #   shapes say where a split shape won
+    # each tuned under keys of its own, against the defaults, alternating at 1 and 8 streams
     with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-shapes --servers gmlx-deviceshapes,gmlx,gmlx-deviceshapes,gmlx \
-      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/shapes.md" > "$OUT/shapes.txt" 2>&1
-    grep -E "launch shape|tok/s \(" "$OUT/shapes.txt" | cut -c1-300 | head -30
-    tail -8 "$OUT/shapes.md"
-    ;;
-  split)
-    # the one-row products and fused step kernels with K split between a block's warps
-    # (gmlx-splitk: the tuners time those shapes too, under keys of their own; ~100 s of load
-    # the first time)
-    # against the defaults, one and eight streams alternating; the load log's chosen paths
-    # (`1:gemv4x4x1x1x0x4`, a sixth number past 1) say where a split shape won
-    with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-split --servers gmlx-splitk,gmlx,gmlx-splitk,gmlx \
-      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/split.md" > "$OUT/split.txt" 2>&1
-    grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/split.txt" | cut -c1-700 | head -20
-    tail -8 "$OUT/split.md"
+    variant=gmlx-deviceshapes; [ "$1" = split ] && variant=gmlx-splitk
+    "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers $variant,gmlx,$variant,gmlx \
+      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
+    grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30
+    tail -8 "$OUT/$1.md"
     ;;
   h200host)
     # one stream's host time on the H200: MLX's graph commits none (each kernel launched as
