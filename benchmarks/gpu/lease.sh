@@ -267,8 +267,8 @@ case ${1:-} in
     #   shapes say where a split shape won
     # each tuned under keys of its own, against the defaults, alternating at 1 and 8 streams
     with_env
-    variant=gmlx-deviceshapes; [ "$1" = split ] && variant=gmlx-splitk
-    "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers $variant,gmlx,$variant,gmlx \
+    servers=gmlx-deviceshapes,gmlx,gmlx-deviceshapes,gmlx; [ "$1" = split ] && servers=gmlx-splitk,gmlx,gmlx-splitk,gmlx
+    "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30
     tail -8 "$OUT/$1.md"

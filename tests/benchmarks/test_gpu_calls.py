@@ -18,9 +18,10 @@ GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 def test_every_server_a_call_names_is_one_bench_runs() -> None:
     named = set()
     for script in (GPU / "lease.sh", GPU / "diagnose.sh"):  # (the README also tells of past variants)
-        for servers in re.findall(r"--servers[ =]([\w,.-]+)", script.read_text()):
+        # a --servers list, or one a call sets in a variable first (servers=a,b; --servers "$servers")
+        for servers in re.findall(r"(?:--servers[ =]|\bservers=)([\w,.-]+)", script.read_text()):
             named.update(s for s in servers.split(",") if s)
-    assert {"gmlx", "llama", "gmlx-all1206", "gmlx-fold"} <= named  # the calls were read
+    assert {"gmlx", "llama", "gmlx-all1206", "gmlx-fold", "gmlx-splitk", "mlx_lm-gmlxenv"} <= named  # the calls were read
     assert named <= set(bench.SERVERS), sorted(named - set(bench.SERVERS))
     assert set(bench.GMLX_VARIANTS) <= set(bench.SERVERS)
 
