@@ -194,7 +194,7 @@ def lead_for(seconds: float, dtype: Any) -> tuple[Callable[[], Any], float] | No
 
     b = mx.random.normal((LEAD_K, LEAD_K), key=mx.random.key(1)).astype(dtype)
     rows = 1
-    while rows <= LEAD_ROWS:
+    while True:
         a = mx.random.normal((rows, LEAD_K), key=mx.random.key(2)).astype(dtype)
         mx.eval(a, b)
 
@@ -205,8 +205,9 @@ def lead_for(seconds: float, dtype: Any) -> tuple[Callable[[], Any], float] | No
         alone = min(_once(lead), _once(lead))
         if alone >= 2 * seconds:
             return lead, alone
-        rows *= min(64, max(2, int(2 * seconds / max(alone, 1e-7)) + 1))
-    return None
+        if rows >= LEAD_ROWS:
+            return None
+        rows = min(LEAD_ROWS, rows * min(64, max(2, int(2 * seconds / max(alone, 1e-7)) + 1)))
 
 
 def device_chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:

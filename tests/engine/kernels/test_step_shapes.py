@@ -206,13 +206,17 @@ def test_device_shapes_take_the_device_timer_and_keep_their_own_choice(tmp_path,
 def test_a_lead_is_sized_to_twice_the_time_it_must_cover(monkeypatch: pytest.MonkeyPatch) -> None:
     """``timing.lead_for`` grows its product until the device takes at least twice the
     seconds asked over it (here the CPU backend's clock, a few milliseconds); none where
-    its largest product (64 rows here) is still shorter."""
+    its largest product (100 rows here, a stand-in clock) is still shorter, that size
+    tried where growing would pass it."""
     lead, alone = timing.lead_for(0.004, mx.float32)
     assert alone >= 0.008
     out = lead()
     assert out.shape[1] == timing.LEAD_K and out.dtype == mx.float32
-    monkeypatch.setattr(timing, "LEAD_ROWS", 64)
-    assert timing.lead_for(60.0, mx.float32) is None
+    monkeypatch.setattr(timing, "LEAD_ROWS", 100)
+    tried: list[int] = []  # a clock that finds every lead a millisecond long: each size timed twice
+    monkeypatch.setattr(timing, "_once", lambda call: tried.append(call().shape[0]) or 1e-3)
+    assert timing.lead_for(1.0, mx.float32) is None
+    assert tried == [1, 1, 64, 64, 100, 100]  # grown at most 64-fold, the largest tried at its size
 
 
 def test_the_device_part_is_what_the_chain_adds_behind_the_lead(monkeypatch: pytest.MonkeyPatch) -> None:
