@@ -234,7 +234,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
             # a tuning kept under the default choices is not one with the chain's, the staged or the split shapes'
             keys[key] = (layer_key(m.scales.dtype, *key) + ("" if _queued() else ":chain")
                          + (":staged" if qgemv_cuda.staged() else "")
-                         + (":split" if os.environ.get(qgemv_cuda.SPLIT_ENV, "0") == "1" else ""))
+                         + (":split" if qgemv_cuda.splitting() else ""))
             known = tuning.layer(keys[key])
             if known is None:
                 started = time.perf_counter()

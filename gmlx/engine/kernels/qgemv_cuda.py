@@ -134,11 +134,17 @@ SPLIT = [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 8)]
 SPLIT_ENV = "GMLX_SPLIT_K"  # 1: the one-row tuners time the split shapes beside the others
 
 
+def splitting() -> bool:
+    """Whether the split shapes are timed (``GMLX_SPLIT_K=1``; off by default until a
+    served run measures them)."""
+    return os.environ.get(SPLIT_ENV, "0") == "1"
+
+
 def splits(k: int) -> list[tuple[int, ...]]:
     """The split shapes a one-row product of ``k`` values is timed in beside
-    :func:`configs`' others (``GMLX_SPLIT_K=1``; off by default until a served run
-    measures them): those whose warps each get at least one chunk a lane."""
-    if os.environ.get(SPLIT_ENV, "0") != "1":
+    :func:`configs`' others (where :func:`splitting`): those whose warps each get at
+    least one chunk a lane."""
+    if not splitting():
         return []
     return [c for c in SPLIT if k // 32 >= 32 * c[3] * c[5]]
 
