@@ -35,8 +35,9 @@ row's; lane 0 writes them. (Its first form loaded and converted ``x`` again for 
 weight row: about 32 instructions a code at 8 rows, where this is about half.) New and not yet timed on a GPU: the tuner times it at the 2-, 4- and 8-row
 buckets beside MLX's product and the tensor-core kernel, and keeps whichever is fastest.
 
-At one row a plain product may also split each row's K between warps of a block
-(:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuner time those shapes), so
+At one row any of these products (plain, with a residual, gated, of several layers, the
+norm folded in or not) may also split each row's K between warps of a block
+(:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuners time those shapes), so
 a product of few outputs keeps enough warps in flight: see :mod:`qgemv_source`'s
 ``SPLIT_BODY``.
 

@@ -363,8 +363,6 @@ def _split(source: str) -> str:
     return source
 
 
-
-
 # The one-row source with the RMSNorm before the product folded in (``NORMED_BODY``): the
 # input is the block's hidden state ``h`` and the norm's weight ``nw`` (K values); each lane
 # loads ``nw``'s 32 values of a chunk beside ``h``'s, keeps the sum of ``h``'s squares and
