@@ -23,6 +23,7 @@
 #   the products' stall reasons under ncu:    bash benchmarks/gpu/lease.sh ncu-products (~300 s)
 #   launch shapes by the device's time alone:  bash benchmarks/gpu/lease.sh shapes    (~300 s)
 #   the products' K split between warps:       bash benchmarks/gpu/lease.sh split     (~500 s)
+#   the split shapes' agreement and times:     bash benchmarks/gpu/lease.sh splitcheck (~120 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -256,6 +257,14 @@ case ${1:-} in
       --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu-products.txt" 2>&1
     grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|==PROF==|==ERROR==" \
       "$OUT/ncu-products.txt" | cut -c1-200 | head -120
+    ;;
+  splitcheck)
+    # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1): whether each
+    # agrees with MLX's product and its time, plain products (the 8B's four) and the gated MLP
+    with_env
+    { GMLX_SPLIT_K=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
+      GMLX_SPLIT_K=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/splitcheck.txt" 2>&1
+    cut -c1-900 "$OUT/splitcheck.txt"
     ;;
   shapes|split)
     # shapes: the one-row kernels' launch shapes timed by the device's part alone
