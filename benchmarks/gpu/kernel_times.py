@@ -195,7 +195,8 @@ TIME = "gpu__time_duration.sum"
 BOUND = ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 
 # what --sections asks ncu for, a replay each
-SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy")
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats",
+            "LaunchStats", "Occupancy")
 
 Row = tuple[float, float, float | None, float | None]  # us a step, launches a step, DRAM %, SM %
 

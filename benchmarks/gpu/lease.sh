@@ -255,8 +255,8 @@ case ${1:-} in
     GMLX_HOME=/tmp/gmlx-home timeout 420 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1 \
       --loops served --steps 1 --dtype float16 --no-plain --sections "${LAUNCHES:-24}" --limit 400 \
       --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu-products.txt" 2>&1
-    grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|==PROF==|==ERROR==" \
-      "$OUT/ncu-products.txt" | cut -c1-200 | head -120
+    grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Executed Ipc|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|Waves Per SM|==PROF==|==ERROR==" \
+      "$OUT/ncu-products.txt" | cut -c1-220 | head -150
     ;;
   splitcheck)
     # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1): whether each
