@@ -147,6 +147,11 @@ GMLX_VARIANTS = {
     # o-projection of 4,096 outputs read at 1.4-1.8 TB/s on the H200 (12-06 night) with 2-8
     # warps a streaming multiprocessor
     "gmlx-splitk": {"GMLX_SPLIT_K": "1"},
+    # a float16 model's 4-bit one-row products summed in half pairs (~2x fewer instructions a
+    # code: the 4-bit products' issue slots, not the card's bandwidth, bound them), and that with
+    # the split shapes timed too
+    "gmlx-half2": {"GMLX_HALF2": "1"},
+    "gmlx-half2-splitk": {"GMLX_HALF2": "1", "GMLX_SPLIT_K": "1"},
     # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
     "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},
     # MLX's CUDA graphs: its CommandEncoder commits a graph each 30 operations or 400 MB of

@@ -24,6 +24,8 @@
 #   launch shapes by the device's time alone:  bash benchmarks/gpu/lease.sh shapes    (~300 s)
 #   the products' K split between warps:       bash benchmarks/gpu/lease.sh split     (~500 s)
 #   the split shapes' agreement and times:     bash benchmarks/gpu/lease.sh splitcheck (~120 s)
+#   the 4-bit products' sums in half pairs:    bash benchmarks/gpu/lease.sh half2     (~500 s)
+#   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh half2check (~150 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -258,15 +260,26 @@ case ${1:-} in
     grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Executed Ipc|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|Waves Per SM|==PROF==|==ERROR==" \
       "$OUT/ncu-products.txt" | cut -c1-220 | head -150
     ;;
-  splitcheck)
-    # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1): whether each
-    # agrees with MLX's product and its time, plain products (the 8B's four) and the gated MLP
+  splitcheck|half2check)
+    # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1), or summed in
+    # half pairs (GMLX_HALF2=1) beside the float sums (the same shapes in a process without it):
+    # whether each agrees with MLX's product and its time, the plain products (the 8B's), the
+    # gated MLP and the q-k-v
     with_env
-    { GMLX_SPLIT_K=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
-      GMLX_SPLIT_K=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/splitcheck.txt" 2>&1
-    cut -c1-900 "$OUT/splitcheck.txt"
+    if [ "$1" = splitcheck ]; then
+      { GMLX_SPLIT_K=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
+        GMLX_SPLIT_K=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/$1.txt" 2>&1
+    else
+      for h in 0 1; do
+        echo "GMLX_HALF2=$h"
+        GMLX_HALF2=$h timeout 150 python3 $GPU/gemv_check.py --reps 30
+        GMLX_HALF2=$h timeout 60 python3 $GPU/gemv_check.py --gated --reps 30
+        GMLX_HALF2=$h timeout 60 python3 $GPU/gemv_check.py --qkv --reps 30
+      done > "$OUT/$1.txt" 2>&1
+    fi
+    cut -c1-900 "$OUT/$1.txt"
     ;;
-  shapes|split)
+  shapes|split|half2)
     # shapes: the one-row kernels' launch shapes timed by the device's part alone
     #   (gmlx-deviceshapes: each chain behind a lead product) against the chain's own clock;
     #   the load logs each shape's time both ways
@@ -276,7 +289,9 @@ case ${1:-} in
     #   shapes say where a split shape won
     # each tuned under keys of its own, against the defaults, alternating at 1 and 8 streams
     with_env
+    # half2: the 4-bit products' sums in half pairs (gmlx-half2, its own tuning keys) against the defaults
     servers=gmlx-deviceshapes,gmlx,gmlx-deviceshapes,gmlx; [ "$1" = split ] && servers=gmlx-splitk,gmlx,gmlx-splitk,gmlx
+    [ "$1" = half2 ] && servers=${SERVERS:-gmlx-half2,gmlx,gmlx-half2,gmlx}
     "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30

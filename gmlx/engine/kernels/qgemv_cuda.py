@@ -65,6 +65,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from gmlx.engine.kernels import qgemv_half2
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_source import (
     BODY,
@@ -177,7 +178,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
-            residual: bool = False, eps: float | None = None, split: int = 1) -> Any:
+            residual: bool = False, eps: float | None = None, split: int = 1, half2: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -188,7 +189,8 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain,
     gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
     one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row,
-    unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`)."""
+    unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`);
+    ``half2``: a float16 layout's 4-bit one-row sums in half pairs (:mod:`qgemv_half2`)."""
     if split > 1 and (max_rows > 1 or tiles or warps % split):
         raise ValueError("K is split between whole groups of a block's warps at one unstaged row only")
     if residual and (gated or parts):
@@ -201,7 +203,8 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
             + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "")
             + (f" constexpr int SPLIT = {split};" if split > 1 else "")
-            + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "") + "\n"
+            + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
+            + qgemv_half2.constant(t, half2) + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
@@ -233,7 +236,7 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split = launch_shape(config)
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0,
-                   residual, eps, split)
+                   residual, eps, split, qgemv_half2.half2())
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,

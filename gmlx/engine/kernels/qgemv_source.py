@@ -11,6 +11,7 @@ CPU with CUDA's shuffles and bit instructions emulated."""
 from __future__ import annotations
 
 from gmlx.engine.kernels.cuda_source import SWIGLU, compact
+from gmlx.engine.kernels.qgemv_half2 import HMUL4, PAIRS, ROW
 
 # Every source's start: the layout's sizes, this lane's place; then (``_START``) this
 # warp's weight rows.
@@ -27,6 +28,7 @@ _LAYOUT = r"""
     const int groups = K / G;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    constexpr bool H2 = HALF2 && BITS == 4;  // 4-bit sums in half pairs (qgemv_half2)
 """
 _START = _LAYOUT + r"""
     const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
@@ -124,9 +126,9 @@ _DEPTH_LOADS = r"""        #pragma unroll
 # Each of the warp's rows' share of chunk ``di`` (its codes against x's floats ``xf``, then
 # the chunk's scale and bias), and the one-row sources' end: the lanes' sums met by
 # shuffles, lane r writing row r.
-_ROW_SUMS = r"""            #pragma unroll
+_ROW_SUMS = PAIRS + r"""            #pragma unroll
             for (int r = 0; r < RPW; ++r) {
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+""" + ROW + r"""                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 #pragma unroll
                 for (int j = 0; j < 32; ++j) {
 """ + _CODE + r"""                    d[j & 3] += xf[j] * f;
@@ -172,7 +174,7 @@ _SOURCE = _START + r"""
         for (int di = 0; di < DEPTH; ++di) {
             if (c0 + 32 * di >= chunks) break;
             uint32_t (&q)[RPW][BITS] = qd[di];
-""" + _X_FLOATS.replace("XRAW", "xd[di]") + _ROW_SUMS + r"""        }
+""" + _X_FLOATS.replace("XRAW", "xd[di]") + _ROW_SUMS.replace("XWORDS(v)", "xd[di][v]").replace("H2_SCALE", "256.0f") + r"""        }
     }
 """ + _REDUCE_STORE
 
@@ -300,7 +302,7 @@ _STAGED_SOURCE = _LAYOUT + r"""
                     for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
                 }
                 const float xs = xsum[c];
-""" + _ROW_SUMS + r"""            }
+""" + _ROW_SUMS.replace("XWORDS(v)", "xr[v]").replace("H2_SCALE", "256.0f") + r"""            }
         }
 """ + _REDUCE_STORE + r"""    }
 """
@@ -402,7 +404,9 @@ _NORMED_SCALE = r"""    #pragma unroll
 
 def _normed(source: str) -> str:
     """The one-row source ``source`` with the norm folded in (see ``_NORMED_X``)."""
-    steps = [("    float acc[RPW];\n", "    float acc[RPW];\n    float ss = 0.0f;\n"),
+    steps = [("    float acc[RPW];\n", "    float acc[RPW];\n    float ss = 0.0f;\n" + HMUL4),
+             ("const uint4 m = xd[di][v];", "const uint4 m = gmlx_hmul4(xd[di][v], nd[di][v]);"),
+             ("const float dot = 256.0f *", "const float dot = 4096.0f *"),
              ("        uint4 xd[DEPTH][4];\n", "        uint4 xd[DEPTH][4], nd[DEPTH][4];\n"),
              ("                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];\n",
               ("                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];\n"

@@ -103,6 +103,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
 
     import mlx.core as mx
 
+    from gmlx.engine.kernels import qgemv_half2
     from gmlx.engine.kernels.timing import chain_time, device_chain_time, fed
     from gmlx.engine.kernels.tuning import Tuning
 
@@ -114,6 +115,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
         timer, key = device_chain_time, f"{key}:device"
     if any(len(shape) > 5 and shape[5] > 1 for shape in shapes):  # K split (GMLX_SPLIT_K=1): kept apart
         key = f"{key}:split"
+    if qgemv_half2.half2():  # 4-bit sums in half pairs (GMLX_HALF2=1): kept apart
+        key = f"{key}:half2"
     tuning = Tuning()
     known = tuning.layer(key)
     if known and 1 in known:
