@@ -104,9 +104,11 @@ case ${1:-} in
     python3 $GPU/models.py --shape llama3-8b --quantize /tmp/llama/build/bin/llama-quantize \
       --only gguf-q4_k_m 2>&1 | tail -2
     rm -f /tmp/models/llama3-8b/*f16.gguf
-    "${BENCH[@]}" --servers llama --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
-      > "$OUT/bench-llama.txt" 2>&1
-    cat "$OUT/attention.txt" "$OUT/gemv.txt" 2>/dev/null; tail -8 "$OUT/bench.md"
+    if [ "${LLAMA:-1}" = 1 ]; then  # LLAMA=0: no llama-server run (a lease comparing gmlx's settings alone)
+      "${BENCH[@]}" --servers llama --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
+        > "$OUT/bench-llama.txt" 2>&1
+    fi
+    cat "$OUT/attention.txt" "$OUT/gemv.txt" 2>/dev/null; tail -8 "$OUT/bench.md" 2>/dev/null
     ;;
   gmlx)
     with_env
