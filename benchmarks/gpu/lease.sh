@@ -254,10 +254,13 @@ case ${1:-} in
     # night: the GPU busy 99% of the step; the 6-bit output layer alone at 3.5): each kind
     # of one-row product and the attention in the served step under ncu's sections (the
     # load's tuning read from /tmp/gmlx-home, so after `gmlx` or `h200`); the launches of
-    # one step are ~168, each kind's first few are enough
+    # one step are ~168, and a step's first five are one of each kind (the q-k-v, the attention,
+    # the o-projection, the gate-up-swiglu, the down): each takes ncu ~40 s of replays (20
+    # passes), and its report prints only when the run ends, so a run cut off at --limit
+    # prints none (12-07 00:30, H100: 24 launches ran past 400 s and gave nothing)
     with_env
     GMLX_HOME=/tmp/gmlx-home timeout 420 python3 $GPU/kernel_times.py /tmp/models/llama3-8b/q4_k_m.gguf --widths 1 \
-      --loops served --steps 1 --dtype float16 --no-plain --sections "${LAUNCHES:-24}" --limit 400 \
+      --loops served --steps 1 --dtype float16 --no-plain --sections "${LAUNCHES:-5}" --limit 420 \
       --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" > "$OUT/ncu-products.txt" 2>&1
     grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Executed Ipc|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|Waves Per SM|==PROF==|==ERROR==" \
       "$OUT/ncu-products.txt" | cut -c1-220 | head -150
