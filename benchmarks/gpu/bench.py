@@ -151,6 +151,11 @@ GMLX_VARIANTS = {
     # code: the 4-bit products' issue slots, not the card's bandwidth, bound them), and that with
     # the split shapes timed too
     "gmlx-half2": {"GMLX_HALF2": "1"},
+    # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
+    # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others:
+    # the half pairs' fewer instructions served no faster (12-07, H100), so the products wait
+    # on the bytes in flight
+    "gmlx-async": {"GMLX_ASYNC": "1"},
     "gmlx-half2-splitk": {"GMLX_HALF2": "1", "GMLX_SPLIT_K": "1"},
     # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
     "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},

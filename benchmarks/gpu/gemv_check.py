@@ -52,10 +52,10 @@ def per_product(fn, x, reps: int) -> float:
 
 def _shape(c: tuple[int, ...]) -> str:
     """A launch shape as the tables name it: warps x rows a warp, its depth, its row tiles
-    with x staged, the warps splitting K."""
-    warps, rpw, _, depth, tiles, split = qgemv_cuda.launch_shape(c)
+    with x staged, the warps splitting K, the rounds streamed."""
+    warps, rpw, _, depth, tiles, split, rounds = qgemv_cuda.launch_shape(c)
     return (f"{warps}x{rpw}" + (f" d{depth}" if depth > 1 else "") + (f" x{tiles}" if tiles else "")
-            + (f" s{split}" if split > 1 else ""))
+            + (f" s{split}" if split > 1 else "") + (f" a{rounds}" if rounds > 1 else ""))
 
 
 def row(k: int, n: int, bits: int, dtype, g: int, reps: int, rows: int = 1) -> str:

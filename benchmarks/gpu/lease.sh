@@ -26,6 +26,8 @@
 #   the split shapes' agreement and times:     bash benchmarks/gpu/lease.sh splitcheck (~120 s)
 #   the 4-bit products' sums in half pairs:    bash benchmarks/gpu/lease.sh half2     (~500 s)
 #   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh half2check (~150 s)
+#   the weights streamed through shared memory: bash benchmarks/gpu/lease.sh async   (~500 s)
+#   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh asynccheck (~150 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -265,13 +267,16 @@ case ${1:-} in
     grep -E "gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Executed Ipc|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|Waves Per SM|==PROF==|==ERROR==" \
       "$OUT/ncu-products.txt" | cut -c1-220 | head -150
     ;;
-  splitcheck|half2check)
+  splitcheck|half2check|asynccheck)
     # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1), or summed in
     # half pairs (GMLX_HALF2=1) beside the float sums (the same shapes in a process without it):
     # whether each agrees with MLX's product and its time, the plain products (the 8B's), the
     # gated MLP and the q-k-v
     with_env
-    if [ "$1" = splitcheck ]; then
+    if [ "$1" = asynccheck ]; then
+      { GMLX_ASYNC=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
+        GMLX_ASYNC=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/$1.txt" 2>&1
+    elif [ "$1" = splitcheck ]; then
       { GMLX_SPLIT_K=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
         GMLX_SPLIT_K=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/$1.txt" 2>&1
     else
@@ -284,7 +289,7 @@ case ${1:-} in
     fi
     cut -c1-900 "$OUT/$1.txt"
     ;;
-  shapes|split|half2)
+  shapes|split|half2|async)
     # shapes: the one-row kernels' launch shapes timed by the device's part alone
     #   (gmlx-deviceshapes: each chain behind a lead product) against the chain's own clock;
     #   the load logs each shape's time both ways
@@ -297,6 +302,10 @@ case ${1:-} in
     # half2: the 4-bit products' sums in half pairs (gmlx-half2, its own tuning keys) against the defaults
     servers=gmlx-deviceshapes,gmlx,gmlx-deviceshapes,gmlx; [ "$1" = split ] && servers=gmlx-splitk,gmlx,gmlx-splitk,gmlx
     [ "$1" = half2 ] && servers=${SERVERS:-gmlx-half2,gmlx,gmlx-half2,gmlx}
+    # async: the one-row products' weights streamed through shared memory (gmlx-async; the load
+    #   log's paths and launch shapes with a seventh number past 1, e.g. `1:gemv4x2x1x1x0x1x4`,
+    #   say where a streamed shape won)
+    [ "$1" = async ] && servers=${SERVERS:-gmlx-async,gmlx,gmlx-async,gmlx}
     "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30

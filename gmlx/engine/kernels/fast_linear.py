@@ -37,7 +37,15 @@ from typing import Any
 
 from mlx import nn
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qgemv_half2, qmmw_cuda, timing, traces
+from gmlx.engine.kernels import (
+    cuda_source,
+    qgemv_async,
+    qgemv_cuda,
+    qgemv_half2,
+    qmmw_cuda,
+    timing,
+    traces,
+)
 from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
@@ -231,11 +239,12 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
         alike.setdefault(_key(m), []).append(m)
     for m in layers:
         if (key := _key(m)) not in chosen:
-            # a tuning kept under the default choices is not one with the chain's, the staged or the split shapes' (or half pairs')
+            # a tuning kept under the default choices is not one with the chain's, staged, split or streamed shapes' (or half pairs')
             keys[key] = (layer_key(m.scales.dtype, *key) + ("" if _queued() else ":chain")
                          + (":staged" if qgemv_cuda.staged() else "")
                          + (":split" if qgemv_cuda.splitting() else "")
-                         + (":half2" if qgemv_half2.half2() else ""))
+                         + (":half2" if qgemv_half2.half2() else "")
+                         + (":async" if qgemv_async.streaming() else ""))
             known = tuning.layer(keys[key])
             if known is None:
                 started = time.perf_counter()

@@ -65,9 +65,11 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_half2
+from gmlx.engine.kernels import qgemv_async, qgemv_half2
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_source import (
+    ASYNC_BODY,
+    ASYNC_NORMED_BODY,
     BODY,
     GATED,
     NORMED_BODY,
@@ -102,8 +104,8 @@ def stages(k: int) -> bool:
 
 def unstaged(config: tuple[int, ...]) -> tuple[int, ...]:
     """``config`` without x staged (the same warps, rows a warp and depth)."""
-    warps, rpw, max_rows, depth, _, split = launch_shape(config)
-    return (warps, rpw, max_rows, depth) + ((0, split) if split > 1 else ())
+    warps, rpw, max_rows, depth, _, split, rounds = launch_shape(config)
+    return (warps, rpw, max_rows, depth) + ((0, split, rounds) if rounds > 1 else (0, split) if split > 1 else ())
 
 
 def supports(rows: int, k: int, group_size: int, bits: int, mode: str = "affine") -> bool:
@@ -159,7 +161,7 @@ def configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     in its shared memory (:data:`STAGED`; given ``k``, the row's width, where it fits)."""
     if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last three, depth 2
         return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2),
-                *(STAGED if k and stages(k) else []), *splits(k)]
+                *(STAGED if k and stages(k) else []), *splits(k), *qgemv_async.shapes(k)]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
@@ -172,13 +174,14 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
         return [(4, 2, rows)]
     return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2),
             *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else []),
-            *(c for c in splits(k) if c[1] % 2 == 0)]
+            *(c for c in [*splits(k), *qgemv_async.shapes(k)] if c[1] % 2 == 0)]
 
 
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
-            residual: bool = False, eps: float | None = None, split: int = 1, half2: bool = False) -> Any:
+            residual: bool = False, eps: float | None = None, split: int = 1, half2: bool = False,
+            rounds: int = 1) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -190,9 +193,16 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
     one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row,
     unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`);
-    ``half2``: a float16 layout's 4-bit one-row sums in half pairs (:mod:`qgemv_half2`)."""
+    ``half2``: a float16 layout's 4-bit one-row sums in half pairs (:mod:`qgemv_half2`);
+    ``rounds``: at one unstaged row, K whole, that many rounds of each warp's chunks in
+    flight through shared memory (:mod:`qgemv_async`)."""
     if split > 1 and (max_rows > 1 or tiles or warps % split):
         raise ValueError("K is split between whole groups of a block's warps at one unstaged row only")
+    if rounds > 1 and (max_rows > 1 or tiles or split > 1 or depth > 1):
+        raise ValueError("the streamed source takes one unstaged row, K whole, a chunk a lane at a time")
+    if rounds > 1 and (not qgemv_async.fits(k, group_size) or qgemv_async.shared_bytes(
+            warps, rpw, rounds, bits, group_size) > qgemv_async.SHARED_BYTES):
+        raise ValueError(f"a row of {k} values in groups of {group_size} at {bits} bits is not streamed at this shape")
     if residual and (gated or parts):
         raise ValueError("a residual is added to a plain product's output only")
     if eps is not None and (residual or max_rows > 1 or tiles):
@@ -203,6 +213,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
             + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "")
             + (f" constexpr int SPLIT = {split};" if split > 1 else "")
+            + (f" constexpr int STAGES = {rounds};" if rounds > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
             + qgemv_half2.constant(t, half2) + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
@@ -212,31 +223,32 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
     body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
-            else (SPLIT_NORMED_BODY if split > 1 else NORMED_BODY) if eps is not None
-            else SPLIT_BODY if split > 1 else BODY)
+            else (ASYNC_NORMED_BODY if rounds > 1 else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
+            if eps is not None else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
-                 + (f"_s{split}" if split > 1 else ""),
+                 + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else ""),
                  head, body, inputs, outputs=outputs)
 
 
-def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
-    """A launch shape of :func:`configs`, :func:`gated_configs` or :data:`SPLIT` in full:
-    (warps per block, weight rows per warp (per group of warps where K is split), rows of
-    x at most, chunks a lane in flight, row tiles a block with x staged (0: not staged),
-    warps that split each row's K (1: none))."""
+def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int, int, int]:
+    """A launch shape of :func:`configs`, :func:`gated_configs`, :data:`SPLIT` or
+    :data:`qgemv_async.ASYNC` in full: (warps per block, weight rows per warp (per group
+    of warps where K is split), rows of x at most, chunks a lane in flight, row tiles a
+    block with x staged (0: not staged), warps that split each row's K (1: none), rounds
+    of chunks a warp has in flight through shared memory (1: none))."""
     warps, rpw, *most = config
     return (warps, rpw, most[0] if most else 1, most[1] if len(most) > 1 else 1,
-            most[2] if len(most) > 2 else 0, most[3] if len(most) > 3 else 1)
+            most[2] if len(most) > 2 else 0, most[3] if len(most) > 3 else 1, most[4] if len(most) > 4 else 1)
 
 
 def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
               parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> Any:
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
-    warps, rpw, max_rows, depth, tiles, split = launch_shape(config)
-    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles, k if tiles else 0,
-                   residual, eps, split, qgemv_half2.half2())
+    warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
+    return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
+                   k if tiles or rounds > 1 else 0, residual, eps, split, qgemv_half2.half2(), rounds)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
@@ -261,7 +273,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
         if staged():
             raise ValueError(f"a row of {k} values does not fit the staged source's shared memory")
         config = unstaged(config)
-    warps, rpw, _, _, tiles, split = launch_shape(config)
+    warps, rpw, _, _, tiles, split, _ = launch_shape(config)
     outs = rpw // 2 if up is not None else rpw
     grid = (-(-n // (warps // split * outs * max(tiles, 1))) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)

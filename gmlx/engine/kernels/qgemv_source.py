@@ -10,6 +10,7 @@ CPU with CUDA's shuffles and bit instructions emulated."""
 
 from __future__ import annotations
 
+from gmlx.engine.kernels import qgemv_async
 from gmlx.engine.kernels.cuda_source import SWIGLU, compact
 from gmlx.engine.kernels.qgemv_half2 import HMUL4, PAIRS, ROW
 
@@ -422,7 +423,14 @@ def _normed(source: str) -> str:
     return source
 
 
+# The one-row source with each warp's weights streamed through shared memory
+# (:mod:`qgemv_async`), with the norm folded in or not.
+_ASYNC_SOURCE = qgemv_async.source(_START, _X_FLOATS.replace("XRAW", "xd[di]"),
+                                   _ROW_SUMS.replace("XWORDS(v)", "xd[di][v]").replace("H2_SCALE", "256.0f"),
+                                   _REDUCE_STORE)
 NORMED_BODY = compact(_normed(_SOURCE))
+ASYNC_BODY = compact(_ASYNC_SOURCE)
+ASYNC_NORMED_BODY = compact(_normed(_ASYNC_SOURCE))
 SPLIT_BODY = compact(_split(_SOURCE))
 SPLIT_NORMED_BODY = compact(_split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)

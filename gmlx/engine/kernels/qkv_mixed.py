@@ -94,9 +94,9 @@ def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: t
     layers' products of ``rms_norm(h, *norm)`` in one launch, the queries and keys of one
     layout, the values of another (their input width the same); ``config`` a one-row
     launch shape (:func:`qgemv_cuda.configs`), unstaged."""
-    warps, rpw, _, depth, tiles, split = launch_shape(config)
-    if tiles or split > 1:
-        raise ValueError("the mixed q-k-v product takes unstaged launch shapes, K whole, only")
+    warps, rpw, _, depth, tiles, split, rounds = launch_shape(config)
+    if tiles or split > 1 or rounds > 1:
+        raise ValueError("the mixed q-k-v product takes unstaged, unstreamed launch shapes, K whole, only")
     layout = (queries.bits, queries.group_size)
     if (keys.bits, keys.group_size) != layout:
         raise ValueError("the queries and keys must share a layout")

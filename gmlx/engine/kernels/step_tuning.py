@@ -115,6 +115,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
         timer, key = device_chain_time, f"{key}:device"
     if any(len(shape) > 5 and shape[5] > 1 for shape in shapes):  # K split (GMLX_SPLIT_K=1): kept apart
         key = f"{key}:split"
+    if any(len(shape) > 6 and shape[6] > 1 for shape in shapes):  # streamed (GMLX_ASYNC=1): kept apart
+        key = f"{key}:async"
     if qgemv_half2.half2():  # 4-bit sums in half pairs (GMLX_HALF2=1): kept apart
         key = f"{key}:half2"
     tuning = Tuning()

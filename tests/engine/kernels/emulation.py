@@ -53,6 +53,12 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     return r;
 }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+// an asynchronous copy to shared memory, on the host a plain one: ``valid`` bytes of ``size``
+// read, the rest zero-filled
+inline void gmlx_host_copy(void* dst, const void* src, int size, int valid) {
+    std::memcpy(dst, src, valid);
+    std::memset(static_cast<char*>(dst) + valid, 0, size - valid);
+}
 // a pair multiply-add rounded once (the toolkit's headers have none on the host): a half
 // product is exact in a double, and the double's sum rounds to half as the device's does
 // wherever the sum is not a tie between two halves at the double's own rounding

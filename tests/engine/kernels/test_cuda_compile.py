@@ -22,6 +22,7 @@ from gmlx.engine.kernels import (
     add_norm_cuda,
     attention_cuda,
     cached_attention_cuda,
+    qgemv_async,
     qgemv_cuda,
     qgemv_half2,
     qkv_mixed,
@@ -108,6 +109,13 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
                 qgemv_cuda.kernel_of(dtype, bits, 64, (4, 4), k=4096, eps=1e-6)  # a plain one (the values)
                 kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                for config in qgemv_async.ASYNC:  # streamed through shared memory: plain, residual, gated, parts
+                    qgemv_cuda.kernel_of(dtype, bits, 32, config, k=14336, residual=config[0] == 4)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, *[dtype] * (config[0] == 4)]))
+                qgemv_cuda.kernel_of(dtype, bits, 32, qgemv_async.ASYNC[0], gated=True, k=4096, eps=1e-5)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
+                qgemv_cuda.kernel_of(dtype, bits, 64, qgemv_async.ASYNC[1], parts=(4096, 1024, 1024), k=4096, eps=1e-5)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
             if dtype == mx.float16:  # 4-bit sums in half pairs: plain, deeper, staged, split, residual, normed
                 monkeypatch.setenv(qgemv_half2.ENV, "1")
                 for config in ((4, 4), (4, 4, 1, 2), qgemv_cuda.STAGED[0], qgemv_cuda.SPLIT[0]):

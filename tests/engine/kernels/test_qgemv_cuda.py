@@ -92,8 +92,8 @@ def test_split_shapes_only_where_asked_and_where_each_warp_has_chunks(monkeypatc
     assert qgemv_cuda.splits(14336) == qgemv_cuda.SPLIT
     assert qgemv_cuda.splits(4096) == [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4)]  # 128 chunks: not eight ways
     assert qgemv_cuda.splits(1024) == []
-    assert qgemv_cuda.launch_shape((8, 2, 1, 1, 0, 4)) == (8, 2, 1, 1, 0, 4)
-    assert qgemv_cuda.launch_shape((4, 2)) == (4, 2, 1, 1, 0, 1)
+    assert qgemv_cuda.launch_shape((8, 2, 1, 1, 0, 4)) == (8, 2, 1, 1, 0, 4, 1)
+    assert qgemv_cuda.launch_shape((4, 2)) == (4, 2, 1, 1, 0, 1, 1)
     grids: list[tuple] = []
     monkeypatch.setattr(qgemv_cuda, "kernel_of", lambda *a, **kw: lambda **call: grids.append(call["grid"]) or [None])
     w = mx.zeros((4096, 14336 // 8), mx.uint32)
@@ -178,7 +178,9 @@ _GATED_MAIN = _MAIN.replace("    std::vector<E> out(", """    auto w2 = load<uin
     (4, 32, 3, (4, 1, 4)), (6, 32, 8, (4, 2, 8)), (8, 64, 2, (8, 1, 2)), (4, 128, 5, (4, 2, 8)),
     (4, 32, 1, (2, 2, 1, 1, 2)), (6, 64, 1, (2, 1, 1, 2, 3)), (8, 32, 1, (4, 2, 1, 2, 1)), (4, 128, 1, (2, 4, 1, 1, 1)),
     (4, 32, 1, (4, 2, 1, 1, 0, 4)), (6, 32, 1, (8, 2, 1, 2, 0, 2)), (8, 64, 1, (4, 4, 1, 1, 0, 2)),
-    (4, 128, 1, (8, 1, 1, 1, 0, 8))])
+    (4, 128, 1, (8, 1, 1, 1, 0, 8)),
+    (4, 32, 1, (4, 2, 1, 1, 0, 1, 4)), (6, 64, 1, (4, 4, 1, 1, 0, 1, 2)), (8, 32, 1, (8, 2, 1, 1, 0, 1, 2)),
+    (4, 128, 1, (2, 4, 1, 1, 0, 1, 4))])
 def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int, rows: int, config) -> None:
     """The one-row, the few-rows, the staged and the split sources, each warp run as 32
     host threads with CUDA's shuffles and bit instructions emulated: 1,088 columns (lanes
@@ -189,9 +191,7 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
     writing), fewer rows of x than the kernel takes (5 of 8), against MLX's own product
     on the CPU, as closely as MLX's is to float32."""
     dtype = mx.bfloat16
-    k, n = 1088 if group != 128 else 1152, 12
-    if _split(config) > 1:  # 68 chunks: two or three warps of a group with chunks to sum, the rest none
-        k = 2176
+    k, n = _width(config, group, 1088 if group != 128 else 1152), 12
     mx.random.seed(bits * rows + group)
     wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 3).astype(dtype)
@@ -214,14 +214,15 @@ def test_the_kernel_source_itself_is_mlx_product(tmp_path, bits: int, group: int
 @pytest.mark.parametrize(("bits", "rows", "config", "dtype"), [(4, 1, (4, 2, 1, 2), mx.bfloat16),
                                                                (6, 1, (4, 4), mx.float16),
                                                                (4, 3, (4, 1, 4), mx.bfloat16),
-                                                               (6, 1, (4, 2, 1, 1, 0, 4), mx.float16)])
+                                                               (6, 1, (4, 2, 1, 1, 0, 4), mx.float16),
+                                                               (4, 1, (4, 2, 1, 1, 0, 1, 3), mx.float16)])
 def test_the_residual_is_added_as_mlx_adds_it(tmp_path, bits: int, rows: int, config, dtype) -> None:
     """A plain product with a residual added as it is written (``bound(...,
     residual=True)``: the attention's output projection and the MLP's down projection
     adding the block's input): bit for bit the kernel's own product (the same source
     without it) plus the residual as MLX adds two arrays of the float type, and close to
     MLX's product plus that residual."""
-    k, n, group = 1088, 12, 32
+    k, n, group = _width(config, 32), 12, 32
     mx.random.seed(bits + rows)
     wq, s, b = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 3).astype(dtype)
@@ -261,6 +262,16 @@ def _split(config: tuple[int, ...]) -> int:
     return qgemv_cuda.launch_shape(config)[5]
 
 
+def _width(config: tuple[int, ...], group: int, plain: int = 1088) -> int:
+    """The row width a source is run at: ``plain`` (1,088: lanes with one chunk and with
+    two); K split, 2,176 (68 chunks: two or three warps of a group with chunks to sum, the
+    rest none); streamed, a second round part full where the groups allow it (1,280: 40
+    chunks; groups of 64, 1,536; of 128, two whole rounds), each row's scales on 16 bytes."""
+    if qgemv_cuda.launch_shape(config)[6] > 1:
+        return {32: 1280, 64: 1536}.get(group, 2048)
+    return 2176 if _split(config) > 1 else plain
+
+
 def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
           parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> dict:
     """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape
@@ -280,7 +291,7 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
 @pytest.mark.parametrize(("bits", "group", "rows", "config"), [
     (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 1, (4, 4, 1, 2)), (4, 32, 3, (4, 2, 4)),
     (6, 64, 8, (4, 4, 8)), (4, 32, 1, (2, 4, 1, 1, 2)), (6, 64, 1, (2, 2, 1, 2, 1)),
-    (4, 32, 1, (4, 4, 1, 1, 0, 4)), (6, 64, 1, (8, 2, 1, 1, 0, 2))])
+    (4, 32, 1, (4, 4, 1, 1, 0, 4)), (6, 64, 1, (8, 2, 1, 1, 0, 2)), (4, 32, 1, (4, 2, 1, 1, 0, 1, 4))])
 def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config) -> None:
     """The gated product (an MLP's gate and up projections and its swiglu in one
     kernel), each source run on the CPU as above: 11 output rows (a warp's second row and
@@ -289,7 +300,7 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     from mlx_lm.models.activations import swiglu
 
     dtype = mx.bfloat16
-    k, n = 1088, 11
+    k, n = _width(config, group), 11
     mx.random.seed(bits * rows + group + 1)
     gate = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     up = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
@@ -325,14 +336,14 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
 @pytest.mark.parametrize(("bits", "sizes", "rows", "config"), [
     (4, (10, 3, 3), 1, (4, 2)), (4, (12, 4), 1, (4, 4)), (6, (10, 3, 3), 1, (8, 1)),
     (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8)), (4, (10, 3, 3), 1, (2, 2, 1, 1, 2)),
-    (4, (10, 3, 3), 1, (8, 2, 1, 1, 0, 4))])
+    (4, (10, 3, 3), 1, (8, 2, 1, 1, 0, 4)), (4, (10, 3, 3), 1, (4, 2, 1, 1, 0, 1, 2))])
 def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tuple[int, ...], rows: int,
                                                  config) -> None:
     """Two or three layers of one layout read as one product (an attention's queries, keys
     and values), each written to its own output: a warp's rows across a layer's end (10
     then 3 rows), a block's last warp past the end, one row and a few, against MLX's own
     product of each layer."""
-    dtype, k, group = mx.bfloat16, 1088, 32
+    dtype, k, group = mx.bfloat16, _width(config, 32), 32
     mx.random.seed(bits * rows + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     x = (mx.random.normal((rows, k)) * 2).astype(dtype)
@@ -385,7 +396,8 @@ int main(int argc, char** argv) {
 @pytest.mark.parametrize(("bits", "group", "config", "gated", "dtype"), [
     (4, 32, (4, 2), False, mx.bfloat16), (6, 64, (8, 1, 1, 2), False, mx.float16),
     (4, 32, (4, 4, 1), True, mx.float16), (4, 64, (4, 4, 1, 2), True, mx.bfloat16), (6, 32, (4, 2, 1), True, mx.float16),
-    (4, 32, (4, 2, 1, 1, 0, 4), False, mx.bfloat16), (4, 64, (8, 4, 1, 1, 0, 2), True, mx.float16)])
+    (4, 32, (4, 2, 1, 1, 0, 4), False, mx.bfloat16), (4, 64, (8, 4, 1, 1, 0, 2), True, mx.float16),
+    (4, 32, (4, 4, 1, 1, 0, 1, 2), True, mx.float16), (6, 64, (4, 2, 1, 1, 0, 1, 4), False, mx.bfloat16)])
 def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_path, bits: int, group: int, config,
                                                                          gated: bool, dtype) -> None:
     """The one-row source with an RMSNorm folded in (``bound(..., norm=(weight, eps))``:
@@ -396,7 +408,7 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
     un-normed row."""
     from mlx_lm.models.activations import swiglu
 
-    k, n, eps = 1088 if _split(config) == 1 else 2176, 11, 1e-5  # split: three warps of a group with chunks
+    k, n, eps = _width(config, group), 11, 1e-5
     name = str(dtype).removeprefix("mlx.core.")
     mx.random.seed(bits + group + gated)
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
@@ -440,13 +452,14 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "sizes", "config"), [(4, (10, 3, 3), (4, 2)), (4, (12, 4), (4, 4, 1, 2)),
-                                                      (4, (10, 3, 3), (8, 2, 1, 1, 0, 4))])
+                                                      (4, (10, 3, 3), (8, 2, 1, 1, 0, 4)),
+                                                      (4, (10, 3, 3), (2, 4, 1, 1, 0, 1, 4))])
 def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp_path, bits: int,
                                                                             sizes: tuple[int, ...], config) -> None:
     """The parts source (an attention's queries, keys and values) with the norm before it
     folded in: each layer's output as close to a float32 norm and product as MLX's norm
     then product are."""
-    dtype, k, group, eps = mx.float16, 1088 if _split(config) == 1 else 2176, 32, 1e-5
+    dtype, k, group, eps = mx.float16, _width(config, 32), 32, 1e-5
     mx.random.seed(bits + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
