@@ -144,8 +144,20 @@ def source(start: str, x_floats: str, row_sums: str, reduce_store: str) -> str:
             float sd[DEPTH][RPW], bd[DEPTH][RPW];
             #pragma unroll
             for (int r = 0; r < RPW; ++r) {
-                #pragma unroll
-                for (int j = 0; j < BITS; ++j) qd[di][r][j] = wst[slot][warp][r][lane * BITS + j];
+                const uint32_t* w_ = &wst[slot][warp][r][lane * BITS];  // wide reads: no bank conflicts
+                if (BITS == 6) {
+                    #pragma unroll
+                    for (int v = 0; v < 3; ++v) {
+                        const uint2 u = reinterpret_cast<const uint2*>(w_)[v];
+                        qd[di][r][2 * v] = u.x; qd[di][r][2 * v + 1] = u.y;
+                    }
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < BITS / 4; ++v) {
+                        const uint4 u = reinterpret_cast<const uint4*>(w_)[v];
+                        qd[di][r][4 * v] = u.x; qd[di][r][4 * v + 1] = u.y; qd[di][r][4 * v + 2] = u.z; qd[di][r][4 * v + 3] = u.w;
+                    }
+                }
                 sd[di][r] = static_cast<float>(sst[slot][warp][r][lane * 32 / G]);
                 bd[di][r] = static_cast<float>(bst[slot][warp][r][lane * 32 / G]);
             }
