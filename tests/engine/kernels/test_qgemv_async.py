@@ -46,3 +46,16 @@ def test_layouts_and_shapes_the_streamed_source_refuses() -> None:
     for kind in ({"max_rows": 2}, {"tiles": 1}, {"split": 2}, {"depth": 2}):
         with pytest.raises(ValueError, match="streamed source"):
             qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=4096, rounds=4, **kind)
+
+
+def test_a_refused_layout_is_no_path_to_the_products_tuner() -> None:
+    """The product tuner times every shape of ``configs`` on every layout; one the
+    streamed source refuses (34 groups a row) is a path that does not run, not an error
+    that stops the load."""
+    from gmlx.engine.kernels import timing
+
+    def streamed() -> None:
+        qgemv_cuda.kernel_of(mx.float16, 4, 32, qgemv_async.ASYNC[0], k=1088)
+
+    want = mx.zeros((1, 8), mx.float16)
+    assert timing.runs_and_agrees(streamed, want, want) is False
