@@ -133,7 +133,7 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         the layer has no bias, ``GMLX_RESIDUAL_KERNEL`` not ``0``, the load's check
         passed: :func:`_check_residuals`), one launch that adds
         ``residual`` as it writes each output, with the bits MLX's add of the product
-        would give (:data:`qgemv_source.RESIDUAL`); else the product and MLX's add. A
+        would give (:data:`qgemv_heads.RESIDUAL`); else the product and MLX's add. A
         block's attention output and MLP down projections add its input this way: an
         operation and a kernel fewer each, 64 of an 8B's step at one stream."""
         chosen = self._chosen(x)

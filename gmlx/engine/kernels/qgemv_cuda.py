@@ -67,19 +67,16 @@ from typing import Any
 
 from gmlx.engine.kernels import qgemv_async, qgemv_half2
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
+from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
     ASYNC_BODY,
     ASYNC_NORMED_BODY,
     BODY,
-    GATED,
     NORMED_BODY,
-    PLAIN,
-    RESIDUAL,
     ROWS_BODY,
     SPLIT_BODY,
     SPLIT_NORMED_BODY,
     STAGED_BODY,
-    parts_head,
 )
 
 BITS = (4, 6, 8)
@@ -189,7 +186,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``depth``: at one row, the chunks a lane loads before using any; ``tiles``: at one
     row, x staged in shared memory (``k`` values) and that many row tiles a block;
     ``residual``: a plain product with one more input, ``res``, added to each output as
-    it is written (:data:`qgemv_source.RESIDUAL`); ``eps``: at one row, unstaged, a plain,
+    it is written (:data:`qgemv_heads.RESIDUAL`); ``eps``: at one row, unstaged, a plain,
     gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
     one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row,
     unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`);

@@ -2,17 +2,19 @@
 what they do, why, and what they measured): every source's common start (the layout's
 sizes, a lane's place, its warp's weight rows), the one-row source (``DEPTH`` chunks a
 lane in flight), the few-rows source (``MAXR`` rows of x), the one-row source with x
-staged in shared memory (``TILES``), and the heads that say what a product's rows are
-and where each is written: a plain product, a gated one (swiglu of gate and up) or two
-or three layers read as one (:func:`parts_head`). Each body is compiled with the
-constants :func:`qgemv_cuda._kernel` puts before it. The tests run these sources on the
+staged in shared memory (``TILES``), and those with the norm before the product folded
+in, with K split between warps (:mod:`qgemv_split`) or with the weights streamed through
+shared memory (:mod:`qgemv_async`). Each body is compiled after a head that says what a
+product's rows are and where each is written (:mod:`qgemv_heads`) and the constants
+:func:`qgemv_cuda._kernel` puts before it. The tests run these sources on the
 CPU with CUDA's shuffles and bit instructions emulated."""
 
 from __future__ import annotations
 
 from gmlx.engine.kernels import qgemv_async
-from gmlx.engine.kernels.cuda_source import SWIGLU, compact
+from gmlx.engine.kernels.cuda_source import compact
 from gmlx.engine.kernels.qgemv_half2 import HMUL4, PAIRS, ROW
+from gmlx.engine.kernels.qgemv_split import split
 
 # Every source's start: the layout's sizes, this lane's place; then (``_START``) this
 # warp's weight rows.
@@ -311,61 +313,6 @@ _STAGED_SOURCE = _LAYOUT + r"""
 BODY = compact(_SOURCE)
 
 
-# The one-row source with each row's K split between ``SPLIT`` warps of the block
-# (``SPLIT_BODY``): a block's WARPS / SPLIT groups of warps each take RPW weight rows, and
-# warp ``sub`` of a group takes every SPLIT-th run of DEPTH chunks a lane; the warps' sums
-# meet in shared memory and the group's first warp writes them. Why: a product of 4,096
-# outputs at one row is 256-1,024 warps, 2-8 a streaming multiprocessor of an H200, each
-# lane walking its chunks one after another (14 at K = 14,336): on the H200 (12-06 night)
-# the 14,336-wide down products read at 1.4-1.8 TB/s and the o-projection at 1.5, where
-# the 128,256-row output layer (8,000 blocks) read at 3.5. Split four ways, such a product
-# is four times the warps, each lane a quarter of the chunks (one at K = 4,096). No warp
-# leaves early (its rows past the end are read, never written): the block meets at one
-# barrier.
-_SPLIT_SUMS = r"""    {
-        __shared__ float split_sums[WARPS][RPW + 1];
-        if (lane == 0) {
-            #pragma unroll
-            for (int r = 0; r < RPW; ++r) split_sums[warp][r] = red[r];
-            split_sums[warp][RPW] = SQUARES;
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int r = 0; r <= RPW; ++r) {
-            float v = 0.0f;
-            #pragma unroll
-            for (int s = 0; s < SPLIT; ++s) v += split_sums[warp - sub + s][r];
-            if (r < RPW) red[r] = v; else SQUARES_TOTAL;
-        }
-    }
-"""
-
-
-def _split(source: str) -> str:
-    """The one-row source ``source`` with K split between warps (see ``_SPLIT_SUMS``); a
-    source with the norm folded in (``_normed``) meets its squares' sums too, each warp's
-    after its shuffles, before the scale is taken."""
-    scale = "    const float scale = rsqrtf(ss / (float)K + EPS);\n"
-    if scale in source:
-        sums = _SPLIT_SUMS.replace("SQUARES_TOTAL", "ss = v").replace("SQUARES", "ss")
-        meet = (scale, sums + scale)
-    else:
-        sums = _SPLIT_SUMS.replace("SQUARES_TOTAL", "(void)v").replace("SQUARES", "0.0f")
-        meet = ("        red[r] = v;\n    }\n", "        red[r] = v;\n    }\n" + sums)
-    steps = [("    const int n0 = (blockIdx.x * WARPS + warp) * OUTS;\n    if (n0 >= N) return;\n",
-              ("    const int n0 = (blockIdx.x * (WARPS / SPLIT) + warp / SPLIT) * OUTS;\n"
-               "    const int sub = warp % SPLIT;\n")),
-             ("    for (int c0 = lane; c0 < chunks; c0 += 32 * DEPTH) {\n",
-              "    for (int c0 = lane + 32 * DEPTH * sub; c0 < chunks; c0 += 32 * DEPTH * SPLIT) {\n"),
-             meet,
-             ("if (lane == r && n0 + r < N)", "if (lane == r && sub == 0 && n0 + r < N)")]
-    for old, new in steps:
-        if source.count(old) != 1:
-            raise AssertionError(f"the one-row source changed: {old.strip()!r} is not there once")
-        source = source.replace(old, new)
-    return source
-
-
 # The one-row source with the RMSNorm before the product folded in (``NORMED_BODY``): the
 # input is the block's hidden state ``h`` and the norm's weight ``nw`` (K values); each lane
 # loads ``nw``'s 32 values of a chunk beside ``h``'s, keeps the sum of ``h``'s squares and
@@ -431,63 +378,7 @@ _ASYNC_SOURCE = qgemv_async.source(_START, _X_FLOATS.replace("XRAW", "xd[di]"),
 NORMED_BODY = compact(_normed(_SOURCE))
 ASYNC_BODY = compact(_ASYNC_SOURCE)
 ASYNC_NORMED_BODY = compact(_normed(_ASYNC_SOURCE))
-SPLIT_BODY = compact(_split(_SOURCE))
-SPLIT_NORMED_BODY = compact(_split(_normed(_SOURCE)))
+SPLIT_BODY = compact(split(_SOURCE))
+SPLIT_NORMED_BODY = compact(split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)
 STAGED_BODY = compact(_STAGED_SOURCE)
-
-
-# What a product's rows are and what it writes: a plain product's warp takes RPW weight
-# rows and writes each; a gated one's (``glu``) takes RPW / 2 rows of the gate's weights
-# and the same rows of the up projection's (``w2``...), and writes silu(gate) * up for
-# each, rounded as MLX's products and its swiglu round them (each product to T, then
-# sigmoid, the product with it and the one with up, each to T).
-PLAIN = """constexpr int OUTS = RPW;
-#define ROWS_TOTAL w_shape[0]
-#define ROW_W(r, n) (w + (size_t)(n) * words)
-#define ROW_S(r, n) (scales + (size_t)(n) * groups)
-#define ROW_B(r, n) (biases + (size_t)(n) * groups)
-#define OUTPUT(v, u) static_cast<T>(v)
-#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
-"""
-# A plain product with a residual added as it is written (``res``, the output's shape): the
-# product rounded to T as MLX's product rounds it, then the sum rounded to T as MLX's add
-# of two T rounds it (a float sum of two half floats rounded once: the same bits), so
-# ``x + layer(y)`` is one launch with the same bits as the two operations.
-RESIDUAL = PLAIN.replace("#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)",
-                         "#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = static_cast<T>("
-                         "static_cast<float>(v) + static_cast<float>(res[(size_t)(m) * N + (n)]))")
-GATED = """constexpr int OUTS = RPW / 2;
-#define ROWS_TOTAL w_shape[0]
-#define ROW_W(r, n) (((r) < OUTS ? w : w2) + (size_t)(n) * words)
-#define ROW_S(r, n) (((r) < OUTS ? scales : scales2) + (size_t)(n) * groups)
-#define ROW_B(r, n) (((r) < OUTS ? biases : biases2) + (size_t)(n) * groups)
-""" + SWIGLU + """#define OUTPUT(g, u) gmlx_swiglu(g, u)
-#define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
-"""
-
-
-def parts_head(sizes: tuple[int, ...]) -> str:
-    """A product over two or three layers of one layout and input (an attention's
-    queries, keys and values), their weight rows one after another (``sizes`` rows each)
-    and each written to its own output: ``w, scales, biases`` then ``w2...`` and ``w3...``;
-    ``out``, ``out2``, ``out3``."""
-    suffix = ["", "2", "3"][:len(sizes)]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-
-    def pick(prefix: str, per: str) -> str:  # the part row n lies in, and n's row in it
-        expr = f"({prefix}{suffix[-1]} + (size_t)((n) - {starts[-1]}) * {per})"
-        for i in range(len(sizes) - 2, -1, -1):
-            expr = f"((n) < {starts[i + 1]} ? {prefix}{suffix[i]} + (size_t)((n) - {starts[i]}) * {per} : {expr})"
-        return expr
-
-    store = "out" + suffix[-1] + f"[(size_t)(m) * {sizes[-1]} + (n) - {starts[-1]}] = (v);"
-    for i in range(len(sizes) - 2, -1, -1):
-        store = (f"if ((n) < {starts[i + 1]}) out{suffix[i]}[(size_t)(m) * {sizes[i]} + (n) - {starts[i]}] = (v); "
-                 f"else {{ {store} }}")
-    return (f"constexpr int OUTS = RPW;\n#define ROWS_TOTAL {sum(sizes)}\n"
-            f"#define ROW_W(r, n) {pick('w', 'words')}\n"
-            f"#define ROW_S(r, n) {pick('scales', 'groups')}\n"
-            f"#define ROW_B(r, n) {pick('biases', 'groups')}\n"
-            "#define OUTPUT(v, u) static_cast<T>(v)\n"
-            f"#define STORE(m, n, v) {{ {store} }}\n")

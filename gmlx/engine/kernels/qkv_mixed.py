@@ -4,7 +4,7 @@ before them folded in, where the values are quantized apart from the queries and
 A Q4_K_M GGUF keeps half an 8B's attention values in 6 bits (Q6_K) beside 4-bit queries
 and keys. :func:`qkv_cuda.fold_norms` gave such a layer two launches at one stream: the
 queries and keys through one normed product (:data:`qgemv_source.NORMED_BODY` with
-:func:`qgemv_source.parts_head`), the values through a normed product of their own. One
+:func:`qgemv_heads.parts_head`), the values through a normed product of their own. One
 launch a layer fewer matters where a served step's host hands each kernel to the GPU
 (H100, 12-06 evening: the one-stream step waited on its host again once the GPU's share
 shrank, ~8-10 us of host time a kernel). Here one kernel's blocks split in two: the
@@ -29,7 +29,8 @@ from typing import Any
 from gmlx.engine.kernels import qgemv_half2
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_cuda import launch_shape
-from gmlx.engine.kernels.qgemv_source import NORMED_BODY, parts_head
+from gmlx.engine.kernels.qgemv_heads import parts_head
+from gmlx.engine.kernels.qgemv_source import NORMED_BODY
 
 ENV = "GMLX_QKV_MIXED"
 _MACROS = ("ROWS_TOTAL", "ROW_W", "ROW_S", "ROW_B", "OUTPUT", "STORE", "CHUNK")
