@@ -153,6 +153,11 @@ _REDUCE_STORE = r"""    float red[RPW];
     }
 """
 
+# The one-row sources' share of chunk ``di`` (its x as ``xd[di]``): x's floats, then each
+# row's sums; the norm transform (``_normed``) finds and replaces ``_CHUNK_X`` in each.
+_CHUNK_X = _X_FLOATS.replace("XRAW", "xd[di]")
+_CHUNK_SUMS = _ROW_SUMS.replace("XWORDS(v)", "xd[di][v]").replace("H2_SCALE", "256.0f")
+
 # One row of x. Each lane takes DEPTH of its chunks at a time (``di``: ``u`` names a word
 # of codes in the row loads), every load of all DEPTH issued before any use (codes,
 # scales and biases of each row, and x's raw values), so a warp keeps DEPTH times the
@@ -177,7 +182,7 @@ _SOURCE = _START + r"""
         for (int di = 0; di < DEPTH; ++di) {
             if (c0 + 32 * di >= chunks) break;
             uint32_t (&q)[RPW][BITS] = qd[di];
-""" + _X_FLOATS.replace("XRAW", "xd[di]") + _ROW_SUMS.replace("XWORDS(v)", "xd[di][v]").replace("H2_SCALE", "256.0f") + r"""        }
+""" + _CHUNK_X + _CHUNK_SUMS + r"""        }
     }
 """ + _REDUCE_STORE
 
@@ -361,7 +366,7 @@ def _normed(source: str) -> str:
                "                const uint4* np4 = reinterpret_cast<const uint4*>(nw + (size_t)c * 32);\n"
                "                #pragma unroll\n"
                "                for (int v = 0; v < 4; ++v) nd[di][v] = np4[v];\n")),
-             (_X_FLOATS.replace("XRAW", "xd[di]"), _NORMED_X),
+             (_CHUNK_X, _NORMED_X),
              ("        red[r] = v;\n    }\n", "        red[r] = v;\n    }\n" + _NORMED_SCALE)]
     for old, new in steps:
         if source.count(old) != 1:
@@ -372,9 +377,7 @@ def _normed(source: str) -> str:
 
 # The one-row source with each warp's weights streamed through shared memory
 # (:mod:`qgemv_async`), with the norm folded in or not.
-_ASYNC_SOURCE = qgemv_async.source(_START, _X_FLOATS.replace("XRAW", "xd[di]"),
-                                   _ROW_SUMS.replace("XWORDS(v)", "xd[di][v]").replace("H2_SCALE", "256.0f"),
-                                   _REDUCE_STORE)
+_ASYNC_SOURCE = qgemv_async.source(_START, _CHUNK_X, _CHUNK_SUMS, _REDUCE_STORE)
 NORMED_BODY = compact(_normed(_SOURCE))
 ASYNC_BODY = compact(_ASYNC_SOURCE)
 ASYNC_NORMED_BODY = compact(_normed(_ASYNC_SOURCE))
