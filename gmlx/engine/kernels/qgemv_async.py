@@ -136,13 +136,11 @@ def source(start: str, x_floats: str, row_sums: str, reduce_store: str) -> str:
         __syncwarp();
         uint4 xd[DEPTH][4];
         if (c < chunks) {
-            {
+            {  // (the one-row source's x loads, line for line: the norm transform extends them)
                 const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)c * 32);
                 #pragma unroll
                 for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];
             }
-        }
-        if (c < chunks) {
             const int slot = it % STAGES;
             uint32_t qd[DEPTH][RPW][BITS];
             float sd[DEPTH][RPW], bd[DEPTH][RPW];
