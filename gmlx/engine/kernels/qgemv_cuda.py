@@ -38,8 +38,10 @@ buckets beside MLX's product and the tensor-core kernel, and keeps whichever is 
 At one row any of these products (plain, with a residual, gated, of several layers, the
 norm folded in or not) may also split each row's K between warps of a block
 (:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuners time those shapes), so
-a product of few outputs keeps enough warps in flight: see :mod:`qgemv_source`'s
-``SPLIT_BODY``.
+a product of few outputs keeps enough warps in flight: see :mod:`qgemv_split`. It may
+also stream each warp's weights through shared memory (:data:`qgemv_async.ASYNC`, its
+seventh number; ``GMLX_ASYNC=1``), and a float16 layout's 4-bit sums may run in half
+pairs (``GMLX_HALF2=1``, :mod:`qgemv_half2`).
 
 At one row a launch shape may also stage x in the block's shared memory first (its
 fifth number, the row tiles a block takes; :data:`STAGED`), so a lane's loads in flight
