@@ -7,6 +7,7 @@
 #   call 1, carry [".gpu/part1"]:              bash benchmarks/gpu/lease.sh start
 #   call 2, carry [".gpu/part2"]:              bash benchmarks/gpu/lease.sh part2
 #   call 3, carry [".gpu/part3", ".gpu/ptx"]:  bash benchmarks/gpu/lease.sh prepare   (~320 s)
+#   or, no models (a short lease):             bash benchmarks/gpu/lease.sh install && bash benchmarks/gpu/lease.sh asynccheck
 #   call 4:                                    bash benchmarks/gpu/lease.sh gmlx      (~140-400 s)
 #   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~300 s)
 #   call 6:                                    bash benchmarks/gpu/lease.sh long      (~180 s)
@@ -88,6 +89,12 @@ case ${1:-} in
     ;;
   part2)
     bash $GPU/setup.sh stage .gpu/part2 && bash $GPU/setup.sh status
+    ;;
+  install)
+    # part 3 and the kernel cache staged and the wheels installed, no models: enough for the
+    # in-process checks (gemv_check, attention_check) in a short lease
+    bash $GPU/setup.sh stage .gpu/part3 && { [ ! -d .gpu/ptx ] || bash $GPU/setup.sh stage .gpu/ptx; } || exit 1
+    bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     ;;
   prepare)
     # the kernel cache of an earlier lease, where this checkout has one (else gmlx's first load compiles all)
