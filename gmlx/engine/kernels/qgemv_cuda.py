@@ -67,7 +67,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_async, qgemv_half2
+from gmlx.engine.kernels import qgemv_async, qgemv_half2, qgemv_prepared
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
@@ -75,6 +75,7 @@ from gmlx.engine.kernels.qgemv_source import (
     ASYNC_NORMED_BODY,
     BODY,
     NORMED_BODY,
+    PREPARED_BODY,
     ROWS_BODY,
     SPLIT_BODY,
     SPLIT_NORMED_BODY,
@@ -180,7 +181,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
             residual: bool = False, eps: float | None = None, split: int = 1, half2: bool = False,
-            rounds: int = 1) -> Any:
+            rounds: int = 1, prepared: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -194,7 +195,9 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`);
     ``half2``: a float16 layout's 4-bit one-row sums in half pairs (:mod:`qgemv_half2`);
     ``rounds``: at one unstaged row, K whole, that many rounds of each warp's chunks in
-    flight through shared memory (:mod:`qgemv_async`)."""
+    flight through shared memory (:mod:`qgemv_async`); ``prepared``: with ``eps``, at one
+    unstaged row, a chunk a lane at a time, K whole, x's floats made once a block
+    (:mod:`qgemv_prepared`, ``k`` values)."""
     if split > 1 and (max_rows > 1 or tiles or warps % split):
         raise ValueError("K is split between whole groups of a block's warps at one unstaged row only")
     if rounds > 1 and (max_rows > 1 or tiles or split > 1 or depth > 1):
@@ -206,15 +209,20 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
         raise ValueError("a residual is added to a plain product's output only")
     if eps is not None and (residual or max_rows > 1 or tiles):
         raise ValueError("the norm is folded into a product of one unstaged row, without a residual, only")
+    if prepared and (eps is None or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1):
+        raise ValueError("x is prepared once a block for a normed product of one unstaged row, K whole, only")
+    if prepared and not qgemv_prepared.fits(k, warps):
+        raise ValueError(f"a row of {k} values is not prepared in a block's shared memory")
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
             + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "")
+            + (f" constexpr int XCHUNKS = {k // 32};" if prepared else "")
             + (f" constexpr int SPLIT = {split};" if split > 1 else "")
             + (f" constexpr int STAGES = {rounds};" if rounds > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
-            + qgemv_half2.constant(t, half2) + "\n"
+            + qgemv_half2.constant(t, half2 and not prepared) + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
@@ -222,11 +230,13 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
     body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
-            else (ASYNC_NORMED_BODY if rounds > 1 else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
+            else (PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
+                  else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
             if eps is not None else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
-                 + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else ""),
+                 + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else "")
+                 + ("_p" if prepared else ""),
                  head, body, inputs, outputs=outputs)
 
 
@@ -246,8 +256,11 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
+    prepared = (qgemv_prepared.prepared() and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
+                and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
-                   k if tiles or rounds > 1 else 0, residual, eps, split, qgemv_half2.half2(), rounds)
+                   k if tiles or rounds > 1 or prepared else 0, residual, eps, split, qgemv_half2.half2(), rounds,
+                   prepared)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,

@@ -25,6 +25,7 @@ from gmlx.engine.kernels import (
     qgemv_async,
     qgemv_cuda,
     qgemv_half2,
+    qgemv_prepared,
     qkv_mixed,
     qmmw_cuda,
     rope_cuda,
@@ -116,6 +117,15 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
                 qgemv_cuda.kernel_of(dtype, bits, 64, qgemv_async.ASYNC[1], parts=(4096, 1024, 1024), k=4096, eps=1e-5)
                 kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
+                monkeypatch.setenv(qgemv_prepared.ENV, "1")  # x prepared once a block: gated, parts, plain
+                qgemv_cuda.kernel_of(dtype, bits, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
+                qgemv_cuda.kernel_of(dtype, bits, 64, (8, 1), parts=(4096, 1024, 1024), k=4096, eps=1e-5)
+                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
+                qgemv_cuda.kernel_of(dtype, bits, 128, (4, 2), k=8192, eps=1e-6)
+                kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                assert all("_p_" in k[0]["name"] for k in kernels[-3:])
+                monkeypatch.delenv(qgemv_prepared.ENV)
             if dtype == mx.float16:  # 4-bit sums in half pairs: plain, deeper, staged, split, residual, normed
                 monkeypatch.setenv(qgemv_half2.ENV, "1")
                 for config in ((4, 4), (4, 4, 1, 2), qgemv_cuda.STAGED[0], qgemv_cuda.SPLIT[0]):

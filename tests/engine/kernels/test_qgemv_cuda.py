@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx.engine.kernels import qgemv_cuda
+from gmlx.engine.kernels import qgemv_cuda, qgemv_prepared
 from gmlx.engine.kernels.cuda_source import kernel_name
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import byte_perm, emulation
@@ -393,19 +393,23 @@ int main(int argc, char** argv) {
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("bits", "group", "config", "gated", "dtype"), [
-    (4, 32, (4, 2), False, mx.bfloat16), (6, 64, (8, 1, 1, 2), False, mx.float16),
-    (4, 32, (4, 4, 1), True, mx.float16), (4, 64, (4, 4, 1, 2), True, mx.bfloat16), (6, 32, (4, 2, 1), True, mx.float16),
-    (4, 32, (4, 2, 1, 1, 0, 4), False, mx.bfloat16), (4, 64, (8, 4, 1, 1, 0, 2), True, mx.float16),
-    (4, 32, (4, 4, 1, 1, 0, 1, 2), True, mx.float16), (6, 64, (4, 2, 1, 1, 0, 1, 4), False, mx.bfloat16)])
-def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_path, bits: int, group: int, config,
-                                                                         gated: bool, dtype) -> None:
+@pytest.mark.parametrize(("bits", "group", "config", "gated", "dtype", "prepared"), [
+    (4, 32, (4, 2), False, mx.bfloat16, False), (6, 64, (8, 1, 1, 2), False, mx.float16, False),
+    (4, 32, (4, 4, 1), True, mx.float16, False), (4, 64, (4, 4, 1, 2), True, mx.bfloat16, False),
+    (6, 32, (4, 2, 1), True, mx.float16, False),
+    (4, 32, (4, 2, 1, 1, 0, 4), False, mx.bfloat16, False), (4, 64, (8, 4, 1, 1, 0, 2), True, mx.float16, False),
+    (4, 32, (4, 4, 1, 1, 0, 1, 2), True, mx.float16, False), (6, 64, (4, 2, 1, 1, 0, 1, 4), False, mx.bfloat16, False),
+    (4, 32, (4, 2), False, mx.bfloat16, True), (4, 32, (4, 4, 1), True, mx.float16, True),
+    (6, 64, (8, 2, 1), True, mx.bfloat16, True), (8, 64, (4, 1), False, mx.float16, True)])
+def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, group: int, config, gated: bool, dtype,
+        prepared: bool) -> None:
     """The one-row source with an RMSNorm folded in (``bound(..., norm=(weight, eps))``:
     the MLP's gate-up-swiglu reading the block's hidden state, not its norm's output),
     run on the CPU as above over 1,088 values (lanes with one chunk and with two, at depth
-    1 and 2): as close to a float32 norm and product (and float32 swiglu) as MLX's norm
-    then MLX's product (and mlx-lm's swiglu) are, and not the plain product of the
-    un-normed row."""
+    1 and 2), and with x prepared once a block (``GMLX_PREPARED=1``): as close to a
+    float32 norm and product (and float32 swiglu) as MLX's norm then MLX's product (and
+    mlx-lm's swiglu) are, and not the plain product of the un-normed row."""
     from mlx_lm.models.activations import swiglu
 
     k, n, eps = _width(config, group), 11, 1e-5
@@ -415,8 +419,10 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
               for _ in range(2 if gated else 1)]
     h = (mx.random.normal((1, k)) * 7 + 2).astype(dtype)  # far from unit RMS: the scale shows
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
-    made = _made(dtype, bits, group, config, gated=gated, eps=eps)
+    monkeypatch.setenv(qgemv_prepared.ENV, "1" if prepared else "0")
+    made = _made(dtype, bits, group, config, gated=gated, k=k, eps=eps)
     assert made["input_names"][-1] == "nw" and f"EPS = {eps!r}f" in str(made)
+    assert ("_p_" in made["name"]) == prepared
     types = [name, *(["uint32", name, name] * len(layers)), name]
     body = emulation.function(made, types, name)
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws", "scales": "s.data()",
@@ -451,20 +457,22 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_pa
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("bits", "sizes", "config"), [(4, (10, 3, 3), (4, 2)), (4, (12, 4), (4, 4, 1, 2)),
-                                                      (4, (10, 3, 3), (8, 2, 1, 1, 0, 4)),
-                                                      (4, (10, 3, 3), (2, 4, 1, 1, 0, 1, 4))])
-def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp_path, bits: int,
-                                                                            sizes: tuple[int, ...], config) -> None:
+@pytest.mark.parametrize(("bits", "sizes", "config", "prepared"), [
+    (4, (10, 3, 3), (4, 2), False), (4, (12, 4), (4, 4, 1, 2), False), (4, (10, 3, 3), (8, 2, 1, 1, 0, 4), False),
+    (4, (10, 3, 3), (2, 4, 1, 1, 0, 1, 4), False), (4, (10, 3, 3), (8, 1), True), (6, (12, 4), (4, 4), True)])
+def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, sizes: tuple[int, ...], config, prepared: bool) -> None:
     """The parts source (an attention's queries, keys and values) with the norm before it
-    folded in: each layer's output as close to a float32 norm and product as MLX's norm
-    then product are."""
+    folded in, x prepared once a block or not: each layer's output as close to a float32
+    norm and product as MLX's norm then product are."""
     dtype, k, group, eps = mx.float16, _width(config, 32), 32, 1e-5
     mx.random.seed(bits + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
+    monkeypatch.setenv(qgemv_prepared.ENV, "1" if prepared else "0")
     made = _made(dtype, bits, group, config, parts=sizes, k=k, eps=eps)
+    assert ("_p_" in made["name"]) == prepared
     assert made["input_names"][-1] == "nw"
     suffix = ["", "2", "3"][:len(sizes)]
     body = emulation.function(made, ["float16", *(["uint32", "float16", "float16"] * len(sizes)), "float16"],
