@@ -147,14 +147,17 @@ GMLX_VARIANTS = {
     # o-projection of 4,096 outputs read at 1.4-1.8 TB/s on the H200 (12-06 night) with 2-8
     # warps a streaming multiprocessor
     "gmlx-splitk": {"GMLX_SPLIT_K": "1"},
-    # a float16 model's 4-bit one-row products summed in half pairs (~2x fewer instructions a
-    # code: the 4-bit products' issue slots, not the card's bandwidth, bound them), and that with
-    # the split shapes timed too
+    # a float16 model's 4-bit one-row products summed in half pairs (~2x fewer PTX instructions
+    # a code, but as many SASS ones: 587 against 591 a chunk of the normed gate-up), and that
+    # with the split shapes timed too
     "gmlx-half2": {"GMLX_HALF2": "1"},
+    # the normed one-row products (the gate-up-swiglu, the q-k-v) with x's floats made once a
+    # block in shared memory and the next chunk's weights loaded while this one is summed
+    # (426 SASS instructions a chunk of the normed gate-up at 4x4 against 591)
+    "gmlx-prepared": {"GMLX_PREPARED": "1"},
+    "gmlx-prepared-async": {"GMLX_PREPARED": "1", "GMLX_ASYNC": "1"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
-    # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others:
-    # the half pairs' fewer instructions served no faster (12-07, H100), so the products wait
-    # on the bytes in flight
+    # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},
     # and the half pairs with it: once the bytes in flight no longer bound the products, their
     # instructions may (the H200's bandwidth is 43% more than the H100's)

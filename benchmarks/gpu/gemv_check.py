@@ -8,6 +8,7 @@ included), with the bandwidth it reached.
 
     python benchmarks/gpu/gemv_check.py [--dtype float16] [--reps 50] [--rows 1,2,4,8]
     python benchmarks/gpu/gemv_check.py --gated --rows 1,2,8 --dtype bfloat16
+    python benchmarks/gpu/gemv_check.py --normed --reps 30
 
 ``--gated``: the gated product (``glu_cuda``: an MLP's gate and up projections and
 swiglu in one kernel) on the 8B's MLP (4096 to 14336, 4-bit), against MLX's two products
@@ -15,7 +16,8 @@ and mlx-lm's swiglu on the CPU backend (agreement as above, against float32 prod
 through a float32 swiglu) and timed against the three of them on the GPU. ``--qkv``: the
 parts product (``qkv_cuda``: an attention's queries, keys and values in one launch, each
 to its own output) on the 8B's attention (4096 to 4096 + 1024 + 1024, 4-bit), against
-MLX's three products.
+MLX's three products. ``--normed``: both with the RMSNorm before them folded in, x made
+by each warp or prepared once a block (``qgemv_prepared``), against MLX's norm and products.
 """
 
 from __future__ import annotations
@@ -143,6 +145,73 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
 
+def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int) -> list[str]:
+    """The products with the norm before them folded in, at one row: the gated MLP (``n``
+    outputs) and the attention's parts (``sizes``), at each unstaged launch shape with x
+    made by each warp (the default) and prepared once a block (``GMLX_PREPARED=1``, set
+    for each kernel's build in this process): agreement with MLX's norm then products,
+    MLX's time and the kernel's."""
+    import os
+
+    from mlx_lm.models.activations import swiglu
+
+    from gmlx.engine.kernels import qgemv_prepared
+
+    eps = 1e-5
+    mx.random.seed(k + n + bits)
+    gate, up = (mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=g, bits=bits) for _ in range(2))
+    layers = [mx.quantize(mx.random.normal((m, k)).astype(dtype), group_size=g, bits=bits) for m in sizes]
+    h = (mx.random.normal((1, 1, k)) * 7 + 2).astype(dtype)
+    nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
+    mx.eval(gate, up, layers, h, nw)
+
+    def product(layer, x):
+        return mx.quantized_matmul(x, *layer, transpose=True, group_size=g, bits=bits)
+
+    def exact(layer, x32):
+        return x32 @ mx.dequantize(*layer, group_size=g, bits=bits).astype(mx.float32).T
+
+    with mx.stream(mx.cpu):
+        normed = mx.fast.rms_norm(h, nw, eps)
+        h32 = h.astype(mx.float32)
+        n32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)
+        want_glu = swiglu(product(gate, normed), product(up, normed))
+        eg, eu = exact(gate, n32), exact(up, n32)
+        exact_glu = eg * mx.sigmoid(eg) * eu
+        want_parts = [product(layer, normed) for layer in layers]
+        exact_parts = [exact(layer, n32) for layer in layers]
+        mx.eval(want_glu, exact_glu, want_parts, exact_parts)
+    out = []
+    for kind in ("gated", "parts"):
+        configs = [c for c in (qgemv_cuda.gated_configs(1, k) if kind == "gated" else qgemv_cuda.configs(1, k))
+                   if not qgemv_cuda.launch_shape(c)[4]]  # the norm is not folded into a staged source
+        if kind == "gated":
+            mlx_us = per_product(lambda y: swiglu(product(gate, mx.fast.rms_norm(y, nw, eps)),
+                                                  product(up, mx.fast.rms_norm(y, nw, eps))), h, reps)
+            nbytes = sum(a.nbytes for a in (*gate, *up))
+        else:
+            mlx_us = per_product(lambda y: [product(layer, mx.fast.rms_norm(y, nw, eps)) for layer in layers], h, reps)
+            nbytes = sum(a.nbytes for layer in layers for a in layer)
+        times, ok = {}, True
+        for prep in ("0", "1"):
+            os.environ[qgemv_prepared.ENV] = prep  # read as each kernel is built, at its first run below
+            for c in configs:
+                if kind == "gated":
+                    run = qgemv_cuda.bound(*gate, g, bits, c, up=up, norm=(nw, eps))
+                    ok = ok and agrees(run(h), want_glu, exact_glu)
+                else:
+                    run = qgemv_cuda.bound(*layers[0], g, bits, c, more=tuple(layers[1:]), norm=(nw, eps))
+                    ok = ok and all(agrees(got, w, e) for got, w, e in zip(run(h), want_parts, exact_parts, strict=True))
+                times[(c, prep)] = per_product(run, h, reps)
+        os.environ.pop(qgemv_prepared.ENV)
+        best = min(times, key=times.get)
+        shapes = ", ".join(f"{_shape(c)}{' p' if prep == '1' else ''}: {t:.1f}" for (c, prep), t in times.items())
+        name = f"{k}x{n} gate+up, swiglu, normed" if kind == "gated" else f"{k}x{'+'.join(map(str, sizes))} parts, normed"
+        out.append(f"| {name} | {bits} | 1 | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
+                   f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float16")
@@ -151,6 +220,8 @@ def main() -> None:
     p.add_argument("--rows", default="1", help="comma-separated rows of x (1-8)")
     p.add_argument("--gated", action="store_true", help="the gated MLP product instead (glu_cuda)")
     p.add_argument("--qkv", action="store_true", help="the attention's parts product instead (qkv_cuda)")
+    p.add_argument("--normed", action="store_true",
+                   help="the gated and parts products with the norm folded in, x prepared once a block or not")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
     g = args.group
@@ -158,6 +229,10 @@ def main() -> None:
           f"{args.reps} queued per wait, best of 3")
     print("| K x N | bits | rows | agrees | MLX us | kernel us (best shape) | x MLX | kernel GB/s | per shape |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---|")
+    if args.normed:
+        for line in normed_rows(4096, 14336, (4096, 1024, 1024), 4, dtype, g, args.reps):
+            print(line, flush=True)
+        return
     for rows in (int(r) for r in args.rows.split(",")):
         if args.gated:
             print(gated_row(4096, 14336, 4, dtype, g, args.reps, rows), flush=True)

@@ -30,6 +30,7 @@
 #   the weights streamed through shared memory: bash benchmarks/gpu/lease.sh async   (~500 s)
 #   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh asynccheck (~150 s)
 #   the gate-up's two sources under ncu:        bash benchmarks/gpu/lease.sh ncu-gemv  (~150 s, no models)
+#   the normed products, x prepared or not:    bash benchmarks/gpu/lease.sh preparedcheck (~150 s, no models)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -290,6 +291,14 @@ case ${1:-} in
     done > "$OUT/ncu-gemv.txt" 2>&1
     grep -E "^== |gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Shared Memory|==PROF==|==ERROR==" \
       "$OUT/ncu-gemv.txt" | cut -c1-220 | head -120
+    ;;
+  preparedcheck)
+    # no models needed (after `install`): the normed gate-up-swiglu and q-k-v products (the
+    # 8B's, 4-bit, one row) at each launch shape with the streamed ones, x made by each warp
+    # and prepared once a block (GMLX_PREPARED): agreement with MLX's norm then products, times
+    with_env
+    GMLX_ASYNC=1 timeout 240 python3 $GPU/gemv_check.py --normed --reps 30 > "$OUT/$1.txt" 2>&1
+    cut -c1-1200 "$OUT/$1.txt"
     ;;
   splitcheck|half2check|asynccheck)
     # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1), or summed in
