@@ -29,7 +29,7 @@
 #   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh half2check (~150 s)
 #   the weights streamed through shared memory: bash benchmarks/gpu/lease.sh async   (~500 s)
 #   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh asynccheck (~150 s)
-#   the gate-up's two sources under ncu:        bash benchmarks/gpu/lease.sh ncu-gemv  (~150 s, no models)
+#   the normed gate-up's sources under ncu:     bash benchmarks/gpu/lease.sh ncu-gemv  (~200 s, no models)
 #   the normed products, x prepared or not:    bash benchmarks/gpu/lease.sh preparedcheck (~150 s, no models)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -277,17 +277,18 @@ case ${1:-} in
       "$OUT/ncu-products.txt" | cut -c1-220 | head -150
     ;;
   ncu-gemv)
-    # no models needed (after `install`): the gate-up-swiglu product (the 8B's, 4-bit, one row)
-    # under ncu's sections in gemv_check's process, one launch of each kernel named in KERNELS
-    # (by default the served shape 4x4 and the streamed 4x2 with 4 rounds): the warps' stall
-    # reasons, occupancy and bytes in flight of the one-row source against the streamed one
+    # no models needed (after `install`): the normed gate-up-swiglu product (the 8B's, 4-bit,
+    # one row) under ncu's sections in gemv_check's process, one launch of each kernel named in
+    # KERNELS (by default the served shape 4x4, x made by each warp, and the same with x
+    # prepared once a block, and streamed at 4x2 with 4 rounds): the warps' stall reasons,
+    # issue slots, occupancy and bytes in flight
     with_env
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    for k in ${KERNELS:-gmlx_qglu_half_4_32_4_4_1_[0-9a-f] gmlx_qglu_half_4_32_4_2_1_a4_}; do
+    for k in ${KERNELS:-gmlx_qglun_half_4_32_4_4_1_[0-9a-f] gmlx_qglun_half_4_32_4_4_1_p_ gmlx_qglun_half_4_32_4_2_1_a4_}; do
       echo "== $k"
       GMLX_ASYNC=1 timeout 200 "$ncu" --clock-control none --kernel-name "regex:$k" --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-        --section LaunchStats --section Occupancy python3 $GPU/gemv_check.py --gated --reps 2 2>&1
+        --section LaunchStats --section Occupancy python3 $GPU/gemv_check.py --normed --reps 2 2>&1
     done > "$OUT/ncu-gemv.txt" 2>&1
     grep -E "^== |gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Shared Memory|==PROF==|==ERROR==" \
       "$OUT/ncu-gemv.txt" | cut -c1-220 | head -120
