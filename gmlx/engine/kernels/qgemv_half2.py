@@ -13,8 +13,10 @@ The H200's products read at 0.3-1.8 TB/s (12-06 night) while the 6-bit output la
 at 3.5 with its issue slots ~70% busy, so the products looked bound by their instructions.
 Measured (12-07, H100, the 8B's Q4_K_M served): no faster. The gate-up-swiglu's best
 shape timed 47.4 against 45.2 us a layer, and one stream served 269.0 against 277.3 tok/s.
-The products wait on the bytes in flight (:mod:`qgemv_async`), so this stays off; it is
-kept to serve once beside the streamed shapes, where the instructions may bound again.
+The reason is in the machine code, not the memory: ptxas makes the float sums one byte
+permute a code, so the half pairs' loop is as long in SASS (587 against 591 instructions
+a 4-row chunk; ``benchmarks/gpu/sass_count.py``). The ~2x below is PTX's count. It stays
+off. :mod:`qgemv_prepared` cuts the loop where the instructions are: x's side.
 
 Here each 32-bit word of eight codes becomes four pairs of halves, ``4 + q / 256`` each (the
 codes or-ed under 4's exponent: one shift and one logic operation a pair), less 4 (one

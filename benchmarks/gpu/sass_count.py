@@ -1,0 +1,132 @@
+"""The one-row products' machine code for the H200 (sm_90), counted here without a GPU:
+each kernel's registers a thread (ptxas) and its main loop's SASS instructions and loads,
+with the loop's most common instructions. A loop's instructions a chunk, times the chunks
+a multiprocessor takes, over its four issues a clock, is the least time its issue slots
+allow. That is how ``qgemv_half2`` was found to save nothing in machine code (the PTX
+counts had said ~1.9x), and what ``qgemv_prepared`` was sized by.
+
+    python benchmarks/gpu/sass_count.py [--top 12]
+
+Needs ``nvcc`` (the tests' ``NVCC``) and NVIDIA's ``cuobjdump`` and ``nvdisasm``: on PATH,
+or ``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`` and ``--tools`` pointing at
+their ``bin`` folder (``.../site-packages/nvidia/cu13/bin``). The kernels are wrapped as
+MLX wraps them (``tests/engine/kernels/test_cuda_compile.py``), float16, the 8B's
+normed gate-up-swiglu (4096 to 2 x 14336, 4-bit, groups of 32), its normed q-k-v and
+its 4-bit down product with the residual, at the launch shapes the loads take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared  # noqa: E402
+from tests.engine.kernels import test_cuda_compile as compile_test  # noqa: E402
+
+# the variants counted: each an environment the kernels are built under
+VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "1"}}
+
+
+def kernels() -> list[tuple[str, dict, list]]:
+    """(variant, what was made, input types) of each kernel counted."""
+    made: list[dict] = []
+    real = mx.fast.cuda_kernel
+    mx.fast.cuda_kernel = lambda **kw: made.append(kw) or kw
+    out = []
+    dt = mx.float16
+    try:
+        for variant, env in VARIANTS.items():
+            saved = {name: os.environ.get(name) for name in (qgemv_half2.ENV, qgemv_prepared.ENV)}
+            os.environ.update({qgemv_half2.ENV: "0", qgemv_prepared.ENV: "0", **env})
+            qgemv_cuda._kernel.cache_clear()
+            for config in [(4, 4, 1), (4, 2, 1), *([qgemv_async.ASYNC[0]] if variant == "float sums" else [])]:
+                qgemv_cuda.kernel_of(dt, 4, 32, config, gated=True, k=4096, eps=1e-5)
+                out.append((variant, made[-1], [dt, *[mx.uint32, dt, dt] * 2, dt]))
+            for config in [(8, 1), (4, 2)]:
+                qgemv_cuda.kernel_of(dt, 4, 32, config, parts=(4096, 1024, 1024), k=4096, eps=1e-5)
+                out.append((variant, made[-1], [dt, *[mx.uint32, dt, dt] * 3, dt]))
+            if variant != "x prepared":  # (no norm before the down product)
+                qgemv_cuda.kernel_of(dt, 4, 32, (4, 4), k=14336, residual=True)
+                out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    finally:
+        mx.fast.cuda_kernel = real
+        qgemv_cuda._kernel.cache_clear()
+    return out
+
+
+def loops(sass: str) -> dict[str, list[list[str]]]:
+    """Each function's loops (the instructions from a backward branch's target to it)."""
+    found = {}
+    for block in sass.split("Function : ")[1:]:
+        name = block.split("\n", 1)[0].strip()
+        code = [(int(m.group(1), 16), m.group(2).strip())
+                for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", block)]
+        found[name] = []
+        for at, text in code:
+            m = re.search(r"BRA .*0x([0-9a-f]+)", text)
+            if m and int(m.group(1), 16) < at:
+                start = int(m.group(1), 16)
+                found[name].append([t for a, t in code if start <= a <= at])
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tools", help="a folder with cuobjdump and nvdisasm, put first on PATH")
+    p.add_argument("--top", type=int, default=10, help="the loop's most common instructions shown")
+    args = p.parse_args()
+    if args.tools:
+        os.environ["PATH"] = args.tools + os.pathsep + os.environ["PATH"]
+    if compile_test.NVCC is None:
+        raise SystemExit("sass_count: no nvcc here (the CUDA toolkit)")
+    made = kernels()
+    source = compile_test._HEADER + "\n".join(compile_test._wrapped(m, types) for _, m, types in made) + "} // namespace\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        cu, cubin = Path(tmp, "k.cu"), Path(tmp, "k.cubin")
+        cu.write_text(source)
+        built = subprocess.run([compile_test.NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
+                                str(cubin), str(cu)], capture_output=True, text=True)
+        if built.returncode:
+            raise SystemExit("sass_count: nvcc failed:\n" + built.stderr[-2000:])
+        try:
+            dumped = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise SystemExit("sass_count: no cuobjdump on PATH (see --tools)") from None
+        if "Function :" not in dumped.stdout:
+            raise SystemExit("sass_count: cuobjdump gave no SASS: " + (dumped.stderr.strip() or "is nvdisasm on PATH?"))
+    registers, current = {}, None
+    for line in built.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)'", line):
+            current = m.group(1)
+        if (m := re.search(r"Used (\d+) registers", line)) and current:
+            registers[current] = int(m.group(1))
+    found = loops(dumped.stdout)
+    print("| variant | kernel | registers | main loop: instructions | chunks a pass | a chunk | loads | most common |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for variant, m, _ in made:
+        mangled = next(name for name in found if m["name"] in name)
+        body = max(found[mangled], key=len, default=[])  # the main loop: the longest
+        ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+        loads = sum(n for op, n in ops.items() if op.startswith(("LDG", "LDGSTS", "LDS")))
+        common = ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top))
+        kernel = re.sub(r"_[0-9a-f]{12}$", "", m["name"]).removeprefix("gmlx_")
+        chunks = 2 if variant == "x prepared" else 1  # its loop is unrolled twice (``#pragma unroll 2``)
+        print(f"| {variant} | {kernel} | {registers.get(mangled, '?')} | {len(body)} | {chunks} | "
+              f"{len(body) / chunks:.0f} | {loads} | {common} |")
+
+
+if __name__ == "__main__":
+    main()
