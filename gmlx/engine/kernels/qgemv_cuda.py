@@ -198,6 +198,10 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     flight through shared memory (:mod:`qgemv_async`); ``prepared``: with ``eps``, at one
     unstaged row, a chunk a lane at a time, K whole, x's floats made once a block
     (:mod:`qgemv_prepared`, ``k`` values)."""
+    if prepared and (eps is None or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1):
+        raise ValueError("x is prepared once a block for a normed product of one unstaged row, K whole, only")
+    if prepared and not qgemv_prepared.fits(k, warps):
+        raise ValueError(f"a row of {k} values is not prepared in a block's shared memory")
     if split > 1 and (max_rows > 1 or tiles or warps % split):
         raise ValueError("K is split between whole groups of a block's warps at one unstaged row only")
     if rounds > 1 and (max_rows > 1 or tiles or split > 1 or depth > 1):
@@ -209,10 +213,6 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
         raise ValueError("a residual is added to a plain product's output only")
     if eps is not None and (residual or max_rows > 1 or tiles):
         raise ValueError("the norm is folded into a product of one unstaged row, without a residual, only")
-    if prepared and (eps is None or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1):
-        raise ValueError("x is prepared once a block for a normed product of one unstaged row, K whole, only")
-    if prepared and not qgemv_prepared.fits(k, warps):
-        raise ValueError(f"a row of {k} values is not prepared in a block's shared memory")
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"

@@ -88,18 +88,21 @@ def test_x_near_the_top_of_half_range_keeps_every_sum_in_it(tmp_path, half2) -> 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("config", "gated"), [((4, 4, 1), True), ((4, 2), False), ((8, 4, 1, 1, 0, 2), True)])
-def test_the_normed_sources_in_half_pairs_are_mlx_norm_then_product(tmp_path, half2, config, gated: bool) -> None:
+def test_the_normed_sources_in_half_pairs_are_mlx_norm_then_product(tmp_path, monkeypatch: pytest.MonkeyPatch, half2,
+                                                                    config, gated: bool) -> None:
     """The norm folded in (the hidden state times the norm's weight in half pairs, the
     scale taken last), plain, gated and split: as close to a float32 norm and product as
     MLX's norm then product are."""
-    base.test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_path, 4, 32, config, gated,
-                                                                               mx.float16)
+    base.test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(tmp_path, monkeypatch, 4, 32, config,
+                                                                               gated, mx.float16, False)
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("config", [(4, 2), (8, 2, 1, 1, 0, 4)])
-def test_the_normed_parts_in_half_pairs_are_each_layers_product(tmp_path, half2, config) -> None:
-    base.test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp_path, 4, (10, 3, 3), config)
+def test_the_normed_parts_in_half_pairs_are_each_layers_product(tmp_path, monkeypatch: pytest.MonkeyPatch, half2,
+                                                                config) -> None:
+    base.test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(tmp_path, monkeypatch, 4, (10, 3, 3),
+                                                                                  config, False)
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
