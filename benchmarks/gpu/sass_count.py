@@ -31,8 +31,8 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared  # noqa: E402
-from tests.engine.kernels import test_cuda_compile as compile_test  # noqa: E402
+from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared
+from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
 VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "1"}}
@@ -98,11 +98,11 @@ def main() -> None:
         cu, cubin = Path(tmp, "k.cu"), Path(tmp, "k.cubin")
         cu.write_text(source)
         built = subprocess.run([compile_test.NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
-                                str(cubin), str(cu)], capture_output=True, text=True)
+                                str(cubin), str(cu)], capture_output=True, text=True, check=False)
         if built.returncode:
             raise SystemExit("sass_count: nvcc failed:\n" + built.stderr[-2000:])
         try:
-            dumped = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True)
+            dumped = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=False)
         except FileNotFoundError:
             raise SystemExit("sass_count: no cuobjdump on PATH (see --tools)") from None
         if "Function :" not in dumped.stdout:
