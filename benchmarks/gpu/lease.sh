@@ -31,6 +31,7 @@
 #   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh asynccheck (~150 s)
 #   the normed gate-up's sources under ncu:     bash benchmarks/gpu/lease.sh ncu-gemv  (~200 s, no models)
 #   the normed products, x prepared or not:    bash benchmarks/gpu/lease.sh preparedcheck (~150 s, no models)
+#   the normed products' x prepared, served:   bash benchmarks/gpu/lease.sh prepared  (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -323,7 +324,7 @@ case ${1:-} in
     fi
     cut -c1-900 "$OUT/$1.txt"
     ;;
-  shapes|split|half2|async)
+  shapes|split|half2|async|prepared)
     # shapes: the one-row kernels' launch shapes timed by the device's part alone
     #   (gmlx-deviceshapes: each chain behind a lead product) against the chain's own clock;
     #   the load logs each shape's time both ways
@@ -340,6 +341,8 @@ case ${1:-} in
     #   log's paths and launch shapes with a seventh number past 1, e.g. `1:gemv4x2x1x1x0x1x4`,
     #   say where a streamed shape won)
     [ "$1" = async ] && servers=${SERVERS:-gmlx-async,gmlx,gmlx-async,gmlx}
+    # prepared: the normed products' x made once a block (gmlx-prepared) against the defaults
+    [ "$1" = prepared ] && servers=${SERVERS:-gmlx-prepared,gmlx,gmlx-prepared,gmlx}
     "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
       --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30
