@@ -294,6 +294,29 @@ case ${1:-} in
     grep -E "^== |gmlx_|Duration|DRAM Throughput|Memory Throughput|Stall|stalled|Warp Cycles Per Issued|Issue Slots Busy|Eligible Warps|No Eligible|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Shared Memory|==PROF==|==ERROR==" \
       "$OUT/ncu-gemv.txt" | cut -c1-220 | head -120
     ;;
+  ncu-times)
+    # no models needed (after `install`): every launch of the normed gate-up's kernels at 4 warps
+    # (x made by each warp, prepared once a block, deeper, streamed) in gemv_check --normed,
+    # timed by the GPU alone (ncu's gpu__time_duration, one pass a launch; the chain's clock of
+    # preparedcheck is the host's on a slow host): the median us of each kernel
+    with_env
+    GMLX_ASYNC=1 timeout "${LIMIT:-230}" "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
+      --kernel-name "regex:${KERNELS:-qglun_half_4_32_4_}" --metrics gpu__time_duration.sum --csv \
+      python3 $GPU/gemv_check.py --normed --reps "${REPS:-10}" > "$OUT/ncu-times.csv" 2>&1
+    python3 - "$OUT/ncu-times.csv" <<'PY'
+import csv, re, statistics, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, times = rows[0], {}
+for r in rows[1:]:
+    d = dict(zip(head, r))
+    name = re.sub(r"_[0-9a-f]{12}.*", "", re.sub(r"^.*?(gmlx_)", r"\1", d["Kernel Name"]))
+    scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3}.get(d["Metric Unit"], 1e-3)
+    times.setdefault(name, []).append(float(d["Metric Value"].replace(",", "")) * scale)
+for name, t in sorted(times.items()):
+    print(f"{name}: median {statistics.median(t):.1f} us, min {min(t):.1f}, {len(t)} launches")
+PY
+    tail -3 "$OUT/ncu-times.csv" | cut -c1-300
+    ;;
   preparedcheck)
     # no models needed (after `install`): the normed gate-up-swiglu and q-k-v products (the
     # 8B's, 4-bit, one row) at each launch shape with the streamed ones, x made by each warp
