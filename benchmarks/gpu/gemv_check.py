@@ -31,7 +31,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gmlx.engine.kernels import qgemv_cuda
-from gmlx.engine.kernels.timing import agrees, chain_time, fed
+from gmlx.engine.kernels.timing import agrees, chain_time, device_chain_time, fed
 
 # (K, N, bits): an 8B's products in Q4_K_M's layouts
 SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4096, 1024, 6),
@@ -49,7 +49,12 @@ def per_product(fn, x, reps: int) -> float:
         out = fn(y)
         return fed(out[0] if isinstance(out, (list, tuple)) else out, y)
 
-    return min(chain_time(call, x, reps) for _ in range(3)) / reps * 1e6
+    return min(CLOCK[0](call, x, reps) for _ in range(3)) / reps * 1e6
+
+
+# the clock ``per_product`` reads: the chain's (the host's where it is slower than the
+# device) or, with ``--device``, the device's part alone (``timing.device_chain_time``)
+CLOCK = [chain_time]
 
 
 def _shape(c: tuple[int, ...]) -> str:
@@ -220,13 +225,17 @@ def main() -> None:
     p.add_argument("--rows", default="1", help="comma-separated rows of x (1-8)")
     p.add_argument("--gated", action="store_true", help="the gated MLP product instead (glu_cuda)")
     p.add_argument("--qkv", action="store_true", help="the attention's parts product instead (qkv_cuda)")
+    p.add_argument("--device", action="store_true",
+                   help="time the device's part alone (each chain behind a lead product), not the chain's clock")
     p.add_argument("--normed", action="store_true",
                    help="the gated and parts products with the norm folded in, x prepared once a block or not")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
     g = args.group
+    if args.device:
+        CLOCK[0] = device_chain_time
     print(f"device {mx.default_device()}; x and scales {args.dtype}, group {g}; us per product, "
-          f"{args.reps} queued per wait, best of 3")
+          f"{args.reps} queued per wait, best of 3{', the device part alone' if args.device else ''}")
     print("| K x N | bits | rows | agrees | MLX us | kernel us (best shape) | x MLX | kernel GB/s | per shape |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---|")
     if args.normed:

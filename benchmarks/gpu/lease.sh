@@ -322,7 +322,8 @@ PY
     # 8B's, 4-bit, one row) at each launch shape with the streamed ones, x made by each warp
     # and prepared once a block (GMLX_PREPARED): agreement with MLX's norm then products, times
     with_env
-    GMLX_ASYNC=1 timeout 240 python3 $GPU/gemv_check.py --normed --reps 30 > "$OUT/$1.txt" 2>&1
+    # (DEVICE=1: timed by the device's part alone, as GMLX_STEP_SHAPES=device tunes, to set beside ncu-times)
+    GMLX_ASYNC=1 timeout 240 python3 $GPU/gemv_check.py --normed --reps 30 ${DEVICE:+--device} > "$OUT/$1.txt" 2>&1
     cut -c1-1200 "$OUT/$1.txt"
     ;;
   splitcheck|half2check|asynccheck)
