@@ -153,7 +153,7 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
 def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int) -> list[str]:
     """The products with the norm before them folded in, at one row: the gated MLP (``n``
     outputs) and the attention's parts (``sizes``), at each unstaged launch shape with x
-    made by each warp (the default) and prepared once a block (``GMLX_PREPARED=1``, set
+    made by each warp (the default) and prepared once a block (``GMLX_PREPARED=all``, set
     for each kernel's build in this process): agreement with MLX's norm then products,
     MLX's time and the kernel's."""
     import os
@@ -198,7 +198,7 @@ def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int
             mlx_us = per_product(lambda y: [product(layer, mx.fast.rms_norm(y, nw, eps)) for layer in layers], h, reps)
             nbytes = sum(a.nbytes for layer in layers for a in layer)
         times, ok = {}, True
-        for prep in ("0", "1"):
+        for prep in ("0", "all"):
             os.environ[qgemv_prepared.ENV] = prep  # read as each kernel is built, at its first run below
             for c in configs:
                 if kind == "gated":
@@ -210,7 +210,7 @@ def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int
                 times[(c, prep)] = per_product(run, h, reps)
         os.environ.pop(qgemv_prepared.ENV)
         best = min(times, key=times.get)
-        shapes = ", ".join(f"{_shape(c)}{' p' if prep == '1' else ''}: {t:.1f}" for (c, prep), t in times.items())
+        shapes = ", ".join(f"{_shape(c)}{' p' if prep == 'all' else ''}: {t:.1f}" for (c, prep), t in times.items())
         name = f"{k}x{n} gate+up, swiglu, normed" if kind == "gated" else f"{k}x{'+'.join(map(str, sizes))} parts, normed"
         out.append(f"| {name} | {bits} | 1 | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
                    f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")

@@ -35,7 +35,7 @@ from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prep
 from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
-VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "1"}}
+VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "all"}}
 
 
 def kernels() -> list[tuple[str, dict, list]]:

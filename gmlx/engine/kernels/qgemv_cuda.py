@@ -256,7 +256,7 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
-    prepared = (qgemv_prepared.prepared() and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
+    prepared = (qgemv_prepared.takes(gated) and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
                    k if tiles or rounds > 1 or prepared else 0, residual, eps, split, qgemv_half2.half2(), rounds,

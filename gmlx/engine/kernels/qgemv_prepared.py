@@ -36,8 +36,18 @@ SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 
 
 def prepared() -> bool:
-    """Whether the normed one-row products prepare x once a block (``GMLX_PREPARED=1``)."""
-    return os.environ.get(ENV, "0") == "1"
+    """Whether normed one-row products prepare x once a block (``GMLX_PREPARED=1``: the
+    gated ones; ``all``: every one)."""
+    return os.environ.get(ENV, "0") in ("1", "all")
+
+
+def takes(gated: bool) -> bool:
+    """Whether a normed product, gated or not, prepares x: the gated ones under
+    ``GMLX_PREPARED=1``, any under ``all``. Why the gated alone by default: on an H100
+    (12-07, ncu's GPU time) x prepared took the 8B's gate-up-swiglu at 4x4 from 43.8 to
+    39.0 us, but the q-k-v (384 blocks at 4x4, too few to spread each block's prologue
+    over) from 12.0 to 15.1 at 4x4 and from 14.5 to 17.9 at 4x2, its two best shapes."""
+    return os.environ.get(ENV, "0") == "all" or (gated and prepared())
 
 
 def shared_bytes(k: int, warps: int) -> int:

@@ -117,7 +117,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
                 qgemv_cuda.kernel_of(dtype, bits, 64, qgemv_async.ASYNC[1], parts=(4096, 1024, 1024), k=4096, eps=1e-5)
                 kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
-                monkeypatch.setenv(qgemv_prepared.ENV, "1")  # x prepared once a block: gated, parts, plain
+                monkeypatch.setenv(qgemv_prepared.ENV, "all")  # x prepared once a block: gated, parts, plain
                 qgemv_cuda.kernel_of(dtype, bits, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)
                 kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
                 qgemv_cuda.kernel_of(dtype, bits, 64, (8, 1), parts=(4096, 1024, 1024), k=4096, eps=1e-5)

@@ -419,7 +419,7 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(
               for _ in range(2 if gated else 1)]
     h = (mx.random.normal((1, k)) * 7 + 2).astype(dtype)  # far from unit RMS: the scale shows
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
-    monkeypatch.setenv(qgemv_prepared.ENV, "1" if prepared else "0")
+    monkeypatch.setenv(qgemv_prepared.ENV, "all" if prepared else "0")  # (1: the gated products alone)
     made = _made(dtype, bits, group, config, gated=gated, k=k, eps=eps)
     assert made["input_names"][-1] == "nw" and f"EPS = {eps!r}f" in str(made)
     assert ("_p_" in made["name"]) == prepared
@@ -470,7 +470,7 @@ def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
-    monkeypatch.setenv(qgemv_prepared.ENV, "1" if prepared else "0")
+    monkeypatch.setenv(qgemv_prepared.ENV, "all" if prepared else "0")  # (1: the gated products alone)
     made = _made(dtype, bits, group, config, parts=sizes, k=k, eps=eps)
     assert ("_p_" in made["name"]) == prepared
     assert made["input_names"][-1] == "nw"

@@ -29,7 +29,12 @@ def test_only_normed_one_row_products_take_it_and_only_where_asked(monkeypatch: 
     monkeypatch.setenv(qgemv_prepared.ENV, "1")
     made = _made(monkeypatch, (4, 4, 1), gated=True, k=4096, eps=1e-5)
     assert "_p_" in made["name"] and "XCHUNKS = 128;" in made["source"] and "xsh[8][XCHUNKS]" in made["source"]
+    # the q-k-v and plain normed products only under "all" (prepared, the q-k-v's best shapes measured slower)
+    assert "_p_" not in _made(monkeypatch, (8, 1), parts=(4096, 1024, 1024), k=4096, eps=1e-5)["name"]
+    assert "_p_" not in _made(monkeypatch, (4, 2), k=4096, eps=1e-5)["name"]
+    monkeypatch.setenv(qgemv_prepared.ENV, "all")
     assert "_p_" in _made(monkeypatch, (8, 1), parts=(4096, 1024, 1024), k=4096, eps=1e-5)["name"]
+    assert "_p_" in _made(monkeypatch, (4, 2), k=4096, eps=1e-5)["name"]
     assert "_p_" not in _made(monkeypatch, (4, 4), k=4096)["name"]  # no norm: x is the input as it is
     assert "_p_" not in _made(monkeypatch, (4, 2, 1, 2), gated=True, k=4096, eps=1e-5)["name"]  # depth 2
     assert "_p_" not in _made(monkeypatch, qgemv_async.ASYNC[0], gated=True, k=4096, eps=1e-5)["name"]  # streamed
