@@ -60,7 +60,10 @@ def kernels() -> list[tuple[str, dict, list]]:
                 qgemv_cuda.kernel_of(dt, 4, 32, (4, 4), k=14336, residual=True)
                 out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
             for name, value in saved.items():
-                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     finally:
         mx.fast.cuda_kernel = real
         qgemv_cuda._kernel.cache_clear()

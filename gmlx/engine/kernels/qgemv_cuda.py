@@ -217,8 +217,8 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     head = (f"using T = {t}; constexpr int BITS = {bits}; constexpr int G = {group_size}; "
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
-            + (f" constexpr int TILES = {tiles}; constexpr int XCHUNKS = {k // 32};" if tiles else "")
-            + (f" constexpr int XCHUNKS = {k // 32};" if prepared else "")
+            + (f" constexpr int TILES = {tiles};" if tiles else "")
+            + (f" constexpr int XCHUNKS = {k // 32};" if tiles or prepared else "")
             + (f" constexpr int SPLIT = {split};" if split > 1 else "")
             + (f" constexpr int STAGES = {rounds};" if rounds > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
