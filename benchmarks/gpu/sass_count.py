@@ -31,11 +31,13 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared
+from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared, qgemv_q8
 from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
-VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "all"}}
+VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "all"},
+            "x as bytes": {qgemv_q8.ENV: "1"}}
+TWICE = ("x prepared", "x as bytes")  # their loops are unrolled twice (``#pragma unroll 2``)
 
 
 def kernels() -> list[tuple[str, dict, list]]:
@@ -47,8 +49,8 @@ def kernels() -> list[tuple[str, dict, list]]:
     dt = mx.float16
     try:
         for variant, env in VARIANTS.items():
-            saved = {name: os.environ.get(name) for name in (qgemv_half2.ENV, qgemv_prepared.ENV)}
-            os.environ.update({qgemv_half2.ENV: "0", qgemv_prepared.ENV: "0", **env})
+            saved = {name: os.environ.get(name) for name in (qgemv_half2.ENV, qgemv_prepared.ENV, qgemv_q8.ENV)}
+            os.environ.update({qgemv_half2.ENV: "0", qgemv_prepared.ENV: "0", qgemv_q8.ENV: "0", **env})
             qgemv_cuda._kernel.cache_clear()
             for config in [(4, 4, 1), (4, 2, 1), *([qgemv_async.ASYNC[0]] if variant == "float sums" else [])]:
                 qgemv_cuda.kernel_of(dt, 4, 32, config, gated=True, k=4096, eps=1e-5)
@@ -121,12 +123,14 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for variant, m, _ in made:
         mangled = next(name for name in found if m["name"] in name)
-        body = max(found[mangled], key=len, default=[])  # the main loop: the longest
+        # the main loop: the longest, or the one with the byte products (x as bytes: its
+        # prologue's loop, rounding x, can be the longer)
+        body = max(found[mangled], key=lambda loop: (any("IDP" in t for t in loop), len(loop)), default=[])
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
         loads = sum(n for op, n in ops.items() if op.startswith(("LDG", "LDGSTS", "LDS")))
         common = ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top))
         kernel = re.sub(r"_[0-9a-f]{12}$", "", m["name"]).removeprefix("gmlx_")
-        chunks = 2 if variant == "x prepared" else 1  # its loop is unrolled twice (``#pragma unroll 2``)
+        chunks = 2 if variant in TWICE else 1
         print(f"| {variant} | {kernel} | {registers.get(mangled, '?')} | {len(body)} | {chunks} | "
               f"{len(body) / chunks:.0f} | {loads} | {common} |")
 

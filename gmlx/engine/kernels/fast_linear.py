@@ -42,6 +42,7 @@ from gmlx.engine.kernels import (
     qgemv_async,
     qgemv_cuda,
     qgemv_half2,
+    qgemv_q8,
     qmmw_cuda,
     timing,
     traces,
@@ -244,7 +245,8 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
                          + (":staged" if qgemv_cuda.staged() else "")
                          + (":split" if qgemv_cuda.splitting() else "")
                          + (":half2" if qgemv_half2.half2() else "")
-                         + (":async" if qgemv_async.streaming() else ""))
+                         + (":async" if qgemv_async.streaming() else "")
+                         + (":q8" if qgemv_q8.q8x() else ""))
             known = tuning.layer(keys[key])
             if known is None:
                 started = time.perf_counter()

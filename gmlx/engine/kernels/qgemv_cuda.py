@@ -67,7 +67,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_async, qgemv_half2, qgemv_prepared
+from gmlx.engine.kernels import qgemv_async, qgemv_half2, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
@@ -76,6 +76,8 @@ from gmlx.engine.kernels.qgemv_source import (
     BODY,
     NORMED_BODY,
     PREPARED_BODY,
+    Q8_BODY,
+    Q8_NORMED_BODY,
     ROWS_BODY,
     SPLIT_BODY,
     SPLIT_NORMED_BODY,
@@ -181,7 +183,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
             residual: bool = False, eps: float | None = None, split: int = 1, half2: bool = False,
-            rounds: int = 1, prepared: bool = False) -> Any:
+            rounds: int = 1, prepared: bool = False, q8: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -197,7 +199,13 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``rounds``: at one unstaged row, K whole, that many rounds of each warp's chunks in
     flight through shared memory (:mod:`qgemv_async`); ``prepared``: with ``eps``, at one
     unstaged row, a chunk a lane at a time, K whole, x's floats made once a block
-    (:mod:`qgemv_prepared`, ``k`` values)."""
+    (:mod:`qgemv_prepared`, ``k`` values); ``q8``: a 4-bit product of one unstaged row, a
+    chunk a lane at a time, K whole, x rounded to bytes once a block (:mod:`qgemv_q8`, ``k``
+    values), the norm folded in or not."""
+    if q8 and (bits != 4 or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1 or prepared):
+        raise ValueError("x is rounded to bytes for a 4-bit product of one unstaged row, K whole, only")
+    if q8 and not qgemv_q8.fits(k, warps):
+        raise ValueError(f"a row of {k} values is not rounded in a block's shared memory")
     if prepared and (eps is None or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1):
         raise ValueError("x is prepared once a block for a normed product of one unstaged row, K whole, only")
     if prepared and not qgemv_prepared.fits(k, warps):
@@ -218,11 +226,11 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             f"constexpr int WARPS = {warps}; constexpr int RPW = {rpw};"
             + (f" constexpr int MAXR = {max_rows};" if max_rows > 1 else f" constexpr int DEPTH = {depth};")
             + (f" constexpr int TILES = {tiles};" if tiles else "")
-            + (f" constexpr int XCHUNKS = {k // 32};" if tiles or prepared else "")
+            + (f" constexpr int XCHUNKS = {k // 32};" if tiles or prepared or q8 else "")
             + (f" constexpr int SPLIT = {split};" if split > 1 else "")
             + (f" constexpr int STAGES = {rounds};" if rounds > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
-            + qgemv_half2.constant(t, half2 and not prepared) + "\n"
+            + qgemv_half2.constant(t, half2 and not prepared and not q8) + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
@@ -230,13 +238,13 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
     body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
-            else (PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
+            else (Q8_NORMED_BODY if q8 else PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
                   else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
-            if eps is not None else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
+            if eps is not None else Q8_BODY if q8 else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
                  + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else "")
-                 + ("_p" if prepared else ""),
+                 + ("_p" if prepared else "") + ("_q8" if q8 else ""),
                  head, body, inputs, outputs=outputs)
 
 
@@ -256,11 +264,12 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
-    prepared = (qgemv_prepared.takes(gated) and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
+    q8 = qgemv_q8.takes(bits, k, warps, (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1))
+    prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
-                   k if tiles or rounds > 1 or prepared else 0, residual, eps, split, qgemv_half2.half2(), rounds,
-                   prepared)
+                   k if tiles or rounds > 1 or prepared or q8 else 0, residual, eps, split, qgemv_half2.half2(), rounds,
+                   prepared, q8)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,

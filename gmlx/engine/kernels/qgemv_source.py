@@ -11,7 +11,7 @@ CPU with CUDA's shuffles and bit instructions emulated."""
 
 from __future__ import annotations
 
-from gmlx.engine.kernels import qgemv_async, qgemv_prepared
+from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.cuda_source import compact
 from gmlx.engine.kernels.qgemv_half2 import HMUL4, PAIRS, ROW
 from gmlx.engine.kernels.qgemv_split import split
@@ -383,6 +383,10 @@ ASYNC_BODY = compact(_ASYNC_SOURCE)
 ASYNC_NORMED_BODY = compact(_normed(_ASYNC_SOURCE))
 # The one-row source with the norm folded in and x prepared once a block (:mod:`qgemv_prepared`).
 PREPARED_BODY = compact(qgemv_prepared.source(_LAYOUT, _ROW_LOADS, _ROW_SUMS, _REDUCE_STORE))
+# The one-row 4-bit source with x rounded to bytes once a block (:mod:`qgemv_q8`), the norm
+# folded in or not.
+Q8_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=False))
+Q8_NORMED_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=True))
 SPLIT_BODY = compact(split(_SOURCE))
 SPLIT_NORMED_BODY = compact(split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)

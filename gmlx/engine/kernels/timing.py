@@ -112,16 +112,22 @@ def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any) -> bool:
         return False
 
 
-def agrees(got: Any, want: Any, exact: Any) -> bool:
+def agrees(got: Any, want: Any, exact: Any, tolerance: float | None = None) -> bool:
     """Whether the kernel's ``got`` is as close to the float32 product ``exact`` as MLX's
-    own quantized matmul ``want`` is (within twice its error, plus 0.1% of the largest
-    value): both accumulate in their own order and round to float16."""
+    own quantized matmul ``want`` is (within twice its error, plus ``tolerance`` of the
+    largest value: by default 0.1%, both accumulate in their own order and round to
+    float16; where the 4-bit products round x to bytes (``GMLX_Q8X=1``),
+    :data:`qgemv_q8.TOLERANCE`)."""
     import mlx.core as mx
 
+    from gmlx.engine.kernels import qgemv_q8
+
+    if tolerance is None:
+        tolerance = qgemv_q8.TOLERANCE if qgemv_q8.q8x() else 1e-3
     got, want, exact = (a.astype(mx.float32) for a in (got, want, exact))
     err_kernel = mx.abs(got - exact).max()
     err_mlx = mx.abs(want - exact).max()
-    return (err_kernel <= 2 * err_mlx + 1e-3 * mx.abs(exact).max()).item()
+    return (err_kernel <= 2 * err_mlx + tolerance * mx.abs(exact).max()).item()
 
 
 def exact_norm(x: Any, norm: Any) -> Any:

@@ -75,6 +75,13 @@ inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
     return (unsigned)((((uint64_t)hi << 32) | lo) >> (shift & 31));
 }
+// four byte products summed into an integer (signed bytes), and a float rounded to the
+// nearest integer, ties to even (the device's default rounding)
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+}
+inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 template <typename X> std::vector<X> load(const char* path, size_t n) {
     std::vector<X> data(n);

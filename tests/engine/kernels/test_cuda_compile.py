@@ -26,6 +26,7 @@ from gmlx.engine.kernels import (
     qgemv_cuda,
     qgemv_half2,
     qgemv_prepared,
+    qgemv_q8,
     qkv_mixed,
     qmmw_cuda,
     rope_cuda,
@@ -126,6 +127,18 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
                 assert all("_p_" in k[0]["name"] for k in kernels[-3:])
                 monkeypatch.delenv(qgemv_prepared.ENV)
+                if bits == 4:  # x rounded to bytes once a block: gated and parts normed, plain, residual
+                    monkeypatch.setenv(qgemv_q8.ENV, "1")
+                    qgemv_cuda.kernel_of(dtype, 4, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 4, 64, (8, 1), parts=(4096, 1024, 1024), k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 4, 128, (4, 2), k=14336, residual=True)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 4, 32, (4, 4), k=4096)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
+                    assert all("_q8_" in k[0]["name"] for k in kernels[-4:])
+                    monkeypatch.delenv(qgemv_q8.ENV)
             if dtype == mx.float16:  # 4-bit sums in half pairs: plain, deeper, staged, split, residual, normed
                 monkeypatch.setenv(qgemv_half2.ENV, "1")
                 for config in ((4, 4), (4, 4, 1, 2), qgemv_cuda.STAGED[0], qgemv_cuda.SPLIT[0]):

@@ -1,0 +1,186 @@
+"""The one-row 4-bit products with x rounded to 8 bits a chunk once a block, and the codes
+summed against it four at a time (``GMLX_Q8X=1``; off by default until a lease serves it):
+the source, and where a product takes it.
+
+Why: counted in sm_90 machine code (``benchmarks/gpu/sass_count.py``), the float sums
+take two instructions a code (a byte permute under 0.5's exponent, a multiply-add), so
+the 8B's normed gate-up-swiglu at 4x4 runs ~73 instructions a row a chunk of 32 codes
+besides x's side, and x prepared once a block (:mod:`qgemv_prepared`) still leaves 426 a
+4-row chunk. Its loop then fills about as many of an H200's issue slots as its bytes fill
+of the memory's time, and the products read at 0.3-1.8 TB/s of the card's 4.8 (12-06
+night). Summed as integers, a word of eight codes is two masks and two 4-way byte
+products (``__dp4a``) against x's bytes: ~5 instructions for 8 codes, ~24 a row a
+chunk with the scale and bias. That is what llama.cpp's quantized products do with
+their activations (Q8_1), and it leaves the loop bound by memory, not by its issue.
+
+The block first loads each warp's first chunk of weights (its wait overlaps the rest),
+then makes x: with the norm folded in, the threads sum the hidden state's squares, meet
+at a barrier, and take ``h * nw * rsqrt(mean(h^2) + eps)``; without it, x as it is. Each
+thread takes whole chunks of 32 values: their floats, the largest magnitude ``a``, and
+each value rounded to the nearest of ``-127..127`` in steps of ``d = a / 127``, the bytes
+of a word's even codes in one word and its odd codes' in the next (as the masks leave the
+codes), written to shared memory with ``d`` and the chunk's float sum. A row's chunk is
+then ``s * d * dot + b * sum(x)`` with ``dot`` the integer sum of the codes against x's
+bytes: exact, so the only change from float sums is x's rounding, at most ``d / 2`` a
+value (``a / 254``). The output is not MLX's bits and is further from a float32 product
+than MLX's own (whose x is float16): :data:`TOLERANCE` states how far a load allows.
+Each warp loads its next chunk's weights while summing the current one.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "GMLX_Q8X"
+SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
+# a product taking this source is held to twice MLX's error from a float32 product plus
+# this much of its largest value (MLX's own products: 0.001; :func:`timing.agrees`). x's
+# rounding is at most 1/254 of a chunk's largest value a value, ~1/60 of x's RMS a step;
+# over K values of random sign it adds ~1/200 of a product's RMS: 0.5-0.8% of the largest
+# of 256 random outputs, 0.8-1.3% where a few of x's values are ~40x the rest (measured
+# in the tests at K = 4,096 and 14,336)
+TOLERANCE = 0.03
+
+
+def q8x() -> bool:
+    """Whether one-row 4-bit products round x to 8 bits (``GMLX_Q8X=1``)."""
+    return os.environ.get(ENV, "0") == "1"
+
+
+def shared_bytes(k: int, warps: int) -> int:
+    """A block's shared memory for a row of ``k`` values: x's bytes, each chunk's step and
+    sum, and each warp's share of the squares' sum."""
+    return k + 8 * (k // 32) + 4 * warps
+
+
+def fits(k: int, warps: int) -> bool:
+    """Whether a row of ``k`` values can be rounded in a block of ``warps`` warps."""
+    return shared_bytes(k, warps) <= SHARED_BYTES
+
+
+def takes(bits: int, k: int, warps: int, one_chunk_whole: bool) -> bool:
+    """Whether a one-row product takes this source: asked for, 4-bit, one chunk a lane at a
+    time with K whole (``one_chunk_whole``), and its row fits."""
+    return q8x() and bits == 4 and one_chunk_whole and k > 0 and k % 32 == 0 and fits(k, warps)
+
+
+# The hidden state's squares' sum (each thread its chunks, met by the block) and the
+# norm's scale, where the norm is folded in.
+_SQUARES = r"""
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < chunks; i += 32 * WARPS) {
+        const uint4* hp = reinterpret_cast<const uint4*>(x + (size_t)i * 32);
+        #pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 raw = hp[v];
+            const T* e = reinterpret_cast<const T*>(&raw);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float f = static_cast<float>(e[j]);
+                ss += f * f;
+            }
+        }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) wss[warp] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < WARPS; ++i) total += wss[i];
+    const float scale = rsqrtf(total / (float)K + EPS);
+"""
+
+
+def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
+    """The source from the one-row source's parts: the layout's sizes, a chunk's loads of
+    each row's codes, scale and bias (into ``q``, ``s``, ``b`` at chunk ``c``), and the
+    lanes' meeting and store (each as :mod:`qgemv_source` has them); ``normed``: the norm
+    before the product folded in (its weight the input ``nw``, ``EPS`` in the head)."""
+    value = "static_cast<float>(e[j]) * static_cast<float>(g[j]) * scale" if normed else "static_cast<float>(e[j])"
+    return layout + r"""
+    const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
+    __shared__ __align__(16) uint4 xq[2][XCHUNKS];  // chunk c's 32 bytes: words 0-3 at [0][c], 4-7 at [1][c]
+    __shared__ float2 xds[XCHUNKS];                 // chunk c's step and float sum
+    __shared__ float wss[WARPS];
+    // this warp's first chunk (past the end: read, never written), before x is made
+    uint32_t q[RPW][BITS];
+    float s[RPW], b[RPW];
+    {
+        const int c = min(lane, chunks - 1);
+""" + row_loads + "    }\n" + (_SQUARES if normed else "") + r"""
+    // x's chunks rounded to bytes, each with its step and float sum, once for the block
+    for (int i = threadIdx.x; i < chunks; i += 32 * WARPS) {
+        const uint4* hp = reinterpret_cast<const uint4*>(x + (size_t)i * 32);
+        """ + ("const uint4* gp = reinterpret_cast<const uint4*>(nw + (size_t)i * 32);" if normed else "") + r"""
+        float f[32];
+        #pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const uint4 hr = hp[v];
+            const T* e = reinterpret_cast<const T*>(&hr);
+            """ + ("const uint4 gr = gp[v];\n            const T* g = reinterpret_cast<const T*>(&gr);"
+                   if normed else "") + r"""
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) f[8 * v + j] = """ + value + r""";
+        }
+        float most = 0.0f, part = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            most = fmaxf(most, fabsf(f[j]));
+            part += f[j];
+        }
+        const float inv = most > 0.0f ? 127.0f / most : 0.0f;
+        uint32_t wd[8];
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) {  // codes 8u..8u+7: the even ones' bytes, then the odd ones'
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                uint32_t packed = 0;
+                #pragma unroll
+                for (int t = 0; t < 4; ++t)
+                    packed |= ((uint32_t)__float2int_rn(f[8 * u + 2 * t + h] * inv) & 0xFFu) << (8 * t);
+                wd[2 * u + h] = packed;
+            }
+        }
+        xq[0][i] = uint4{wd[0], wd[1], wd[2], wd[3]};
+        xq[1][i] = uint4{wd[4], wd[5], wd[6], wd[7]};
+        xds[i] = float2{most / 127.0f, part};
+    }
+    __syncthreads();
+    if (n0 >= N) return;
+    float acc[RPW];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+    #pragma unroll 2
+    for (int c0 = lane; c0 < chunks; c0 += 32) {
+        // the next chunk's weights in flight while this one is summed
+        uint32_t qn[RPW][BITS];
+        float sn[RPW], bn[RPW];
+        if (c0 + 32 < chunks) {
+            const int c = c0 + 32;
+            uint32_t (&q)[RPW][BITS] = qn;
+            float (&s)[RPW] = sn;
+            float (&b)[RPW] = bn;
+""" + row_loads + r"""        }
+        const uint4 xa = xq[0][c0], xb = xq[1][c0];
+        const int xw[8] = {(int)xa.x, (int)xa.y, (int)xa.z, (int)xa.w, (int)xb.x, (int)xb.y, (int)xb.z, (int)xb.w};
+        const float2 ds = xds[c0];
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            int dot = 0;
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                dot = __dp4a((int)(q[r][u] & 0x0F0F0F0Fu), xw[2 * u], dot);
+                dot = __dp4a((int)((q[r][u] >> 4) & 0x0F0F0F0Fu), xw[2 * u + 1], dot);
+            }
+            acc[r] += s[r] * (ds.x * (float)dot) + b[r] * ds.y;
+        }
+        #pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            #pragma unroll
+            for (int i = 0; i < BITS; ++i) q[r][i] = qn[r][i];
+            s[r] = sn[r];
+            b[r] = bn[r];
+        }
+    }
+""" + reduce_store

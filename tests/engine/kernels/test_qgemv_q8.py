@@ -1,0 +1,199 @@
+"""The one-row 4-bit products with x rounded to bytes once a block (``GMLX_Q8X=1``,
+:mod:`qgemv_q8`): which products and shapes take the source, the ones it refuses, and the
+source itself run on the CPU (each warp as 32 host threads, ``__dp4a`` emulated) against
+two references: the float32 product of x rounded as the source says it rounds it (to
+within float sums' rounding: the integer sums are exact), and MLX's own product within
+:data:`qgemv_q8.TOLERANCE`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gmlx.engine.kernels import qgemv_cuda, qgemv_prepared, qgemv_q8
+from gmlx.engine.kernels.timing import agrees, exact_product
+from tests.engine.kernels import emulation
+from tests.engine.kernels.test_qgemv_cuda import _GATED_MAIN, _MAIN, _made
+
+
+def test_only_4_bit_one_row_unstaged_products_take_it_and_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(qgemv_q8.ENV, raising=False)
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)["name"]
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    monkeypatch.setenv(qgemv_prepared.ENV, "all")  # rounding x to bytes takes the place of x prepared
+    for kw in ({"gated": True, "eps": 1e-5}, {"parts": (4096, 1024, 1024), "eps": 1e-5}, {"residual": True}, {}):
+        made = _made(mx.float16, 4, 32, (4, 2), k=4096, **kw)
+        assert "_q8_" in made["name"] and "_p_" not in made["name"] and "__dp4a" in made["source"], kw
+        assert ("nw" in made["input_names"]) == ("eps" in kw)
+    assert "_q8_" not in _made(mx.float16, 6, 32, (4, 2), k=4096)["name"]  # 6- and 8-bit codes: float sums
+    assert "_q8_" not in _made(mx.float16, 8, 32, (4, 2), k=4096)["name"]
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 2), k=4096)["name"]  # depth 2
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 4), k=4096)["name"]  # four rows of x
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 1, 0, 4), k=4096)["name"]  # K split
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2), k=65536)["name"]  # x's bytes over 48 KB
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2))["name"]  # no width given
+
+
+def test_shapes_and_widths_the_source_refuses() -> None:
+    for kind in ({"max_rows": 2}, {"tiles": 1}, {"split": 2}, {"depth": 2}, {"rounds": 4}, {"prepared": True}):
+        with pytest.raises(ValueError, match="rounded to bytes"):
+            qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=4096, q8=True, **kind)
+    with pytest.raises(ValueError, match="rounded to bytes"):
+        qgemv_cuda._kernel(mx.float16, 6, 32, 4, 2, k=4096, q8=True)
+    with pytest.raises(ValueError, match="not rounded"):
+        qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=49152, q8=True)
+
+
+def test_shared_memory_of_a_row() -> None:
+    """A byte a value, a step and a sum a chunk, a float a warp: an 8B's down product
+    (14,336 values) takes 17.9 KB; 32,768 fit, 40,960 do not."""
+    assert qgemv_q8.shared_bytes(14336, 4) == 14336 + 8 * 448 + 16
+    assert qgemv_q8.fits(32768, 8) and not qgemv_q8.fits(40960, 4)
+
+
+def rounded(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, one row) as the source rounds it: each chunk of 32 values to the
+    nearest multiple of its largest magnitude / 127, ties to even."""
+    chunks = x.reshape(-1, 32).astype(np.float32)
+    most = np.abs(chunks).max(axis=1, keepdims=True)
+    inv = np.where(most > 0, np.float32(127) / np.where(most > 0, most, 1), 0).astype(np.float32)
+    return (np.rint(chunks * inv) * (most / np.float32(127))).reshape(x.shape).astype(np.float32)
+
+
+def _run(tmp_path, made: dict, dtype, group: int, layers: list, h: mx.array, nw: mx.array | None,
+         config: tuple[int, ...]) -> mx.array:
+    """The source of ``made`` run on the CPU over one row ``h`` (with the norm's weight
+    ``nw`` where it is folded in); ``layers``: one layer's, or the gate's and the up's,
+    weights, scales and biases."""
+    name = str(dtype).removeprefix("mlx.core.")
+    gated = len(layers) == 2
+    types = [name, *(["uint32", name, name] * len(layers)), *([name] if nw is not None else [])]
+    body = emulation.function(made, types, name)
+    names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws", "scales": "s.data()",
+             "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()", "biases2": "b2.data()",
+             "nw": "nw.data()", "out": "out.data()"}
+    main = (_GATED_MAIN if gated else _MAIN).replace("ARGS", ", ".join(names[p] for p in emulation.parameters(body)))
+    if nw is not None:
+        main = main.replace("    std::vector<E> out(", '    auto nw = load<E>("nw.bin", (size_t)K);\n    std::vector<E> out(')
+    files = [("x", h.view(mx.uint16))] + ([("nw", nw.view(mx.uint16))] if nw is not None else [])
+    for suffix, (wq, sc, bi) in zip(("", "2"), layers):
+        files += [(f"w{suffix}", wq), (f"s{suffix}", sc.view(mx.uint16)), (f"b{suffix}", bi.view(mx.uint16))]
+    for file, a in files:
+        (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
+    k, n = h.shape[-1], layers[0][0].shape[0]
+    program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + body + main
+    emulation.compile_and_run(tmp_path, program, [1, k, n, group, 4, config[0], config[1], 0, 1])
+    return mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
+
+
+def reference(x: mx.array, layer: tuple, group: int) -> mx.array:
+    """The float32 product the source computes: the codes' part against x rounded
+    (:func:`rounded`), the biases' part against x itself (each chunk's float sum)."""
+    wq, scales, biases = (a.astype(mx.float32) if a.dtype != mx.uint32 else a for a in layer)  # weights unrounded
+    x = x.astype(mx.float32)
+    kept = mx.array(rounded(np.array(x)))
+    return exact_product(kept, wq, scales, biases, group, 4) + exact_product(x - kept, wq, 0 * scales, biases, group, 4)
+
+
+def _close(got: mx.array, ref: mx.array) -> bool:
+    """``got`` within its float16 or bfloat16 roundings (the products', the swiglu's: a few
+    units in the last place) of ``ref``, and 0.1% of the largest output (a swiglu's
+    exponential tail, or one of x's values rounded the other way by a norm summed in
+    another order: a step times a weight)."""
+    rel = 4e-3 if got.dtype == mx.float16 else 2e-2
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.abs(got - ref) <= rel * mx.abs(ref) + 1e-3 * mx.abs(ref).max()).all().item()
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("group", "config", "dtype", "k"), [
+    (32, (4, 2), mx.float16, 1088), (64, (4, 4), mx.bfloat16, 1088), (128, (8, 1), mx.float16, 4096)])
+def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, group: int, config, dtype, k: int) -> None:
+    """A plain product over 1,088 values (lanes with one chunk and with two) or 4,096 (four
+    each), 12 weight rows (a block's last warp past the end): the float32 product of x
+    rounded as :func:`rounded` says (the biases' part of x itself: :func:`reference`),
+    and within :data:`qgemv_q8.TOLERANCE` of MLX's product, though in float16 not within
+    MLX's own distance from a float32 product (x's rounding shows)."""
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    n = 12
+    mx.random.seed(group + k)
+    layer = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=4)
+    x = (mx.random.normal((1, k)) * 3).astype(dtype)
+    made = _made(dtype, 4, group, config, k=k)
+    assert "_q8_" in made["name"]
+    got = _run(tmp_path, made, dtype, group, [layer], x, None, config)
+    ref = reference(x, layer, group)
+    assert _close(got, ref)
+    want = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=4)
+    exact = exact_product(x, *layer, group, 4)
+    assert agrees(got, want, exact)  # GMLX_Q8X=1: the load's own check allows the tolerance
+    if dtype == mx.float16:  # rounded: not within MLX's own distance (bfloat16's output rounding is wider)
+        assert not agrees(got, want, exact, 1e-3)
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize(("config", "gated", "dtype"), [
+    ((4, 4, 1), True, mx.float16), ((4, 2, 1), True, mx.bfloat16), ((4, 2), False, mx.float16)])
+def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, config, gated: bool, dtype) -> None:
+    """The norm folded in (gated: the MLP's gate-up-swiglu), 1,088 values, 75 output rows:
+    the float32 norm and product of the normed row rounded as :func:`rounded` says (and
+    its swiglu), and within :data:`qgemv_q8.TOLERANCE` of MLX's norm, products and swiglu."""
+    from mlx_lm.models.activations import swiglu
+
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    k, n, group, eps = 1088, 75, 32, 1e-5
+    mx.random.seed(7 + gated)
+    layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=4)
+              for _ in range(2 if gated else 1)]
+    h = (mx.random.normal((1, k)) * 7 + 2).astype(dtype)  # far from unit RMS: the scale shows
+    nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
+    made = _made(dtype, 4, group, config, gated=gated, k=k, eps=eps)
+    assert "_q8_" in made["name"] and made["input_names"][-1] == "nw"
+    got = _run(tmp_path, made, dtype, group, layers, h, nw, config)
+
+    h32 = h.astype(mx.float32)
+    normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)
+    refs = [reference(normed32, layer, group) for layer in layers]
+    ref = refs[0] * mx.sigmoid(refs[0]) * refs[1] if gated else refs[0]
+    assert _close(got, ref)
+    normed = mx.fast.rms_norm(h, nw, eps)
+    products = [mx.quantized_matmul(normed, *layer, transpose=True, group_size=group, bits=4) for layer in layers]
+    exacts = [exact_product(normed32, *layer, group, 4) for layer in layers]
+    want = swiglu(*products) if gated else products[0]
+    exact = exacts[0] * mx.sigmoid(exacts[0]) * exacts[1] if gated else exacts[0]
+    assert agrees(got, want, exact, qgemv_q8.TOLERANCE)
+
+
+def test_x_rounded_adds_under_the_tolerance_at_an_8b_width() -> None:
+    """What :data:`qgemv_q8.TOLERANCE` is sized by: x's rounding alone (no kernel; the
+    float32 products of a row and of it rounded) over the 8B's 4,096 and 14,336 values,
+    256 rows of random 4-bit weights, a row of normal values and one with a few large ones
+    (as a hidden state has): the largest difference is under a third of the tolerance of
+    the largest output for the normal rows (measured 0.5-0.8%: x's step is ~1/60 of its
+    RMS, so the difference is ~1/200 of the output's), and under half with spikes
+    (0.8-1.3%: a chunk's step is its largest value's, so a spike coarsens its 31
+    neighbours; llama.cpp's 8-bit x has the same bound)."""
+    for k, seed in ((4096, 1), (14336, 2)):
+        mx.random.seed(seed)
+        layer = mx.quantize(mx.random.normal((256, k)).astype(mx.float16), group_size=32, bits=4)
+        x = mx.random.normal((1, k))
+        spiky = x + (mx.random.uniform(shape=(1, k)) > 0.995) * 40  # ~0.5% of the values large
+        for row, bound in ((x, qgemv_q8.TOLERANCE / 3), (spiky, qgemv_q8.TOLERANCE / 2)):
+            exact = exact_product(row, *layer, 32, 4)
+            kept = exact_product(mx.array(rounded(np.array(row))), *layer, 32, 4)
+            worst = (mx.abs(kept - exact).max() / mx.abs(exact).max()).item()
+            assert 0 < worst < bound, (k, worst)
+
+
+def test_a_load_allows_the_tolerance_only_where_x_is_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load's agreement check (``timing.agrees``, every tuner's) holds a product 1% of
+    the largest output off to MLX's 0.1% unless ``GMLX_Q8X=1``."""
+    exact = mx.array([100.0, -50.0, 3.0])
+    want, got = exact + 0.01, exact + mx.array([1.0, 0.0, 0.0])
+    monkeypatch.delenv(qgemv_q8.ENV, raising=False)
+    assert not agrees(got, want, exact)
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    assert agrees(got, want, exact) and not agrees(exact + 4.0, want, exact)
