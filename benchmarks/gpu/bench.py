@@ -156,6 +156,11 @@ GMLX_VARIANTS = {
     # (426 SASS instructions a chunk of the normed gate-up at 4x4 against 591)
     "gmlx-prepared": {"GMLX_PREPARED": "1"},
     "gmlx-prepared-async": {"GMLX_PREPARED": "1", "GMLX_ASYNC": "1"},
+    # the 4-bit one-row products with x rounded to bytes once a block and the codes summed
+    # against it four at a time (__dp4a; 182 SASS instructions a chunk of the normed gate-up
+    # at 4x4 against 591, 47 against 284 for the q-k-v at 8x1), as llama.cpp's products round
+    # their x; the load holds them to qgemv_q8.TOLERANCE
+    "gmlx-q8x": {"GMLX_Q8X": "1"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},

@@ -17,7 +17,9 @@ through a float32 swiglu) and timed against the three of them on the GPU. ``--qk
 parts product (``qkv_cuda``: an attention's queries, keys and values in one launch, each
 to its own output) on the 8B's attention (4096 to 4096 + 1024 + 1024, 4-bit), against
 MLX's three products. ``--normed``: both with the RMSNorm before them folded in, x made
-by each warp or prepared once a block (``qgemv_prepared``), against MLX's norm and products.
+by each warp, prepared once a block (``qgemv_prepared``) or rounded to bytes once a block
+(``qgemv_q8``), against MLX's norm and products. With ``GMLX_Q8X=1`` in the environment
+the plain products' 4-bit kernels round x to bytes (held to ``qgemv_q8.TOLERANCE``).
 """
 
 from __future__ import annotations
@@ -150,17 +152,21 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
             f"{times[best]:.1f} | {mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
 
 
+# the normed products' variants beside the default (x made by each warp): x prepared once a
+# block (p), x rounded to bytes once a block (q8), each set for its kernels' builds
+VARIANTS = {"": {}, "p": {"GMLX_PREPARED": "all"}, "q8": {"GMLX_Q8X": "1"}}
+
+
 def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int) -> list[str]:
     """The products with the norm before them folded in, at one row: the gated MLP (``n``
     outputs) and the attention's parts (``sizes``), at each unstaged launch shape with x
-    made by each warp (the default) and prepared once a block (``GMLX_PREPARED=all``, set
-    for each kernel's build in this process): agreement with MLX's norm then products,
-    MLX's time and the kernel's."""
+    made by each warp (the default), prepared once a block (``GMLX_PREPARED=all``) and
+    rounded to bytes once a block (``GMLX_Q8X=1``; :data:`VARIANTS`, each set for its
+    kernels' builds in this process): agreement with MLX's norm then products (each
+    variant's, as the load holds it), MLX's time and the kernel's."""
     import os
 
     from mlx_lm.models.activations import swiglu
-
-    from gmlx.engine.kernels import qgemv_prepared
 
     eps = 1e-5
     mx.random.seed(k + n + bits)
@@ -197,23 +203,26 @@ def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int
         else:
             mlx_us = per_product(lambda y: [product(layer, mx.fast.rms_norm(y, nw, eps)) for layer in layers], h, reps)
             nbytes = sum(a.nbytes for layer in layers for a in layer)
-        times, ok = {}, True
-        for prep in ("0", "all"):
-            os.environ[qgemv_prepared.ENV] = prep  # read as each kernel is built, at its first run below
-            # (prepared: only the shapes it takes, one chunk a lane, K whole; the others' kernels are the same)
-            for c in configs if prep == "0" else [c for c in configs if qgemv_cuda.launch_shape(c)[3:] == (1, 0, 1, 1)]:
+        times, ok = {}, {}
+        for variant, env in VARIANTS.items():
+            os.environ.update(env)  # read as each kernel is built (at its first run below) and by agrees
+            # (prepared, rounded: only the shapes each takes, one chunk a lane, K whole; the others' kernels are the same)
+            for c in configs if not env else [c for c in configs if qgemv_cuda.launch_shape(c)[3:] == (1, 0, 1, 1)]:
                 if kind == "gated":
                     run = qgemv_cuda.bound(*gate, g, bits, c, up=up, norm=(nw, eps))
-                    ok = ok and agrees(run(h), want_glu, exact_glu)
+                    ok[variant] = ok.get(variant, True) and agrees(run(h), want_glu, exact_glu)
                 else:
                     run = qgemv_cuda.bound(*layers[0], g, bits, c, more=tuple(layers[1:]), norm=(nw, eps))
-                    ok = ok and all(agrees(got, w, e) for got, w, e in zip(run(h), want_parts, exact_parts, strict=True))
-                times[(c, prep)] = per_product(run, h, reps)
-        os.environ.pop(qgemv_prepared.ENV)
+                    ok[variant] = ok.get(variant, True) and all(
+                        agrees(got, w, e) for got, w, e in zip(run(h), want_parts, exact_parts, strict=True))
+                times[(c, variant)] = per_product(run, h, reps)
+            for name in env:
+                os.environ.pop(name)
         best = min(times, key=times.get)
-        shapes = ", ".join(f"{_shape(c)}{' p' if prep == 'all' else ''}: {t:.1f}" for (c, prep), t in times.items())
+        shapes = ", ".join(f"{_shape(c)}{' ' + variant if variant else ''}: {t:.1f}" for (c, variant), t in times.items())
         name = f"{k}x{n} gate+up, swiglu, normed" if kind == "gated" else f"{k}x{'+'.join(map(str, sizes))} parts, normed"
-        out.append(f"| {name} | {bits} | 1 | {'yes' if ok else 'NO'} | {mlx_us:.1f} | {times[best]:.1f} | "
+        agreed = ", ".join(f"{variant or 'default'} {'yes' if good else 'NO'}" for variant, good in ok.items())
+        out.append(f"| {name} | {bits} | 1 | {agreed} | {mlx_us:.1f} | {times[best]:.1f} | "
                    f"{mlx_us / times[best]:.2f} | {nbytes / times[best] / 1e3:.0f} | {shapes} |")
     return out
 
