@@ -176,7 +176,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
         return [(4, 2, rows)]
     return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2),
             *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else []),
-            *(c for c in [*splits(k), *qgemv_async.shapes(k)] if c[1] % 2 == 0)]
+            *(c for c in [*splits(k), *qgemv_async.shapes(k)] if c[1] % 2 == 0), *qgemv_q8.shapes(gated=True)]
 
 
 @cache

@@ -58,6 +58,19 @@ def fits(k: int, warps: int) -> bool:
     return shared_bytes(k, warps) <= SHARED_BYTES
 
 
+# the gated products' shapes of more warps a block, timed beside the others where x is
+# rounded (:func:`shapes`): each block rounds the whole row (the normed gate-up: 16 KB of
+# the hidden state and the norm's weight read a block, ~250 instructions a chunk of x), so
+# twice the rows a block halves that part of the product
+GATED = [(8, 4, 1), (8, 2, 1)]
+
+
+def shapes(gated: bool) -> list[tuple[int, ...]]:
+    """The launch shapes a one-row product is timed in beside the others where x is
+    rounded (:data:`GATED`; the plain ones already have 8 warps a block)."""
+    return list(GATED) if gated and q8x() else []
+
+
 def takes(bits: int, k: int, warps: int, one_chunk_whole: bool) -> bool:
     """Whether a one-row product takes this source: asked for, 4-bit, one chunk a lane at a
     time with K whole (``one_chunk_whole``), and its row fits."""

@@ -135,7 +135,8 @@ def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("config", "gated", "dtype"), [
-    ((4, 4, 1), True, mx.float16), ((4, 2, 1), True, mx.bfloat16), ((4, 2), False, mx.float16)])
+    ((4, 4, 1), True, mx.float16), ((4, 2, 1), True, mx.bfloat16), ((8, 4, 1), True, mx.float16),
+    ((4, 2), False, mx.float16)])
 def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
         tmp_path, monkeypatch: pytest.MonkeyPatch, config, gated: bool, dtype) -> None:
     """The norm folded in (gated: the MLP's gate-up-swiglu), 1,088 values, 75 output rows:
@@ -197,3 +198,12 @@ def test_a_load_allows_the_tolerance_only_where_x_is_rounded(monkeypatch: pytest
     assert not agrees(got, want, exact)
     monkeypatch.setenv(qgemv_q8.ENV, "1")
     assert agrees(got, want, exact) and not agrees(exact + 4.0, want, exact)
+
+
+def test_the_gated_shapes_of_8_warps_are_timed_only_where_x_is_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(qgemv_q8.ENV, raising=False)
+    assert not set(qgemv_q8.GATED) & set(qgemv_cuda.gated_configs(1, 4096))
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    assert set(qgemv_q8.GATED) <= set(qgemv_cuda.gated_configs(1, 4096))
+    assert qgemv_cuda.gated_configs(1, 4096)[0] == (4, 4, 1)  # the default stays first
+    assert "_q8_" in _made(mx.float16, 4, 32, qgemv_q8.GATED[0], gated=True, k=4096, eps=1e-5)["name"]
