@@ -14,17 +14,17 @@ chunk with the scale and bias. That is what llama.cpp's quantized products do wi
 their activations (Q8_1), and it leaves the loop bound by memory, not by its issue.
 
 The block first loads each warp's first chunk of weights (its wait overlaps the rest),
-then makes x: with the norm folded in, the threads sum the hidden state's squares, meet
-at a barrier, and take ``h * nw * rsqrt(mean(h^2) + eps)``; without it, x as it is. Each
-thread takes whole chunks of 32 values: their floats, the largest magnitude ``a``, and
-each value rounded to the nearest of ``-127..127`` in steps of ``d = a / 127``, the bytes
-of a word's even codes in one word and its odd codes' in the next (as the masks leave the
-codes), written to shared memory with ``d`` and the chunk's float sum. A row's chunk is
-then ``s * d * dot + b * sum(x)`` with ``dot`` the integer sum of the codes against x's
-bytes: exact, so the only change from float sums is x's rounding, at most ``d / 2`` a
-value (``a / 254``). The output is not MLX's bits and is further from a float32 product
-than MLX's own (whose x is float16): :data:`TOLERANCE` states how far a load allows.
-Each warp loads its next chunk's weights while summing the current one.
+then rounds x. Each thread takes whole chunks of 32 values: their floats (``h * nw`` with
+the norm folded in, else x as it is), the largest magnitude ``a``, and each value rounded
+to the nearest of ``-127..127`` in steps of ``d = a / 127``, the bytes of a word's even
+codes in one word and its odd codes' in the next (as the masks leave the codes), written
+to shared memory with ``d`` and the chunk's float sum. A row's chunk is then ``s * d * dot
++ b * sum(x)`` with ``dot`` the integer sum of the codes against x's bytes: exact, so the
+only change from float sums is x's rounding, at most ``d / 2`` a value (``a / 254``). The
+norm's scale (``rsqrt(mean(h^2) + eps)``) does not change a chunk's rounding, so the same
+pass sums the squares, the block meets once, and each output is scaled as it is written.
+The output is not MLX's bits and is further from a float32 product than MLX's own (whose
+x is float16): :data:`TOLERANCE` states how far a load allows. Each warp loads its next chunk's weights while summing the current one.
 """
 
 from __future__ import annotations
@@ -77,52 +77,44 @@ def takes(bits: int, k: int, warps: int, one_chunk_whole: bool) -> bool:
     return q8x() and bits == 4 and one_chunk_whole and k > 0 and k % 32 == 0 and fits(k, warps)
 
 
-# The hidden state's squares' sum (each thread its chunks, met by the block) and the
-# norm's scale, where the norm is folded in.
-_SQUARES = r"""
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < chunks; i += 32 * WARPS) {
-        const uint4* hp = reinterpret_cast<const uint4*>(x + (size_t)i * 32);
-        #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            const uint4 raw = hp[v];
-            const T* e = reinterpret_cast<const T*>(&raw);
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float f = static_cast<float>(e[j]);
-                ss += f * f;
-            }
-        }
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) wss[warp] = ss;
-    __syncthreads();
-    float total = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < WARPS; ++i) total += wss[i];
-    const float scale = rsqrtf(total / (float)K + EPS);
-"""
-
-
 def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
     """The source from the one-row source's parts: the layout's sizes, a chunk's loads of
     each row's codes, scale and bias (into ``q``, ``s``, ``b`` at chunk ``c``), and the
     lanes' meeting and store (each as :mod:`qgemv_source` has them); ``normed``: the norm
-    before the product folded in (its weight the input ``nw``, ``EPS`` in the head)."""
-    value = "static_cast<float>(e[j]) * static_cast<float>(g[j]) * scale" if normed else "static_cast<float>(e[j])"
+    before the product folded in (its weight the input ``nw``, ``EPS`` in the head).
+
+    The norm's scale is a number a row, and a chunk's rounding does not change with it
+    (each value over the chunk's largest), so the block rounds ``h * nw`` and sums its
+    squares in the same pass, and each output is scaled as it is written."""
+    value = "static_cast<float>(e[j]) * static_cast<float>(g[j])" if normed else "static_cast<float>(e[j])"
+    squares = "ss += static_cast<float>(e[j]) * static_cast<float>(e[j]);" if normed else ""
+    store = reduce_store
+    if normed:
+        old = "        red[r] = v;\n    }\n"
+        if store.count(old) != 1:
+            raise AssertionError("the one-row store changed: its sums are not met once")
+        store = store.replace(old, old + r"""    float total = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < WARPS; ++i) total += wss[i];
+    const float scale = rsqrtf(total / (float)K + EPS);
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) red[r] *= scale;
+""")
     return layout + r"""
     const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
     __shared__ __align__(16) uint4 xq[2][XCHUNKS];  // chunk c's 32 bytes: words 0-3 at [0][c], 4-7 at [1][c]
     __shared__ float2 xds[XCHUNKS];                 // chunk c's step and float sum
-    __shared__ float wss[WARPS];
+    __shared__ float wss[WARPS];                    // each warp's share of the squares' sum
     // this warp's first chunk (past the end: read, never written), before x is made
     uint32_t q[RPW][BITS];
     float s[RPW], b[RPW];
     {
         const int c = min(lane, chunks - 1);
-""" + row_loads + "    }\n" + (_SQUARES if normed else "") + r"""
-    // x's chunks rounded to bytes, each with its step and float sum, once for the block
+""" + row_loads + r"""    }
+    // x's chunks rounded to bytes, each with its step and float sum, once for the block; a
+    // value's byte is the low byte of its float plus 1.5 * 2^23 (the add rounds it, ties to
+    // even), four gathered by byte permutes
+    float ss = 0.0f;
     for (int i = threadIdx.x; i < chunks; i += 32 * WARPS) {
         const uint4* hp = reinterpret_cast<const uint4*>(x + (size_t)i * 32);
         """ + ("const uint4* gp = reinterpret_cast<const uint4*>(nw + (size_t)i * 32);" if normed else "") + r"""
@@ -134,7 +126,10 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
             """ + ("const uint4 gr = gp[v];\n            const T* g = reinterpret_cast<const T*>(&gr);"
                    if normed else "") + r"""
             #pragma unroll
-            for (int j = 0; j < 8; ++j) f[8 * v + j] = """ + value + r""";
+            for (int j = 0; j < 8; ++j) {
+                f[8 * v + j] = """ + value + r""";
+                """ + squares + r"""
+            }
         }
         float most = 0.0f, part = 0.0f;
         #pragma unroll
@@ -148,18 +143,20 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
         for (int u = 0; u < 4; ++u) {  // codes 8u..8u+7: the even ones' bytes, then the odd ones'
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                uint32_t packed = 0;
+                unsigned r4[4];
                 #pragma unroll
-                for (int t = 0; t < 4; ++t)
-                    packed |= ((uint32_t)__float2int_rn(f[8 * u + 2 * t + h] * inv) & 0xFFu) << (8 * t);
-                wd[2 * u + h] = packed;
+                for (int t = 0; t < 4; ++t) r4[t] = __float_as_uint(fmaf(f[8 * u + 2 * t + h], inv, 12582912.0f));
+                wd[2 * u + h] = __byte_perm(__byte_perm(r4[0], r4[1], 0x0040), __byte_perm(r4[2], r4[3], 0x0040), 0x5410);
             }
         }
         xq[0][i] = uint4{wd[0], wd[1], wd[2], wd[3]};
         xq[1][i] = uint4{wd[4], wd[5], wd[6], wd[7]};
         xds[i] = float2{most / 127.0f, part};
     }
-    __syncthreads();
+    """ + (r"""#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) wss[warp] = ss;
+    """ if normed else "") + r"""__syncthreads();
     if (n0 >= N) return;
     float acc[RPW];
     #pragma unroll
@@ -196,4 +193,4 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
             b[r] = bn[r];
         }
     }
-""" + reduce_store
+""" + store
