@@ -383,7 +383,7 @@ PY
     # q8: the 4-bit one-row products' x rounded to bytes (gmlx-q8x) against the defaults
     [ "$1" = q8 ] && servers=${SERVERS:-gmlx-q8x,gmlx,gmlx-q8x,gmlx}
     "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
-      --widths 1,8 --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
+      --widths "${WIDTHS:-1,8}" --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30
     tail -8 "$OUT/$1.md"
     ;;
