@@ -147,10 +147,6 @@ GMLX_VARIANTS = {
     # o-projection of 4,096 outputs read at 1.4-1.8 TB/s on the H200 (12-06 night) with 2-8
     # warps a streaming multiprocessor
     "gmlx-splitk": {"GMLX_SPLIT_K": "1"},
-    # a float16 model's 4-bit one-row products summed in half pairs (~2x fewer PTX instructions
-    # a code, but as many SASS ones: 587 against 591 a chunk of the normed gate-up), and that
-    # with the split shapes timed too
-    "gmlx-half2": {"GMLX_HALF2": "1"},
     # the normed one-row products (the gate-up-swiglu, the q-k-v) with x's floats made once a
     # block in shared memory and the next chunk's weights loaded while this one is summed
     # (426 SASS instructions a chunk of the normed gate-up at 4x4 against 591)
@@ -164,10 +160,6 @@ GMLX_VARIANTS = {
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},
-    # and the half pairs with it: once the bytes in flight no longer bound the products, their
-    # instructions may (the H200's bandwidth is 43% more than the H100's)
-    "gmlx-async-half2": {"GMLX_ASYNC": "1", "GMLX_HALF2": "1"},
-    "gmlx-half2-splitk": {"GMLX_HALF2": "1", "GMLX_SPLIT_K": "1"},
     # the queries, keys and 6-bit values of a Q4_K_M layer in two normed launches at one stream, as before 12-06 evening
     "gmlx-nomixed": {"GMLX_QKV_MIXED": "0"},
     # MLX's CUDA graphs: its CommandEncoder commits a graph each 30 operations or 400 MB of

@@ -25,8 +25,6 @@
 #   launch shapes by the device's time alone:  bash benchmarks/gpu/lease.sh shapes    (~300 s)
 #   the products' K split between warps:       bash benchmarks/gpu/lease.sh split     (~500 s)
 #   the split shapes' agreement and times:     bash benchmarks/gpu/lease.sh splitcheck (~120 s)
-#   the 4-bit products' sums in half pairs:    bash benchmarks/gpu/lease.sh half2     (~500 s)
-#   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh half2check (~150 s)
 #   the weights streamed through shared memory: bash benchmarks/gpu/lease.sh async   (~500 s)
 #   their agreement and times, each shape:     bash benchmarks/gpu/lease.sh asynccheck (~150 s)
 #   the normed gate-up's sources under ncu:     bash benchmarks/gpu/lease.sh ncu-gemv  (~200 s, no models)
@@ -339,29 +337,17 @@ PY
     GMLX_ASYNC=1 timeout 240 python3 $GPU/gemv_check.py --normed --reps 30 ${DEVICE:+--device} > "$OUT/$1.txt" 2>&1
     cut -c1-1200 "$OUT/$1.txt"
     ;;
-  splitcheck|half2check|asynccheck)
-    # every one-row launch shape with the K-split ones among them (GMLX_SPLIT_K=1), or summed in
-    # half pairs (GMLX_HALF2=1) beside the float sums (the same shapes in a process without it):
-    # whether each agrees with MLX's product and its time, the plain products (the 8B's), the
-    # gated MLP and the q-k-v
+  splitcheck|asynccheck)
+    # every one-row launch shape with the K-split ones (GMLX_SPLIT_K=1) or the streamed ones
+    # (GMLX_ASYNC=1) among them: whether each agrees with MLX's product and its time, the
+    # plain products (the 8B's) and the gated MLP
     with_env
-    if [ "$1" = asynccheck ]; then
-      { GMLX_ASYNC=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
-        GMLX_ASYNC=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/$1.txt" 2>&1
-    elif [ "$1" = splitcheck ]; then
-      { GMLX_SPLIT_K=1 timeout 200 python3 $GPU/gemv_check.py --reps 30
-        GMLX_SPLIT_K=1 timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/$1.txt" 2>&1
-    else
-      for h in 0 1; do
-        echo "GMLX_HALF2=$h"
-        GMLX_HALF2=$h timeout 150 python3 $GPU/gemv_check.py --reps 30
-        GMLX_HALF2=$h timeout 60 python3 $GPU/gemv_check.py --gated --reps 30
-        GMLX_HALF2=$h timeout 60 python3 $GPU/gemv_check.py --qkv --reps 30
-      done > "$OUT/$1.txt" 2>&1
-    fi
+    [ "$1" = asynccheck ] && export GMLX_ASYNC=1 || export GMLX_SPLIT_K=1
+    { timeout 200 python3 $GPU/gemv_check.py --reps 30
+      timeout 100 python3 $GPU/gemv_check.py --gated --reps 30; } > "$OUT/$1.txt" 2>&1
     cut -c1-900 "$OUT/$1.txt"
     ;;
-  shapes|split|half2|async|prepared|q8)
+  shapes|split|async|prepared|q8)
     # shapes: the one-row kernels' launch shapes timed by the device's part alone
     #   (gmlx-deviceshapes: each chain behind a lead product) against the chain's own clock;
     #   the load logs each shape's time both ways
@@ -371,9 +357,7 @@ PY
     #   shapes say where a split shape won
     # each tuned under keys of its own, against the defaults, alternating at 1 and 8 streams
     with_env
-    # half2: the 4-bit products' sums in half pairs (gmlx-half2, its own tuning keys) against the defaults
     servers=gmlx-deviceshapes,gmlx,gmlx-deviceshapes,gmlx; [ "$1" = split ] && servers=gmlx-splitk,gmlx,gmlx-splitk,gmlx
-    [ "$1" = half2 ] && servers=${SERVERS:-gmlx-half2,gmlx,gmlx-half2,gmlx}
     # async: the one-row products' weights streamed through shared memory (gmlx-async; the load
     #   log's paths and launch shapes with a seventh number past 1, e.g. `1:gemv4x2x1x1x0x1x4`,
     #   say where a streamed shape won)

@@ -2,8 +2,9 @@
 each kernel's registers a thread (ptxas) and its main loop's SASS instructions and loads,
 with the loop's most common instructions. A loop's instructions a chunk, times the chunks
 a multiprocessor takes, over its four issues a clock, is the least time its issue slots
-allow. That is how ``qgemv_half2`` was found to save nothing in machine code (the PTX
-counts had said ~1.9x), and what ``qgemv_prepared`` was sized by.
+allow. That is how the sums in half pairs (``GMLX_HALF2``, since removed) were found to
+save nothing in machine code (the PTX counts had said ~1.9x), and what ``qgemv_prepared``
+and ``qgemv_q8`` were sized by.
 
     python benchmarks/gpu/sass_count.py [--top 12]
 
@@ -31,11 +32,11 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared, qgemv_q8
+from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_prepared, qgemv_q8
 from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
-VARIANTS = {"float sums": {}, "half pairs": {qgemv_half2.ENV: "1"}, "x prepared": {qgemv_prepared.ENV: "all"},
+VARIANTS = {"float sums": {}, "x prepared": {qgemv_prepared.ENV: "all"},
             "x as bytes": {qgemv_q8.ENV: "1"}}
 TWICE = ("x prepared", "x as bytes")  # their loops are unrolled twice (``#pragma unroll 2``)
 
@@ -49,8 +50,8 @@ def kernels() -> list[tuple[str, dict, list]]:
     dt = mx.float16
     try:
         for variant, env in VARIANTS.items():
-            saved = {name: os.environ.get(name) for name in (qgemv_half2.ENV, qgemv_prepared.ENV, qgemv_q8.ENV)}
-            os.environ.update({qgemv_half2.ENV: "0", qgemv_prepared.ENV: "0", qgemv_q8.ENV: "0", **env})
+            saved = {name: os.environ.get(name) for name in (qgemv_prepared.ENV, qgemv_q8.ENV)}
+            os.environ.update({qgemv_prepared.ENV: "0", qgemv_q8.ENV: "0", **env})
             qgemv_cuda._kernel.cache_clear()
             for config in [(4, 4, 1), (4, 2, 1), *([qgemv_async.ASYNC[0]] if variant == "float sums" else [])]:
                 qgemv_cuda.kernel_of(dt, 4, 32, config, gated=True, k=4096, eps=1e-5)

@@ -41,7 +41,6 @@ from gmlx.engine.kernels import (
     cuda_source,
     qgemv_async,
     qgemv_cuda,
-    qgemv_half2,
     qgemv_q8,
     qmmw_cuda,
     timing,
@@ -240,11 +239,10 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
         alike.setdefault(_key(m), []).append(m)
     for m in layers:
         if (key := _key(m)) not in chosen:
-            # a tuning kept under the default choices is not one with the chain's, staged, split or streamed shapes' (or half pairs')
+            # a tuning kept under the default choices is not one with the chain's, staged, split or streamed shapes' (or x rounded)
             keys[key] = (layer_key(m.scales.dtype, *key) + ("" if _queued() else ":chain")
                          + (":staged" if qgemv_cuda.staged() else "")
                          + (":split" if qgemv_cuda.splitting() else "")
-                         + (":half2" if qgemv_half2.half2() else "")
                          + (":async" if qgemv_async.streaming() else "")
                          + (":q8" if qgemv_q8.q8x() else ""))
             known = tuning.layer(keys[key])

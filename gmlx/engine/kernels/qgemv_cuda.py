@@ -40,8 +40,10 @@ norm folded in or not) may also split each row's K between warps of a block
 (:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuners time those shapes), so
 a product of few outputs keeps enough warps in flight: see :mod:`qgemv_split`. It may
 also stream each warp's weights through shared memory (:data:`qgemv_async.ASYNC`, its
-seventh number; ``GMLX_ASYNC=1``), and a float16 layout's 4-bit sums may run in half
-pairs (``GMLX_HALF2=1``, :mod:`qgemv_half2`).
+seventh number; ``GMLX_ASYNC=1``), and a 4-bit product may round x to bytes once a block
+and sum its codes four at a time (``GMLX_Q8X=1``, :mod:`qgemv_q8`). (Sums in half pairs,
+``GMLX_HALF2``, were tried on 12-07: no faster served, and in sm_90 machine code as long
+a loop as the float sums', 587 against 591 instructions a chunk; removed.)
 
 At one row a launch shape may also stage x in the block's shared memory first (its
 fifth number, the row tiles a block takes; :data:`STAGED`), so a lane's loads in flight
@@ -67,7 +69,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_async, qgemv_half2, qgemv_prepared, qgemv_q8
+from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
@@ -182,7 +184,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 @cache
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
-            residual: bool = False, eps: float | None = None, split: int = 1, half2: bool = False,
+            residual: bool = False, eps: float | None = None, split: int = 1,
             rounds: int = 1, prepared: bool = False, q8: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
@@ -195,7 +197,6 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     gated or parts product of ``rms_norm(x, nw, eps)`` with the norm folded in, its weight
     one more input, ``nw`` (:data:`qgemv_source.NORMED_BODY`); ``split``: at one row,
     unstaged, each row's K split between that many warps (:data:`qgemv_source.SPLIT_BODY`);
-    ``half2``: a float16 layout's 4-bit one-row sums in half pairs (:mod:`qgemv_half2`);
     ``rounds``: at one unstaged row, K whole, that many rounds of each warp's chunks in
     flight through shared memory (:mod:`qgemv_async`); ``prepared``: with ``eps``, at one
     unstaged row, a chunk a lane at a time, K whole, x's floats made once a block
@@ -230,7 +231,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             + (f" constexpr int SPLIT = {split};" if split > 1 else "")
             + (f" constexpr int STAGES = {rounds};" if rounds > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
-            + qgemv_half2.constant(t, half2 and not prepared and not q8) + "\n"
+            + "\n"
             + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
     layers = 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
@@ -268,7 +269,7 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
-                   k if tiles or rounds > 1 or prepared or q8 else 0, residual, eps, split, qgemv_half2.half2(), rounds,
+                   k if tiles or rounds > 1 or prepared or q8 else 0, residual, eps, split, rounds,
                    prepared, q8)
 
 

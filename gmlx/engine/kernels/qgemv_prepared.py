@@ -10,9 +10,8 @@ of the 8B's normed gate-up-swiglu at 4x4 (sm_90 SASS, counted by
 ``benchmarks/gpu/sass_count.py``), done again by each of a block's warps and each block.
 At 4x2 it is ~180 of 386. The gate-up's loop issues ~20 us of an H200's issue slots
 against its 40 us a layer (12-06 night), so the products' instructions are half their
-time. (``GMLX_HALF2`` was meant to cut them and measured no faster on 12-07, but its
-SASS loop is the same length as the float sums': 587 against 591 instructions. It
-moved the codes' work from byte permutes to masks, which is not fewer instructions.)
+time. (Sums in half pairs were meant to cut them and measured no faster on 12-07: their
+SASS loop was as long as the float sums', 587 against 591 instructions; removed.)
 
 Here a block prepares x once. First it loads its warps' first chunk of weights, so their
 wait on memory overlaps the rest. Its threads then sum the hidden state's squares, and
@@ -66,8 +65,7 @@ def source(layout: str, row_loads: str, row_sums: str, reduce_store: str) -> str
     loads of each row's codes, scale and bias (into ``q``, ``s``, ``b`` at chunk ``c``),
     each row's sums of a chunk (against ``xf`` and ``xs``), and the lanes' meeting and
     store (each as :mod:`qgemv_source` has them)."""
-    sums = (row_sums.replace("XWORDS(v)", "uint4{}").replace("H2_SCALE", "256.0f")
-            .replace("sd[di]", "s").replace("bd[di]", "b"))
+    sums = row_sums.replace("sd[di]", "s").replace("bd[di]", "b")
     return layout + r"""
     const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
     __shared__ __align__(16) float4 xsh[8][XCHUNKS];  // chunk c's floats 4v..4v+3 at [v][c]: a warp's lanes read one row

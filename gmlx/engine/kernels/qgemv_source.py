@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.cuda_source import compact
-from gmlx.engine.kernels.qgemv_half2 import HMUL4, PAIRS, ROW
 from gmlx.engine.kernels.qgemv_split import split
 
 # Every source's start: the layout's sizes, this lane's place; then (``_START``) this
@@ -31,7 +30,6 @@ _LAYOUT = r"""
     const int groups = K / G;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    constexpr bool H2 = HALF2 && BITS == 4;  // 4-bit sums in half pairs (qgemv_half2)
 """
 _START = _LAYOUT + r"""
     const int n0 = (blockIdx.x * WARPS + warp) * OUTS;
@@ -129,9 +127,9 @@ _DEPTH_LOADS = r"""        #pragma unroll
 # Each of the warp's rows' share of chunk ``di`` (its codes against x's floats ``xf``, then
 # the chunk's scale and bias), and the one-row sources' end: the lanes' sums met by
 # shuffles, lane r writing row r.
-_ROW_SUMS = PAIRS + r"""            #pragma unroll
+_ROW_SUMS = r"""            #pragma unroll
             for (int r = 0; r < RPW; ++r) {
-""" + ROW + r"""                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 #pragma unroll
                 for (int j = 0; j < 32; ++j) {
 """ + _CODE + r"""                    d[j & 3] += xf[j] * f;
@@ -156,7 +154,7 @@ _REDUCE_STORE = r"""    float red[RPW];
 # The one-row sources' share of chunk ``di`` (its x as ``xd[di]``): x's floats, then each
 # row's sums; the norm transform (``_normed``) finds and replaces ``_CHUNK_X`` in each.
 _CHUNK_X = _X_FLOATS.replace("XRAW", "xd[di]")
-_CHUNK_SUMS = _ROW_SUMS.replace("XWORDS(v)", "xd[di][v]").replace("H2_SCALE", "256.0f")
+_CHUNK_SUMS = _ROW_SUMS
 
 # One row of x. Each lane takes DEPTH of its chunks at a time (``di``: ``u`` names a word
 # of codes in the row loads), every load of all DEPTH issued before any use (codes,
@@ -310,7 +308,7 @@ _STAGED_SOURCE = _LAYOUT + r"""
                     for (int j = 0; j < 8; ++j) xf[8 * v + j] = static_cast<float>(e[j]);
                 }
                 const float xs = xsum[c];
-""" + _ROW_SUMS.replace("XWORDS(v)", "xr[v]").replace("H2_SCALE", "256.0f") + r"""            }
+""" + _ROW_SUMS + r"""            }
         }
 """ + _REDUCE_STORE + r"""    }
 """
@@ -357,9 +355,7 @@ _NORMED_SCALE = r"""    #pragma unroll
 
 def _normed(source: str) -> str:
     """The one-row source ``source`` with the norm folded in (see ``_NORMED_X``)."""
-    steps = [("    float acc[RPW];\n", "    float acc[RPW];\n    float ss = 0.0f;\n" + HMUL4),
-             ("const uint4 m = xd[di][v];", "const uint4 m = gmlx_hmul4(xd[di][v], nd[di][v]);"),
-             ("const float dot = 256.0f *", "const float dot = 4096.0f *"),
+    steps = [("    float acc[RPW];\n", "    float acc[RPW];\n    float ss = 0.0f;\n"),
              ("        uint4 xd[DEPTH][4];\n", "        uint4 xd[DEPTH][4], nd[DEPTH][4];\n"),
              ("                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];\n",
               ("                for (int v = 0; v < 4; ++v) xd[di][v] = xp[v];\n"

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_half2
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_cuda import launch_shape
 from gmlx.engine.kernels.qgemv_heads import parts_head
@@ -77,13 +76,12 @@ def blocks(rows: int, warps: int, rpw: int) -> int:
 
 @cache
 def _kernel(dtype: Any, layout: tuple[int, int], values_layout: tuple[int, int], warps: int, rpw: int, depth: int,
-            sizes: tuple[int, int], values: int, eps: float, half2: bool = False) -> Any:
-    """One kernel per pair of layouts, launch shape and sizes (``half2``: a 4-bit layout's
-    sums in half pairs, :mod:`qgemv_half2`)."""
+            sizes: tuple[int, int], values: int, eps: float) -> Any:
+    """One kernel per pair of layouts, launch shape and sizes."""
     t = cuda_type(dtype)
     head = (f"using T = {t}; constexpr int WARPS = {warps}; constexpr int RPW = {rpw}; "
             f"constexpr int DEPTH = {depth}; constexpr float EPS = {float(eps)!r}f; "
-            f"constexpr int NB1 = {blocks(sum(sizes), warps, rpw)};" + qgemv_half2.constant(t, half2) + "\n")
+            f"constexpr int NB1 = {blocks(sum(sizes), warps, rpw)};\n")
     inputs, outputs = layer_names(3, 3)
     name = (f"gmlx_qkvmixed_{t.strip('_')}_{layout[0]}_{layout[1]}_{values_layout[0]}_{values_layout[1]}"
             f"_{warps}_{rpw}" + (f"_d{depth}" if depth > 1 else ""))
@@ -113,7 +111,7 @@ def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: t
             if norm[0].dtype != x.dtype:
                 raise ValueError(f"the norm's weight is {norm[0].dtype}, the input {x.dtype}: they must match")
             kernel = kernels[x.dtype] = _kernel(x.dtype, layout, (values.bits, values.group_size), warps, rpw, depth,
-                                                sizes, n, float(norm[1]), qgemv_half2.half2())
+                                                sizes, n, float(norm[1]))
         lead = x.shape[:-1]
         return tuple(kernel(inputs=[x, *weights, norm[0]], grid=grid, threadgroup=(32 * warps, 1, 1),
                             output_shapes=[(*lead, m) for m in (*sizes, n)], output_dtypes=[x.dtype] * 3))

@@ -103,7 +103,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
 
     import mlx.core as mx
 
-    from gmlx.engine.kernels import qgemv_half2, qgemv_prepared, qgemv_q8
+    from gmlx.engine.kernels import qgemv_prepared, qgemv_q8
     from gmlx.engine.kernels.timing import chain_time, device_chain_time, fed
     from gmlx.engine.kernels.tuning import Tuning
 
@@ -117,8 +117,6 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
         key = f"{key}:split"
     if any(len(shape) > 6 and shape[6] > 1 for shape in shapes):  # streamed (GMLX_ASYNC=1): kept apart
         key = f"{key}:async"
-    if qgemv_half2.half2():  # 4-bit sums in half pairs (GMLX_HALF2=1): kept apart
-        key = f"{key}:half2"
     if qgemv_prepared.prepared():  # the normed products' x made once a block (GMLX_PREPARED=1): kept apart
         key = f"{key}:prepared"
     if qgemv_q8.q8x():  # the 4-bit products' x rounded to bytes (GMLX_Q8X=1): kept apart

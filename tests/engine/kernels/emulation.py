@@ -59,13 +59,6 @@ inline void gmlx_host_copy(void* dst, const void* src, int size, int valid) {
     std::memcpy(dst, src, valid);
     std::memset(static_cast<char*>(dst) + valid, 0, size - valid);
 }
-// a pair multiply-add rounded once (the toolkit's headers have none on the host): a half
-// product is exact in a double, and the double's sum rounds to half as the device's does
-// wherever the sum is not a tie between two halves at the double's own rounding
-inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
-    const float2 fa = __half22float2(a), fb = __half22float2(b), fc = __half22float2(c);
-    return __halves2half2(__double2half((double)fa.x * fb.x + fc.x), __double2half((double)fa.y * fb.y + fc.y));
-}
 inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
     const uint64_t source = (uint64_t)a | ((uint64_t)b << 32);
     unsigned r = 0;

@@ -24,7 +24,6 @@ from gmlx.engine.kernels import (
     cached_attention_cuda,
     qgemv_async,
     qgemv_cuda,
-    qgemv_half2,
     qgemv_prepared,
     qgemv_q8,
     qkv_mixed,
@@ -139,21 +138,6 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype]))
                     assert all("_q8_" in k[0]["name"] for k in kernels[-4:])
                     monkeypatch.delenv(qgemv_q8.ENV)
-            if dtype == mx.float16:  # 4-bit sums in half pairs: plain, deeper, staged, split, residual, normed
-                monkeypatch.setenv(qgemv_half2.ENV, "1")
-                for config in ((4, 4), (4, 4, 1, 2), qgemv_cuda.STAGED[0], qgemv_cuda.SPLIT[0]):
-                    for residual in (False, True):
-                        qgemv_cuda.kernel_of(dtype, 4, 32, config, k=14336, residual=residual)
-                        kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, *[dtype] * residual]))
-                for config in ((4, 4, 1), qgemv_cuda.SPLIT[0]):
-                    qgemv_cuda.kernel_of(dtype, 4, 32, config, gated=True, k=4096, eps=1e-5)
-                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
-                qgemv_cuda.kernel_of(dtype, 4, 32, (8, 1), parts=(4096, 1024, 1024), k=4096, eps=1e-5)
-                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
-                qkv_mixed._kernel(dtype, (4, 32), (6, 32), 4, 2, 1, (4096, 1024), 1024, 1e-5, True)
-                kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype], [dtype] * 3))
-                assert all("HALF2 = true" in k[0]["source"] for k in kernels[-12:])
-                monkeypatch.delenv(qgemv_half2.ENV)
             for layout, values_layout in (((4, 32), (6, 32)), ((4, 64), (8, 64))):  # two layouts, one launch
                 for warps, rpw, depth in ((4, 2, 1), (4, 4, 2)):
                     qkv_mixed._kernel(dtype, layout, values_layout, warps, rpw, depth, (4096, 1024), 1024, 1e-5)

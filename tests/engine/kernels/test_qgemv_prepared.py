@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_half2, qgemv_prepared
+from gmlx.engine.kernels import qgemv_async, qgemv_cuda, qgemv_prepared
 
 
 def _made(monkeypatch: pytest.MonkeyPatch, config: tuple[int, ...], **kw) -> dict:
@@ -40,14 +40,6 @@ def test_only_normed_one_row_products_take_it_and_only_where_asked(monkeypatch: 
     assert "_p_" not in _made(monkeypatch, qgemv_async.ASYNC[0], gated=True, k=4096, eps=1e-5)["name"]  # streamed
     assert "_p_" not in _made(monkeypatch, (4, 4, 1), gated=True, k=16384, eps=1e-5)["name"]  # x's floats: 64 KB
     assert "_p_" not in _made(monkeypatch, (4, 4, 1), gated=True, eps=1e-5)["name"]  # no width given
-
-
-def test_half_pairs_are_off_where_x_is_prepared(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prepared source's x is floats: a float16 layout's sums stay float there."""
-    monkeypatch.setenv(qgemv_prepared.ENV, "1")
-    monkeypatch.setenv(qgemv_half2.ENV, "1")
-    assert "HALF2 = false" in _made(monkeypatch, (4, 4, 1), gated=True, k=4096, eps=1e-5)["source"]
-    assert "HALF2 = true" in _made(monkeypatch, (4, 4), k=4096)["source"]
 
 
 def test_shapes_and_widths_the_prepared_source_refuses() -> None:

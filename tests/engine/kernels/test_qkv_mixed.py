@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx.engine.kernels import qgemv_half2, qkv_mixed
+from gmlx.engine.kernels import qkv_mixed
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import emulation
 
@@ -23,7 +23,7 @@ def _made(dtype, layout, values_layout, config, sizes, values, eps) -> dict:
         try:
             warps, rpw, *rest = config
             qkv_mixed._kernel(dtype, layout, values_layout, warps, rpw, rest[1] if len(rest) > 1 else 1, sizes,
-                              values, eps, qgemv_half2.half2())
+                              values, eps)
         finally:
             qkv_mixed._kernel.cache_clear()
     return made[0]
