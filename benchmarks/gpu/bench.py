@@ -155,8 +155,10 @@ GMLX_VARIANTS = {
     # the 4-bit one-row products with x rounded to bytes once a block and the codes summed
     # against it four at a time (__dp4a; 182 SASS instructions a chunk of the normed gate-up
     # at 4x4 against 591, 47 against 284 for the q-k-v at 8x1), as llama.cpp's products round
-    # their x; the load holds them to qgemv_q8.TOLERANCE
+    # their x; the load holds them to qgemv_q8.TOLERANCE. The default since 12-07 (H200: one
+    # stream 313 and 336 tok/s against 294); gmlx-noq8: the float sums, as before
     "gmlx-q8x": {"GMLX_Q8X": "1"},
+    "gmlx-noq8": {"GMLX_Q8X": "0"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},

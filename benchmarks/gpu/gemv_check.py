@@ -18,8 +18,9 @@ parts product (``qkv_cuda``: an attention's queries, keys and values in one laun
 to its own output) on the 8B's attention (4096 to 4096 + 1024 + 1024, 4-bit), against
 MLX's three products. ``--normed``: both with the RMSNorm before them folded in, x made
 by each warp, prepared once a block (``qgemv_prepared``) or rounded to bytes once a block
-(``qgemv_q8``), against MLX's norm and products. With ``GMLX_Q8X=1`` in the environment
-the plain products' 4-bit kernels round x to bytes (held to ``qgemv_q8.TOLERANCE``).
+(``qgemv_q8``), against MLX's norm and products. The plain products' 4-bit one-row
+kernels round x to bytes by default, as a load's do (held to ``qgemv_q8.TOLERANCE``);
+``GMLX_Q8X=0`` in the environment times their float sums.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
 
 # the normed products' variants beside the default (x made by each warp): x prepared once a
 # block (p), x rounded to bytes once a block (q8), each set for its kernels' builds
-VARIANTS = {"": {}, "p": {"GMLX_PREPARED": "all"}, "q8": {"GMLX_Q8X": "1"}}
+VARIANTS = {"": {"GMLX_Q8X": "0"}, "p": {"GMLX_PREPARED": "all", "GMLX_Q8X": "0"}, "q8": {"GMLX_Q8X": "1"}}
 
 
 def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int) -> list[str]:
@@ -207,7 +208,7 @@ def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int
         for variant, env in VARIANTS.items():
             os.environ.update(env)  # read as each kernel is built (at its first run below) and by agrees
             # (prepared, rounded: only the shapes each takes, one chunk a lane, K whole; the others' kernels are the same)
-            for c in configs if not env else [c for c in configs if qgemv_cuda.launch_shape(c)[3:] == (1, 0, 1, 1)]:
+            for c in configs if not variant else [c for c in configs if qgemv_cuda.launch_shape(c)[3:] == (1, 0, 1, 1)]:
                 if kind == "gated":
                     run = qgemv_cuda.bound(*gate, g, bits, c, up=up, norm=(nw, eps))
                     ok[variant] = ok.get(variant, True) and agrees(run(h), want_glu, exact_glu)
@@ -217,7 +218,7 @@ def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int
                         agrees(got, w, e) for got, w, e in zip(run(h), want_parts, exact_parts, strict=True))
                 times[(c, variant)] = per_product(run, h, reps)
             for name in env:
-                os.environ.pop(name)
+                os.environ.pop(name, None)
         best = min(times, key=times.get)
         shapes = ", ".join(f"{_shape(c)}{' ' + variant if variant else ''}: {t:.1f}" for (c, variant), t in times.items())
         name = f"{k}x{n} gate+up, swiglu, normed" if kind == "gated" else f"{k}x{'+'.join(map(str, sizes))} parts, normed"

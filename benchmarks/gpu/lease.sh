@@ -31,7 +31,7 @@
 #   the normed products, x prepared or not:    bash benchmarks/gpu/lease.sh preparedcheck (~150 s, no models)
 #   the normed products' x prepared, served:   bash benchmarks/gpu/lease.sh prepared  (~500 s)
 #   x rounded to bytes, agreement and times:    bash benchmarks/gpu/lease.sh q8check   (~200 s, no models)
-#   x rounded to bytes, served:                 bash benchmarks/gpu/lease.sh q8        (~500 s)
+#   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
 #
@@ -320,11 +320,11 @@ PY
   q8check)
     # no models needed (after `install`): the normed gate-up-swiglu and q-k-v at each shape,
     # x made by each warp, prepared, rounded to bytes (GMLX_Q8X): agreement and times; then
-    # the plain products with GMLX_Q8X=1 (the 4-bit ones round x); then ncu's GPU time of
+    # the plain products as loads make them (the 4-bit ones round x); then ncu's GPU time of
     # each normed gate-up kernel at 4 warps (the chain's clock is the host's on a slow host)
     with_env
     { GMLX_ASYNC=1 timeout 150 python3 $GPU/gemv_check.py --normed --reps 30
-      GMLX_Q8X=1 timeout 150 python3 $GPU/gemv_check.py --reps 30; } > "$OUT/$1.txt" 2>&1
+      timeout 150 python3 $GPU/gemv_check.py --reps 30; } > "$OUT/$1.txt" 2>&1
     cut -c1-1200 "$OUT/$1.txt"
     LIMIT=${LIMIT:-200} REPS=${REPS:-6} KERNELS=${KERNELS:-"qglun_half_4_32_4_|qparts3n_half_4_32_"} bash "$0" ncu-times | head -40
     ;;
@@ -364,8 +364,8 @@ PY
     [ "$1" = async ] && servers=${SERVERS:-gmlx-async,gmlx,gmlx-async,gmlx}
     # prepared: the normed products' x made once a block (gmlx-prepared) against the defaults
     [ "$1" = prepared ] && servers=${SERVERS:-gmlx-prepared,gmlx,gmlx-prepared,gmlx}
-    # q8: the 4-bit one-row products' x rounded to bytes (gmlx-q8x) against the defaults
-    [ "$1" = q8 ] && servers=${SERVERS:-gmlx-q8x,gmlx,gmlx-q8x,gmlx}
+    # q8: the 4-bit one-row products' float sums (gmlx-noq8) against the defaults (x rounded to bytes)
+    [ "$1" = q8 ] && servers=${SERVERS:-gmlx-noq8,gmlx,gmlx-noq8,gmlx}
     "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
       --widths "${WIDTHS:-1,8}" --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qmmw_cuda, step_tuning, swaps
+from gmlx.engine.kernels import cuda_source, qgemv_cuda, qgemv_q8, qmmw_cuda, step_tuning, swaps
 from gmlx.engine.kernels.fast_linear import plus as product_plus
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def _close(mlp: Any, results: list | None) -> bool:
         return False
     for x, n, got in results:
         g, u = (exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (mlp.gate_proj, mlp.up_proj))
-        if not close_enough(got, _mlx_gated(mlp, x, n), g * mx.sigmoid(g) * u):
+        if not close_enough(got, _mlx_gated(mlp, x, n), g * mx.sigmoid(g) * u, qgemv_q8.tolerance(mlp.gate_proj.bits, n)):
             return False
     return True
 
@@ -297,7 +297,7 @@ def _normed_agrees(mlp: Any, norm: Any, run: Callable[[Any], Any]) -> bool:
         return False
     h, got = ran
     g, u = (exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits) for m in (gate, up))
-    return close_enough(got, _mlx_gated(mlp, norm(h), 1), g * mx.sigmoid(g) * u)
+    return close_enough(got, _mlx_gated(mlp, norm(h), 1), g * mx.sigmoid(g) * u, qgemv_q8.tolerance(gate.bits))
 
 
 @cache

@@ -40,8 +40,8 @@ norm folded in or not) may also split each row's K between warps of a block
 (:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuners time those shapes), so
 a product of few outputs keeps enough warps in flight: see :mod:`qgemv_split`. It may
 also stream each warp's weights through shared memory (:data:`qgemv_async.ASYNC`, its
-seventh number; ``GMLX_ASYNC=1``), and a 4-bit product may round x to bytes once a block
-and sum its codes four at a time (``GMLX_Q8X=1``, :mod:`qgemv_q8`). (Sums in half pairs,
+seventh number; ``GMLX_ASYNC=1``), and a 4-bit product rounds x to bytes once a block and
+sums its codes four at a time (:mod:`qgemv_q8`; ``GMLX_Q8X=0``: the float sums). (Sums in half pairs,
 ``GMLX_HALF2``, were tried on 12-07: no faster served, and in sm_90 machine code as long
 a loop as the float sums', 587 against 591 instructions a chunk; removed.)
 

@@ -29,7 +29,15 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qkv_mixed, qmmw_cuda, step_tuning, swaps
+from gmlx.engine.kernels import (
+    cuda_source,
+    qgemv_cuda,
+    qgemv_q8,
+    qkv_mixed,
+    qmmw_cuda,
+    step_tuning,
+    swaps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +216,8 @@ def _close(attention: Any, results: list | None) -> bool:
     for x, n, got in results:
         for g, w, name in zip(got, _mlx_project(attention, x, n), NAMES, strict=False):
             m = attention[name]
-            if not close_enough(g, w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits)):
+            if not close_enough(g, w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits),
+                                qgemv_q8.tolerance(m.bits, n)):
                 return False
     return True
 
@@ -285,6 +294,7 @@ def _normed_close(attention: Any, norm: Any, run: Callable[[Any], tuple[Any, Any
     h, got = ran
     for g, w, name in zip(got, _mlx_project(attention, norm(h), 1), NAMES, strict=True):
         m = attention[name]
-        if not close_enough(g, w, exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits)):
+        if not close_enough(g, w, exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits),
+                            qgemv_q8.tolerance(m.bits)):
             return False
     return True

@@ -103,27 +103,24 @@ def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -
     return (time.perf_counter() - start) / steps
 
 
-def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any) -> bool:
-    """Whether a path runs here and agrees (a kernel that does not compile is no path)."""
+def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any, tolerance: float = 1e-3) -> bool:
+    """Whether a path runs here and agrees (a kernel that does not compile is no path;
+    ``tolerance`` as :func:`agrees` takes it)."""
     try:
-        return agrees(fn(), want, exact)
+        return agrees(fn(), want, exact, tolerance)
     except (RuntimeError, ValueError) as e:  # NVRTC's compile error, a launch MLX refused, a layout a shape refuses
         log.warning("cuda: a decode-sized path is not used: %s", str(e).splitlines()[0][:200])
         return False
 
 
-def agrees(got: Any, want: Any, exact: Any, tolerance: float | None = None) -> bool:
+def agrees(got: Any, want: Any, exact: Any, tolerance: float = 1e-3) -> bool:
     """Whether the kernel's ``got`` is as close to the float32 product ``exact`` as MLX's
     own quantized matmul ``want`` is (within twice its error, plus ``tolerance`` of the
     largest value: by default 0.1%, both accumulate in their own order and round to
-    float16; where the 4-bit products round x to bytes (``GMLX_Q8X=1``),
-    :data:`qgemv_q8.TOLERANCE`)."""
+    float16; a one-row product that rounds x to bytes is allowed
+    :func:`qgemv_q8.tolerance`)."""
     import mlx.core as mx
 
-    from gmlx.engine.kernels import qgemv_q8
-
-    if tolerance is None:
-        tolerance = qgemv_q8.TOLERANCE if qgemv_q8.q8x() else 1e-3
     got, want, exact = (a.astype(mx.float32) for a in (got, want, exact))
     err_kernel = mx.abs(got - exact).max()
     err_mlx = mx.abs(want - exact).max()

@@ -17,9 +17,15 @@ from tests.engine.kernels import emulation
 from tests.engine.kernels.test_qgemv_cuda import _GATED_MAIN, _MAIN, _made
 
 
-def test_only_4_bit_one_row_unstaged_products_take_it_and_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(qgemv_q8.ENV, raising=False)
+def test_it_is_the_default_and_gmlx_q8x_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(qgemv_q8.ENV)
+    assert qgemv_q8.q8x() and "_q8_" in _made(mx.float16, 4, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)["name"]
+    monkeypatch.setenv(qgemv_q8.ENV, "0")
+    assert not qgemv_q8.q8x()
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)["name"]
+
+
+def test_only_4_bit_one_row_unstaged_products_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(qgemv_q8.ENV, "1")
     monkeypatch.setenv(qgemv_prepared.ENV, "all")  # rounding x to bytes takes the place of x prepared
     for kw in ({"gated": True, "eps": 1e-5}, {"parts": (4096, 1024, 1024), "eps": 1e-5}, {"residual": True}, {}):
@@ -128,7 +134,7 @@ def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
     assert _close(got, ref)
     want = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=4)
     exact = exact_product(x, *layer, group, 4)
-    assert agrees(got, want, exact)  # GMLX_Q8X=1: the load's own check allows the tolerance
+    assert agrees(got, want, exact, qgemv_q8.tolerance(4))  # what a load allows it
     if dtype == mx.float16:  # rounded: not within MLX's own distance (bfloat16's output rounding is wider)
         assert not agrees(got, want, exact, 1e-3)
 
@@ -189,19 +195,23 @@ def test_x_rounded_adds_under_the_tolerance_at_an_8b_width() -> None:
             assert 0 < worst < bound, (k, worst)
 
 
-def test_a_load_allows_the_tolerance_only_where_x_is_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The load's agreement check (``timing.agrees``, every tuner's) holds a product 1% of
-    the largest output off to MLX's 0.1% unless ``GMLX_Q8X=1``."""
+def test_a_load_allows_the_tolerance_only_where_x_may_be_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loads' agreement checks hold a one-row 4-bit product to twice MLX's error plus
+    :data:`qgemv_q8.TOLERANCE` of the largest output, every other product (6- and 8-bit,
+    more rows, or ``GMLX_Q8X=0``) to MLX's 0.1%: a product 1% off passes only there."""
     exact = mx.array([100.0, -50.0, 3.0])
     want, got = exact + 0.01, exact + mx.array([1.0, 0.0, 0.0])
-    monkeypatch.delenv(qgemv_q8.ENV, raising=False)
+    monkeypatch.delenv(qgemv_q8.ENV)
+    assert agrees(got, want, exact, qgemv_q8.tolerance(4)) and not agrees(exact + 4.0, want, exact, qgemv_q8.tolerance(4))
+    for bits, rows in ((6, 1), (8, 1), (4, 2)):
+        assert not agrees(got, want, exact, qgemv_q8.tolerance(bits, rows)), (bits, rows)
     assert not agrees(got, want, exact)
-    monkeypatch.setenv(qgemv_q8.ENV, "1")
-    assert agrees(got, want, exact) and not agrees(exact + 4.0, want, exact)
+    monkeypatch.setenv(qgemv_q8.ENV, "0")
+    assert not agrees(got, want, exact, qgemv_q8.tolerance(4))
 
 
 def test_the_gated_shapes_of_8_warps_are_timed_only_where_x_is_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(qgemv_q8.ENV, raising=False)
+    monkeypatch.setenv(qgemv_q8.ENV, "0")
     assert not set(qgemv_q8.GATED) & set(qgemv_cuda.gated_configs(1, 4096))
     monkeypatch.setenv(qgemv_q8.ENV, "1")
     assert set(qgemv_q8.GATED) <= set(qgemv_cuda.gated_configs(1, 4096))
