@@ -37,7 +37,7 @@ from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
 VARIANTS = {"float sums": {}, "x prepared": {qgemv_prepared.ENV: "all"},
-            "x as bytes": {qgemv_q8.ENV: "1"}}
+            "x as bytes": {qgemv_q8.ENV: "all"}}
 TWICE = ("x prepared", "x as bytes")  # their loops are unrolled twice (``#pragma unroll 2``)
 
 
@@ -61,6 +61,8 @@ def kernels() -> list[tuple[str, dict, list]]:
                 out.append((variant, made[-1], [dt, *[mx.uint32, dt, dt] * 3, dt]))
             if variant != "x prepared":  # (no norm before the down product)
                 qgemv_cuda.kernel_of(dt, 4, 32, (4, 4), k=14336, residual=True)
+                out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
+                qgemv_cuda.kernel_of(dt, 6, 32, (4, 4), k=14336, residual=True)  # the 6-bit down product
                 out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
             for name, value in saved.items():
                 if value is None:

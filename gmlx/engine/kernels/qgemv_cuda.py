@@ -203,8 +203,8 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     (:mod:`qgemv_prepared`, ``k`` values); ``q8``: a 4-bit product of one unstaged row, a
     chunk a lane at a time, K whole, x rounded to bytes once a block (:mod:`qgemv_q8`, ``k``
     values), the norm folded in or not."""
-    if q8 and (bits != 4 or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1 or prepared):
-        raise ValueError("x is rounded to bytes for a 4-bit product of one unstaged row, K whole, only")
+    if q8 and (bits == 8 or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1 or prepared):
+        raise ValueError("x is rounded to bytes for a 4- or 6-bit product of one unstaged row, K whole, only")
     if q8 and not qgemv_q8.fits(k, warps):
         raise ValueError(f"a row of {k} values is not rounded in a block's shared memory")
     if prepared and (eps is None or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1):

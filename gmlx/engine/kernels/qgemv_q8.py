@@ -50,12 +50,20 @@ def q8x() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def rounds(bits: int) -> bool:
+    """Whether one-row products of ``bits``-bit codes round x to bytes: 4-bit ones by
+    default, 6-bit ones too with ``GMLX_Q8X=all`` (not yet served: each group of four
+    6-bit codes becomes four bytes in 5 instructions, where the float sums take ~4 a code;
+    the 8B's 6-bit down products read at 1.77 TB/s on the H200, 12-06 night)."""
+    return q8x() and (bits == 4 or (bits == 6 and os.environ.get(ENV) == "all"))
+
+
 def tolerance(bits: int, rows: int = 1) -> float:
     """What a load allows a kernel's product of ``rows`` rows of ``bits``-bit codes beyond
     twice MLX's error, as a share of its largest output (:func:`timing.agrees`):
     :data:`TOLERANCE` where this source may take it (one row, 4-bit, :func:`q8x`), else
     MLX's own 0.1%."""
-    return TOLERANCE if q8x() and bits == 4 and rows == 1 else 1e-3
+    return TOLERANCE if rounds(bits) and rows == 1 else 1e-3
 
 
 def shared_bytes(k: int, warps: int) -> int:
@@ -85,7 +93,7 @@ def shapes(gated: bool) -> list[tuple[int, ...]]:
 def takes(bits: int, k: int, warps: int, one_chunk_whole: bool) -> bool:
     """Whether a one-row product takes this source: asked for, 4-bit, one chunk a lane at a
     time with K whole (``one_chunk_whole``), and its row fits."""
-    return q8x() and bits == 4 and one_chunk_whole and k > 0 and k % 32 == 0 and fits(k, warps)
+    return rounds(bits) and one_chunk_whole and k > 0 and k % 32 == 0 and fits(k, warps)
 
 
 def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
@@ -151,12 +159,13 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
         const float inv = most > 0.0f ? 127.0f / most : 0.0f;
         uint32_t wd[8];
         #pragma unroll
-        for (int u = 0; u < 4; ++u) {  // codes 8u..8u+7: the even ones' bytes, then the odd ones'
+        for (int u = 0; u < 4; ++u) {  // 4-bit, codes 8u..8u+7: the even ones' bytes, then the odd ones' (6-bit: in order)
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 unsigned r4[4];
                 #pragma unroll
-                for (int t = 0; t < 4; ++t) r4[t] = __float_as_uint(fmaf(f[8 * u + 2 * t + h], inv, 12582912.0f));
+                for (int t = 0; t < 4; ++t)
+                    r4[t] = __float_as_uint(fmaf(f[BITS == 4 ? 8 * u + 2 * t + h : 8 * u + 4 * h + t], inv, 12582912.0f));
                 wd[2 * u + h] = __byte_perm(__byte_perm(r4[0], r4[1], 0x0040), __byte_perm(r4[2], r4[3], 0x0040), 0x5410);
             }
         }
@@ -189,10 +198,23 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
         #pragma unroll
         for (int r = 0; r < RPW; ++r) {
             int dot = 0;
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                dot = __dp4a((int)(q[r][u] & 0x0F0F0F0Fu), xw[2 * u], dot);
-                dot = __dp4a((int)((q[r][u] >> 4) & 0x0F0F0F0Fu), xw[2 * u + 1], dot);
+            if (BITS == 4) {
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    dot = __dp4a((int)(q[r][u] & 0x0F0F0F0Fu), xw[2 * u], dot);
+                    dot = __dp4a((int)((q[r][u] >> 4) & 0x0F0F0F0Fu), xw[2 * u + 1], dot);
+                }
+            } else {  // 6-bit: each three words are four groups of four codes (24 bits), each group four bytes
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint32_t w0 = q[r][3 * h], w1 = q[r][3 * h + 1], w2 = q[r][3 * h + 2];
+                    const uint32_t v[4] = {w0, __funnelshift_r(w0, w1, 24), __funnelshift_r(w1, w2, 16), w2 >> 8};
+                    #pragma unroll
+                    for (int t = 0; t < 4; ++t) {
+                        const uint32_t u = (v[t] & 0xFFFu) | ((v[t] << 4) & 0x0FFF0000u);  // codes 0-1 low, 2-3 high
+                        dot = __dp4a((int)((u & 0x003F003Fu) | ((u << 2) & 0x3F003F00u)), xw[4 * h + t], dot);
+                    }
+                }
             }
             acc[r] += s[r] * (ds.x * (float)dot) + b[r] * ds.y;
         }

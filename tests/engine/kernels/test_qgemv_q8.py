@@ -34,6 +34,11 @@ def test_only_4_bit_one_row_unstaged_products_take_it(monkeypatch: pytest.Monkey
         assert ("nw" in made["input_names"]) == ("eps" in kw)
     assert "_q8_" not in _made(mx.float16, 6, 32, (4, 2), k=4096)["name"]  # 6- and 8-bit codes: float sums
     assert "_q8_" not in _made(mx.float16, 8, 32, (4, 2), k=4096)["name"]
+    monkeypatch.setenv(qgemv_q8.ENV, "all")  # 6-bit ones too
+    assert "_q8_" in _made(mx.float16, 6, 32, (4, 2), k=4096)["name"]
+    assert "_q8_" not in _made(mx.float16, 8, 32, (4, 2), k=4096)["name"]
+    assert qgemv_q8.tolerance(6) == qgemv_q8.TOLERANCE and qgemv_q8.tolerance(8) == 1e-3
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 2), k=4096)["name"]  # depth 2
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 4), k=4096)["name"]  # four rows of x
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 1, 0, 4), k=4096)["name"]  # K split
@@ -46,7 +51,7 @@ def test_shapes_and_widths_the_source_refuses() -> None:
         with pytest.raises(ValueError, match="rounded to bytes"):
             qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=4096, q8=True, **kind)
     with pytest.raises(ValueError, match="rounded to bytes"):
-        qgemv_cuda._kernel(mx.float16, 6, 32, 4, 2, k=4096, q8=True)
+        qgemv_cuda._kernel(mx.float16, 8, 32, 4, 2, k=4096, q8=True)
     with pytest.raises(ValueError, match="not rounded"):
         qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=49152, q8=True)
 
@@ -68,7 +73,7 @@ def rounded(x: np.ndarray) -> np.ndarray:
 
 
 def _run(tmp_path, made: dict, dtype, group: int, layers: list, h: mx.array, nw: mx.array | None,
-         config: tuple[int, ...]) -> mx.array:
+         config: tuple[int, ...], bits: int = 4) -> mx.array:
     """The source of ``made`` run on the CPU over one row ``h`` (with the norm's weight
     ``nw`` where it is folded in); ``layers``: one layer's, or the gate's and the up's,
     weights, scales and biases."""
@@ -89,17 +94,18 @@ def _run(tmp_path, made: dict, dtype, group: int, layers: list, h: mx.array, nw:
         (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
     k, n = h.shape[-1], layers[0][0].shape[0]
     program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + body + main
-    emulation.compile_and_run(tmp_path, program, [1, k, n, group, 4, config[0], config[1], 0, 1])
+    emulation.compile_and_run(tmp_path, program, [1, k, n, group, bits, config[0], config[1], 0, 1])
     return mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
 
 
-def reference(x: mx.array, layer: tuple, group: int) -> mx.array:
+def reference(x: mx.array, layer: tuple, group: int, bits: int = 4) -> mx.array:
     """The float32 product the source computes: the codes' part against x rounded
     (:func:`rounded`), the biases' part against x itself (each chunk's float sum)."""
     wq, scales, biases = (a.astype(mx.float32) if a.dtype != mx.uint32 else a for a in layer)  # weights unrounded
     x = x.astype(mx.float32)
     kept = mx.array(rounded(np.array(x)))
-    return exact_product(kept, wq, scales, biases, group, 4) + exact_product(x - kept, wq, 0 * scales, biases, group, 4)
+    return (exact_product(kept, wq, scales, biases, group, bits)
+            + exact_product(x - kept, wq, 0 * scales, biases, group, bits))
 
 
 def _close(got: mx.array, ref: mx.array) -> bool:
@@ -113,28 +119,29 @@ def _close(got: mx.array, ref: mx.array) -> bool:
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("group", "config", "dtype", "k"), [
-    (32, (4, 2), mx.float16, 1088), (64, (4, 4), mx.bfloat16, 1088), (128, (8, 1), mx.float16, 4096)])
+@pytest.mark.parametrize(("bits", "group", "config", "dtype", "k"), [
+    (4, 32, (4, 2), mx.float16, 1088), (4, 64, (4, 4), mx.bfloat16, 1088), (4, 128, (8, 1), mx.float16, 4096),
+    (6, 32, (4, 4), mx.float16, 1088), (6, 64, (8, 1), mx.bfloat16, 1088)])
 def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
-        tmp_path, monkeypatch: pytest.MonkeyPatch, group: int, config, dtype, k: int) -> None:
-    """A plain product over 1,088 values (lanes with one chunk and with two) or 4,096 (four
-    each), 12 weight rows (a block's last warp past the end): the float32 product of x
+        tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, group: int, config, dtype, k: int) -> None:
+    """A plain product of 4- or 6-bit codes (``GMLX_Q8X=all``) over 1,088 values (lanes
+    with one chunk and with two) or 4,096 (four each), 12 weight rows (a block's last warp past the end): the float32 product of x
     rounded as :func:`rounded` says (the biases' part of x itself: :func:`reference`),
     and within :data:`qgemv_q8.TOLERANCE` of MLX's product, though in float16 not within
     MLX's own distance from a float32 product (x's rounding shows)."""
-    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    monkeypatch.setenv(qgemv_q8.ENV, "1" if bits == 4 else "all")
     n = 12
-    mx.random.seed(group + k)
-    layer = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=4)
+    mx.random.seed(group + k + bits - 4)
+    layer = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((1, k)) * 3).astype(dtype)
-    made = _made(dtype, 4, group, config, k=k)
+    made = _made(dtype, bits, group, config, k=k)
     assert "_q8_" in made["name"]
-    got = _run(tmp_path, made, dtype, group, [layer], x, None, config)
-    ref = reference(x, layer, group)
+    got = _run(tmp_path, made, dtype, group, [layer], x, None, config, bits)
+    ref = reference(x, layer, group, bits)
     assert _close(got, ref)
-    want = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=4)
-    exact = exact_product(x, *layer, group, 4)
-    assert agrees(got, want, exact, qgemv_q8.tolerance(4))  # what a load allows it
+    want = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=bits)
+    exact = exact_product(x, *layer, group, bits)
+    assert agrees(got, want, exact, qgemv_q8.tolerance(bits))  # what a load allows it
     if dtype == mx.float16:  # rounded: not within MLX's own distance (bfloat16's output rounding is wider)
         assert not agrees(got, want, exact, 1e-3)
 
