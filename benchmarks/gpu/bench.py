@@ -159,6 +159,9 @@ GMLX_VARIANTS = {
     # stream 313 and 336 tok/s against 294); gmlx-noq8: the float sums, as before
     "gmlx-q8x": {"GMLX_Q8X": "1"},
     "gmlx-noq8": {"GMLX_Q8X": "0"},
+    # the 6-bit one-row products round x too (a Q4_K_M's 6-bit down products and values;
+    # 386 SASS instructions a chunk of the 6-bit down product against 681)
+    "gmlx-q8all": {"GMLX_Q8X": "all"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},
