@@ -122,7 +122,23 @@ def source(layout: str, row_loads: str, row_sums: str, reduce_store: str) -> str
         xsum[i] = part;
     }
     __syncthreads();
-    if (n0 >= N) return;
+""" + chunk_loop(row_loads, r"""        float xf[32];
+        #pragma unroll
+        for (int v = 0; v < 8; ++v) {
+            const float4 t = xsh[v][c0];
+            xf[4 * v] = t.x; xf[4 * v + 1] = t.y; xf[4 * v + 2] = t.z; xf[4 * v + 3] = t.w;
+        }
+        const float xs = xsum[c0];
+""" + sums) + reduce_store
+
+
+def chunk_loop(row_loads: str, body: str) -> str:
+    """The prepared sources' loop over a lane's chunks (after the block has made x and met
+    at its barrier): warps past the last row leave, then each chunk's ``body`` (its sums
+    into ``acc``, from ``q``, ``s`` and ``b``) runs while the next chunk's weights are in
+    flight, loaded by ``row_loads`` into ``qn``, ``sn`` and ``bn``; unrolled twice, so the
+    copy from one to the other is the registers' renaming."""
+    return r"""    if (n0 >= N) return;
     float acc[RPW];
     #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
@@ -137,14 +153,7 @@ def source(layout: str, row_loads: str, row_sums: str, reduce_store: str) -> str
             float (&s)[RPW] = sn;
             float (&b)[RPW] = bn;
 """ + row_loads + r"""        }
-        float xf[32];
-        #pragma unroll
-        for (int v = 0; v < 8; ++v) {
-            const float4 t = xsh[v][c0];
-            xf[4 * v] = t.x; xf[4 * v + 1] = t.y; xf[4 * v + 2] = t.z; xf[4 * v + 3] = t.w;
-        }
-        const float xs = xsum[c0];
-""" + sums + r"""        #pragma unroll
+""" + body + r"""        #pragma unroll
         for (int r = 0; r < RPW; ++r) {
             #pragma unroll
             for (int i = 0; i < BITS; ++i) q[r][i] = qn[r][i];
@@ -152,4 +161,4 @@ def source(layout: str, row_loads: str, row_sums: str, reduce_store: str) -> str
             b[r] = bn[r];
         }
     }
-""" + reduce_store
+"""

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import os
 
+from gmlx.engine.kernels.qgemv_prepared import chunk_loop
+
 ENV = "GMLX_Q8X"
 SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 # a product taking this source is held to twice MLX's error from a float32 product plus
@@ -177,22 +179,7 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) wss[warp] = ss;
     """ if normed else "") + r"""__syncthreads();
-    if (n0 >= N) return;
-    float acc[RPW];
-    #pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
-    #pragma unroll 2
-    for (int c0 = lane; c0 < chunks; c0 += 32) {
-        // the next chunk's weights in flight while this one is summed
-        uint32_t qn[RPW][BITS];
-        float sn[RPW], bn[RPW];
-        if (c0 + 32 < chunks) {
-            const int c = c0 + 32;
-            uint32_t (&q)[RPW][BITS] = qn;
-            float (&s)[RPW] = sn;
-            float (&b)[RPW] = bn;
-""" + row_loads + r"""        }
-        const uint4 xa = xq[0][c0], xb = xq[1][c0];
+""" + chunk_loop(row_loads, r"""        const uint4 xa = xq[0][c0], xb = xq[1][c0];
         const int xw[8] = {(int)xa.x, (int)xa.y, (int)xa.z, (int)xa.w, (int)xb.x, (int)xb.y, (int)xb.z, (int)xb.w};
         const float2 ds = xds[c0];
         #pragma unroll
@@ -218,12 +205,4 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
             }
             acc[r] += s[r] * (ds.x * (float)dot) + b[r] * ds.y;
         }
-        #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            #pragma unroll
-            for (int i = 0; i < BITS; ++i) q[r][i] = qn[r][i];
-            s[r] = sn[r];
-            b[r] = bn[r];
-        }
-    }
-""" + store
+""") + store
