@@ -26,10 +26,11 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from gmlx.engine.kernels import qgemv_q8
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_cuda import launch_shape
 from gmlx.engine.kernels.qgemv_heads import parts_head
-from gmlx.engine.kernels.qgemv_source import NORMED_BODY
+from gmlx.engine.kernels.qgemv_source import NORMED_BODY, Q8_NORMED_BODY
 
 ENV = "GMLX_QKV_MIXED"
 _MACROS = ("ROWS_TOTAL", "ROW_W", "ROW_S", "ROW_B", "OUTPUT", "STORE", "CHUNK")
@@ -56,16 +57,25 @@ def _scoped(body: str, bits: int, group: int, head: str) -> str:
             + "\n" + "".join(f"#undef {m}\n" for m in _MACROS) + "}\n")
 
 
-def source(sizes: tuple[int, int], values: int, layout: tuple[int, int], values_layout: tuple[int, int]) -> str:
+def rounded(bits: int, depth: int) -> bool:
+    """Whether a part of ``bits``-bit codes rounds x to bytes (:mod:`qgemv_q8`): only with
+    ``GMLX_Q8X=all`` (not yet served in this kernel), a chunk a lane in flight."""
+    return os.environ.get(qgemv_q8.ENV) == "all" and qgemv_q8.rounds(bits) and depth == 1
+
+
+def source(sizes: tuple[int, int], values: int, layout: tuple[int, int], values_layout: tuple[int, int],
+           q8: tuple[bool, bool] = (False, False)) -> str:
     """The kernel's body: the queries' and keys' rows (``sizes``) in ``layout`` (``(bits,
     group)``) by the first ``NB1`` blocks, the ``values`` rows in ``values_layout`` by the
-    rest; the input ``x`` normalized by the weight ``nw`` (``EPS``) in both."""
-    second = NORMED_BODY
+    rest; the input ``x`` normalized by the weight ``nw`` (``EPS``) in both; ``q8``: which
+    part rounds x to bytes once a block (:mod:`qgemv_q8`; ``XCHUNKS`` in the head)."""
+    first = Q8_NORMED_BODY if q8[0] else NORMED_BODY
+    second = Q8_NORMED_BODY if q8[1] else NORMED_BODY
     for old, new in (("blockIdx.x", "(blockIdx.x - NB1)"), ("w_shape", "w3_shape")):
         if second.count(old) != 1:
             raise AssertionError(f"the normed one-row source changed: {old!r} is not there once")
         second = second.replace(old, new)
-    return ("if (blockIdx.x < NB1) " + _scoped(NORMED_BODY, *layout, parts_head(sizes))
+    return ("if (blockIdx.x < NB1) " + _scoped(first, *layout, parts_head(sizes))
             + "else " + _scoped(second, *values_layout, "constexpr int OUTS = RPW;\n" + _values_head(values)))
 
 
@@ -76,16 +86,19 @@ def blocks(rows: int, warps: int, rpw: int) -> int:
 
 @cache
 def _kernel(dtype: Any, layout: tuple[int, int], values_layout: tuple[int, int], warps: int, rpw: int, depth: int,
-            sizes: tuple[int, int], values: int, eps: float) -> Any:
-    """One kernel per pair of layouts, launch shape and sizes."""
+            sizes: tuple[int, int], values: int, eps: float, k: int = 0) -> Any:
+    """One kernel per pair of layouts, launch shape and sizes (``k``, the row's width:
+    where a part rounds x to bytes, :func:`rounded`)."""
     t = cuda_type(dtype)
+    q8 = tuple(bool(k) and rounded(bits, depth) and qgemv_q8.fits(k, warps) for bits in (layout[0], values_layout[0]))
     head = (f"using T = {t}; constexpr int WARPS = {warps}; constexpr int RPW = {rpw}; "
             f"constexpr int DEPTH = {depth}; constexpr float EPS = {float(eps)!r}f; "
-            f"constexpr int NB1 = {blocks(sum(sizes), warps, rpw)};\n")
+            f"constexpr int NB1 = {blocks(sum(sizes), warps, rpw)};"
+            + (f" constexpr int XCHUNKS = {k // 32};" if any(q8) else "") + "\n")
     inputs, outputs = layer_names(3, 3)
     name = (f"gmlx_qkvmixed_{t.strip('_')}_{layout[0]}_{layout[1]}_{values_layout[0]}_{values_layout[1]}"
-            f"_{warps}_{rpw}" + (f"_d{depth}" if depth > 1 else ""))
-    return build(name, head, source(sizes, values, layout, values_layout), [*inputs, "nw"], outputs=outputs)
+            f"_{warps}_{rpw}" + (f"_d{depth}" if depth > 1 else "") + "".join(f"_q{int(r)}" for r in q8 if any(q8)))
+    return build(name, head, source(sizes, values, layout, values_layout, q8), [*inputs, "nw"], outputs=outputs)
 
 
 def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: tuple[Any, float]) -> Callable[[Any], Any]:
@@ -111,7 +124,7 @@ def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: t
             if norm[0].dtype != x.dtype:
                 raise ValueError(f"the norm's weight is {norm[0].dtype}, the input {x.dtype}: they must match")
             kernel = kernels[x.dtype] = _kernel(x.dtype, layout, (values.bits, values.group_size), warps, rpw, depth,
-                                                sizes, n, float(norm[1]))
+                                                sizes, n, float(norm[1]), queries.weight.shape[1] * 32 // queries.bits)
         lead = x.shape[:-1]
         return tuple(kernel(inputs=[x, *weights, norm[0]], grid=grid, threadgroup=(32 * warps, 1, 1),
                             output_shapes=[(*lead, m) for m in (*sizes, n)], output_dtypes=[x.dtype] * 3))

@@ -143,6 +143,9 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     qgemv_cuda.kernel_of(dtype, 6, 32, (8, 1), k=4096, eps=1e-5)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
                     assert all("_q8_" in k[0]["name"] for k in kernels[-2:])
+                    qkv_mixed._kernel(dtype, (4, 32), (6, 32), 4, 2, 1, (4096, 1024), 1024, 1e-5, 4096)  # both parts
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype], [dtype] * 3))
+                    assert "_q1_q1" in kernels[-1][0]["name"]
                     monkeypatch.setenv(qgemv_q8.ENV, "0")
             for layout, values_layout in (((4, 32), (6, 32)), ((4, 64), (8, 64))):  # two layouts, one launch
                 for warps, rpw, depth in ((4, 2, 1), (4, 4, 2)):

@@ -9,13 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx.engine.kernels import qkv_mixed
+from gmlx.engine.kernels import qgemv_q8, qkv_mixed
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import emulation
 
 
-def _made(dtype, layout, values_layout, config, sizes, values, eps) -> dict:
-    """What ``qkv_mixed`` hands ``mx.fast.cuda_kernel``."""
+def _made(dtype, layout, values_layout, config, sizes, values, eps, k: int = 0) -> dict:
+    """What ``qkv_mixed`` hands ``mx.fast.cuda_kernel`` (``k``: the row's width, where a
+    part may round x to bytes)."""
     made: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
@@ -23,27 +24,35 @@ def _made(dtype, layout, values_layout, config, sizes, values, eps) -> dict:
         try:
             warps, rpw, *rest = config
             qkv_mixed._kernel(dtype, layout, values_layout, warps, rpw, rest[1] if len(rest) > 1 else 1, sizes,
-                              values, eps)
+                              values, eps, k)
         finally:
             qkv_mixed._kernel.cache_clear()
     return made[0]
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("layout", "values_layout", "sizes", "values", "config"), [
-    ((4, 32), (6, 32), (12, 4), 6, (4, 2)),  # a Q4_K_M's: 4-bit queries and keys, 6-bit values
-    ((4, 32), (8, 64), (10, 6), 9, (4, 4, 1, 2)),  # two chunks a lane in flight; the values' part ends mid-block
-    ((6, 32), (4, 32), (8, 8), 8, (8, 1)),
+@pytest.mark.parametrize(("layout", "values_layout", "sizes", "values", "config", "q8"), [
+    ((4, 32), (6, 32), (12, 4), 6, (4, 2), "0"),  # a Q4_K_M's: 4-bit queries and keys, 6-bit values
+    ((4, 32), (8, 64), (10, 6), 9, (4, 4, 1, 2), "0"),  # two chunks a lane in flight; the values' part ends mid-block
+    ((6, 32), (4, 32), (8, 8), 8, (8, 1), "0"),
+    ((4, 32), (6, 32), (12, 4), 6, (4, 2), "all"),  # both parts round x to bytes (GMLX_Q8X=all)
+    ((4, 32), (8, 64), (10, 6), 9, (4, 4), "all"),  # the 4-bit part rounds, the 8-bit values sum floats
 ])
-def test_each_part_is_mlx_norm_then_its_layers_product(tmp_path, layout, values_layout, sizes, values, config) -> None:
+def test_each_part_is_mlx_norm_then_its_layers_product(tmp_path, monkeypatch: pytest.MonkeyPatch, layout,
+                                                       values_layout, sizes, values, config, q8: str) -> None:
+    """Each part (and with ``GMLX_Q8X=all``, a part that rounds x to bytes, within
+    :func:`qgemv_q8.tolerance`; the float sums still within MLX's 0.1%) as close to a
+    float32 norm and product as MLX's norm and the layer's product are."""
     dtype, k, eps = mx.float16, 1088, 1e-5
+    monkeypatch.setenv(qgemv_q8.ENV, q8)
     mx.random.seed(sum(sizes) + values)
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=g, bits=b)
               for n, (b, g) in ((sizes[0], layout), (sizes[1], layout), (values, values_layout))]
     h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
-    made = _made(dtype, layout, values_layout, config, sizes, values, eps)
+    made = _made(dtype, layout, values_layout, config, sizes, values, eps, k)
     assert made["input_names"][-1] == "nw" and made["output_names"] == ["out", "out2", "out3"]
+    assert (made["source"].count("__dp4a") > 0) == (q8 == "all")
     body = emulation.function(made, ["float16", *(["uint32", "float16", "float16"] * 3), "float16"], ["float16"] * 3)
     suffix = ["", "2", "3"]
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws", "w3_shape": "ws3", "nw": "nw.data()"}
@@ -81,7 +90,7 @@ int main() {{
     for sfx, n, layer, (bits, group) in zip(suffix, rows, layers, shapes, strict=True):
         got = mx.array(np.frombuffer((tmp_path / f"out{sfx}.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
         want = mx.quantized_matmul(normed, *layer, transpose=True, group_size=group, bits=bits)
-        assert agrees(got, want, exact_product(normed32, *layer, group, bits)), f"part {sfx or 1}"
+        assert agrees(got, want, exact_product(normed32, *layer, group, bits), qgemv_q8.tolerance(bits)), f"part {sfx or 1}"
         unnormed = mx.quantized_matmul(h, *layer, transpose=True, group_size=group, bits=bits)
         assert not agrees(unnormed, want, exact_product(normed32, *layer, group, bits))  # the norm is not a no-op
 
