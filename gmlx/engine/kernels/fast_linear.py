@@ -372,7 +372,7 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
         times = {name: timed(fn) for name, fn in products.items()
                  if name[0] == MLX or timing.runs_and_agrees(
                      timing.cycling(fn, x, weights[:1]), want, exact,
-                     qgemv_q8.tolerance(bits, rows) if name[0] == GEMV else 1e-3)}
+                     qgemv_q8.tolerance(bits, rows) if name[0] == GEMV else timing.TOLERANCE)}
         # MLX's product again, last: timed first, on a GPU still speeding up, it would lose
         mlx_again = timed(products[(MLX, (0, 0))])
         times[(MLX, (0, 0))] = min(times[(MLX, (0, 0))], mlx_again)

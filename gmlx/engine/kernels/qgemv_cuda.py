@@ -265,8 +265,9 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
-    q8 = qgemv_q8.takes(bits, k, warps, (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1))
-    prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)
+    one_chunk_whole = (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)  # a chunk a lane, K whole, one row
+    q8 = qgemv_q8.takes(bits, k, warps, one_chunk_whole)
+    prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and one_chunk_whole
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
                    k if tiles or rounds > 1 or prepared or q8 else 0, residual, eps, split, rounds,

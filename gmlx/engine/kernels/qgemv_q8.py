@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 
+from gmlx.engine.kernels import timing
 from gmlx.engine.kernels.qgemv_prepared import chunk_loop
 
 ENV = "GMLX_Q8X"
@@ -52,20 +53,25 @@ def q8x() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def trying() -> bool:
+    """Whether the rounded forms not yet served are asked for too (``GMLX_Q8X=all``)."""
+    return os.environ.get(ENV) == "all"
+
+
 def rounds(bits: int) -> bool:
     """Whether one-row products of ``bits``-bit codes round x to bytes: 4-bit ones by
     default, 6-bit ones too with ``GMLX_Q8X=all`` (not yet served: each group of four
     6-bit codes becomes four bytes in 5 instructions, where the float sums take ~4 a code;
     the 8B's 6-bit down products read at 1.77 TB/s on the H200, 12-06 night)."""
-    return q8x() and (bits == 4 or (bits == 6 and os.environ.get(ENV) == "all"))
+    return q8x() and (bits == 4 or (bits == 6 and trying()))
 
 
 def tolerance(bits: int, rows: int = 1) -> float:
     """What a load allows a kernel's product of ``rows`` rows of ``bits``-bit codes beyond
     twice MLX's error, as a share of its largest output (:func:`timing.agrees`):
-    :data:`TOLERANCE` where this source may take it (one row, 4-bit, :func:`q8x`), else
-    MLX's own 0.1%."""
-    return TOLERANCE if rounds(bits) and rows == 1 else 1e-3
+    :data:`TOLERANCE` where this source may take it (one row, :func:`rounds`), else MLX's
+    own (:data:`timing.TOLERANCE`)."""
+    return TOLERANCE if rounds(bits) and rows == 1 else timing.TOLERANCE
 
 
 def shared_bytes(k: int, warps: int) -> int:
@@ -93,8 +99,8 @@ def shapes(gated: bool) -> list[tuple[int, ...]]:
 
 
 def takes(bits: int, k: int, warps: int, one_chunk_whole: bool) -> bool:
-    """Whether a one-row product takes this source: asked for, 4-bit, one chunk a lane at a
-    time with K whole (``one_chunk_whole``), and its row fits."""
+    """Whether a one-row product takes this source: its bits round (:func:`rounds`), one
+    chunk a lane at a time with K whole (``one_chunk_whole``), and its row fits."""
     return rounds(bits) and one_chunk_whole and k > 0 and k % 32 == 0 and fits(k, warps)
 
 

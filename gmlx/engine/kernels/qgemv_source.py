@@ -152,9 +152,9 @@ _REDUCE_STORE = r"""    float red[RPW];
 """
 
 # The one-row sources' share of chunk ``di`` (its x as ``xd[di]``): x's floats, then each
-# row's sums; the norm transform (``_normed``) finds and replaces ``_CHUNK_X`` in each.
+# row's sums (``_ROW_SUMS``); the norm transform (``_normed``) finds and replaces
+# ``_CHUNK_X`` in each.
 _CHUNK_X = _X_FLOATS.replace("XRAW", "xd[di]")
-_CHUNK_SUMS = _ROW_SUMS
 
 # One row of x. Each lane takes DEPTH of its chunks at a time (``di``: ``u`` names a word
 # of codes in the row loads), every load of all DEPTH issued before any use (codes,
@@ -180,7 +180,7 @@ _SOURCE = _START + r"""
         for (int di = 0; di < DEPTH; ++di) {
             if (c0 + 32 * di >= chunks) break;
             uint32_t (&q)[RPW][BITS] = qd[di];
-""" + _CHUNK_X + _CHUNK_SUMS + r"""        }
+""" + _CHUNK_X + _ROW_SUMS + r"""        }
     }
 """ + _REDUCE_STORE
 
@@ -373,7 +373,7 @@ def _normed(source: str) -> str:
 
 # The one-row source with each warp's weights streamed through shared memory
 # (:mod:`qgemv_async`), with the norm folded in or not.
-_ASYNC_SOURCE = qgemv_async.source(_START, _CHUNK_X, _CHUNK_SUMS, _REDUCE_STORE)
+_ASYNC_SOURCE = qgemv_async.source(_START, _CHUNK_X, _ROW_SUMS, _REDUCE_STORE)
 NORMED_BODY = compact(_normed(_SOURCE))
 ASYNC_BODY = compact(_ASYNC_SOURCE)
 ASYNC_NORMED_BODY = compact(_normed(_ASYNC_SOURCE))

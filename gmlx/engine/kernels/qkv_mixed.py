@@ -60,7 +60,7 @@ def _scoped(body: str, bits: int, group: int, head: str) -> str:
 def rounded(bits: int, depth: int) -> bool:
     """Whether a part of ``bits``-bit codes rounds x to bytes (:mod:`qgemv_q8`): only with
     ``GMLX_Q8X=all`` (not yet served in this kernel), a chunk a lane in flight."""
-    return os.environ.get(qgemv_q8.ENV) == "all" and qgemv_q8.rounds(bits) and depth == 1
+    return qgemv_q8.trying() and qgemv_q8.rounds(bits) and depth == 1
 
 
 def source(sizes: tuple[int, int], values: int, layout: tuple[int, int], values_layout: tuple[int, int],
@@ -97,7 +97,7 @@ def _kernel(dtype: Any, layout: tuple[int, int], values_layout: tuple[int, int],
             + (f" constexpr int XCHUNKS = {k // 32};" if any(q8) else "") + "\n")
     inputs, outputs = layer_names(3, 3)
     name = (f"gmlx_qkvmixed_{t.strip('_')}_{layout[0]}_{layout[1]}_{values_layout[0]}_{values_layout[1]}"
-            f"_{warps}_{rpw}" + (f"_d{depth}" if depth > 1 else "") + "".join(f"_q{int(r)}" for r in q8 if any(q8)))
+            f"_{warps}_{rpw}" + (f"_d{depth}" if depth > 1 else "") + (f"_q{q8[0]:d}_q{q8[1]:d}" if any(q8) else ""))
     return build(name, head, source(sizes, values, layout, values_layout, q8), [*inputs, "nw"], outputs=outputs)
 
 

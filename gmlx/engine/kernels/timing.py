@@ -103,7 +103,11 @@ def step_time(model: nn.Module, rows: int, context: int = 32, steps: int = 12) -
     return (time.perf_counter() - start) / steps
 
 
-def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any, tolerance: float = 1e-3) -> bool:
+# what :func:`agrees` allows beyond twice MLX's error, a share of the largest value
+TOLERANCE = 1e-3
+
+
+def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any, tolerance: float = TOLERANCE) -> bool:
     """Whether a path runs here and agrees (a kernel that does not compile is no path;
     ``tolerance`` as :func:`agrees` takes it)."""
     try:
@@ -113,7 +117,7 @@ def runs_and_agrees(fn: Callable[[], Any], want: Any, exact: Any, tolerance: flo
         return False
 
 
-def agrees(got: Any, want: Any, exact: Any, tolerance: float = 1e-3) -> bool:
+def agrees(got: Any, want: Any, exact: Any, tolerance: float = TOLERANCE) -> bool:
     """Whether the kernel's ``got`` is as close to the float32 product ``exact`` as MLX's
     own quantized matmul ``want`` is (within twice its error, plus ``tolerance`` of the
     largest value: by default 0.1%, both accumulate in their own order and round to
