@@ -162,6 +162,8 @@ GMLX_VARIANTS = {
     # the 6-bit one-row products round x too (a Q4_K_M's 6-bit down products and values;
     # 386 SASS instructions a chunk of the 6-bit down product against 681)
     "gmlx-q8all": {"GMLX_Q8X": "all"},
+    # both, with the launch shapes timed by the device's part alone (gmlx-deviceshapes)
+    "gmlx-q8all-device": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},

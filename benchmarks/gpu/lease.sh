@@ -31,6 +31,7 @@
 #   the normed products, x prepared or not:    bash benchmarks/gpu/lease.sh preparedcheck (~150 s, no models)
 #   the normed products' x prepared, served:   bash benchmarks/gpu/lease.sh prepared  (~500 s)
 #   x rounded to bytes, agreement and times:    bash benchmarks/gpu/lease.sh q8check   (~200 s, no models)
+#   the next weights fetched into L2 meanwhile: bash benchmarks/gpu/lease.sh prefetch  (~150 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -327,6 +328,13 @@ PY
       timeout 150 python3 $GPU/gemv_check.py --reps 30; } > "$OUT/$1.txt" 2>&1
     cut -c1-1200 "$OUT/$1.txt"
     LIMIT=${LIMIT:-200} REPS=${REPS:-6} KERNELS=${KERNELS:-"qglun_half_4_32_4_|qparts3n_half_4_32_"} bash "$0" ncu-times | head -40
+    ;;
+  prefetch)
+    # no models needed (after `install`): 32 layers of the 8B's one-row products with an
+    # attention's stand-in that fetches the next products' weights into L2 or not
+    with_env
+    timeout ${LIMIT:-300} python3 $GPU/prefetch_check.py ${ARGS:-} > "$OUT/$1.txt" 2>&1
+    cut -c1-400 "$OUT/$1.txt"
     ;;
   preparedcheck)
     # no models needed (after `install`): the normed gate-up-swiglu and q-k-v products (the
