@@ -164,6 +164,10 @@ GMLX_VARIANTS = {
     "gmlx-q8all": {"GMLX_Q8X": "all"},
     # both, with the launch shapes timed by the device's part alone (gmlx-deviceshapes)
     "gmlx-q8all-device": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device"},
+    # every one-row form not yet on by default offered to the tuners at once (the 6-bit
+    # products rounded, K split between warps, the weights streamed), each shape timed by
+    # the device's part alone: the load log says which won where
+    "gmlx-candidates": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device", "GMLX_SPLIT_K": "1", "GMLX_ASYNC": "1"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
     "gmlx-async": {"GMLX_ASYNC": "1"},
