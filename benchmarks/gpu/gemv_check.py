@@ -240,6 +240,8 @@ def main() -> None:
     p.add_argument("--qkv", action="store_true", help="the attention's parts product instead (qkv_cuda)")
     p.add_argument("--device", action="store_true",
                    help="time the device's part alone (each chain behind a lead product), not the chain's clock")
+    p.add_argument("--shapes", default="",
+                   help="the plain products' shapes alone, comma-separated KxNxBITS (e.g. 14336x4096x6)")
     p.add_argument("--normed", action="store_true",
                    help="the gated and parts products with the norm folded in: x made by each warp, prepared or rounded")
     args = p.parse_args()
@@ -263,7 +265,8 @@ def main() -> None:
             print(parts_row(4096, (4096, 1024, 1024), 4, dtype, g, args.reps, rows), flush=True)
             print(parts_row(4096, (4096, 1024), 4, dtype, g, args.reps, rows), flush=True)
             continue
-        for k, n, bits in SHAPES:
+        chosen = [tuple(int(v) for v in c.split("x")) for c in args.shapes.split(",") if c] or SHAPES
+        for k, n, bits in chosen:
             print(row(k, n, bits, dtype, g, args.reps, rows), flush=True)
 
 

@@ -32,6 +32,7 @@
 #   the normed products' x prepared, served:   bash benchmarks/gpu/lease.sh prepared  (~500 s)
 #   x rounded to bytes, agreement and times:    bash benchmarks/gpu/lease.sh q8check   (~200 s, no models)
 #   the next weights fetched into L2 meanwhile: bash benchmarks/gpu/lease.sh prefetch  (~150 s, no models)
+#   the forms not on by default, device-timed:  bash benchmarks/gpu/lease.sh candcheck (~300 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -328,6 +329,17 @@ PY
       timeout 150 python3 $GPU/gemv_check.py --reps 30; } > "$OUT/$1.txt" 2>&1
     cut -c1-1200 "$OUT/$1.txt"
     LIMIT=${LIMIT:-200} REPS=${REPS:-6} KERNELS=${KERNELS:-"qglun_half_4_32_4_|qparts3n_half_4_32_"} bash "$0" ncu-times | head -40
+    ;;
+  candcheck)
+    # no models needed (after `install`): the one-row forms not on by default (K split between
+    # warps, weights streamed, the 6-bit products rounded) beside the defaults' shapes, each
+    # timed by the device's part alone: the o-proj and down products, then the normed
+    # gate-up-swiglu and q-k-v
+    with_env
+    { GMLX_SPLIT_K=1 GMLX_ASYNC=1 GMLX_Q8X=all timeout 200 python3 $GPU/gemv_check.py --device --reps 20 \
+        --shapes 4096x4096x4,14336x4096x4,14336x4096x6
+      GMLX_SPLIT_K=1 GMLX_ASYNC=1 timeout 240 python3 $GPU/gemv_check.py --device --normed --reps 20; } > "$OUT/$1.txt" 2>&1
+    cut -c1-1500 "$OUT/$1.txt"
     ;;
   prefetch)
     # no models needed (after `install`): 32 layers of the 8B's one-row products with an
