@@ -183,7 +183,7 @@ def _time_shape(key: str, alike: list[Any]) -> tuple[int, ...]:
         return _close(first, step_tuning.tried(lambda x, n: call(x), k, dtype, rows=(1,)))
 
     shape, timed = step_tuning.one_row_shape(f"{key}:{ENV}:shape", qgemv_cuda.gated_configs(1, k), calls, agrees,
-                                             k, dtype)
+                                             k, bits, dtype)
     log.info("cuda: gate, up and swiglu of %s at one row: launch shape %s (%s)", key, "x".join(map(str, shape)), timed)
     return shape
 

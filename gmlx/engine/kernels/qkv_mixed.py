@@ -15,7 +15,8 @@ normalizing the input itself as the normed source does. The same launch shape (w
 rows a warp, chunks in flight) serves both parts.
 
 Only on CUDA; checked at load against MLX's norm and products like every folded
-product (:func:`qkv_cuda._normed_close`); ``GMLX_QKV_MIXED=0`` keeps the two launches.
+product (:func:`qkv_cuda._normed_close`, each part within :func:`tolerance`);
+``GMLX_QKV_MIXED=0`` keeps the two launches.
 The tests run this source on the CPU (``tests/engine/kernels/test_qkv_mixed.py``) and
 compile it for sm_90 (``test_cuda_compile.py``)."""
 
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_q8
+from gmlx.engine.kernels import qgemv_q8, timing
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_cuda import launch_shape
 from gmlx.engine.kernels.qgemv_heads import parts_head
@@ -57,10 +58,21 @@ def _scoped(body: str, bits: int, group: int, head: str) -> str:
             + "\n" + "".join(f"#undef {m}\n" for m in _MACROS) + "}\n")
 
 
-def rounded(bits: int, depth: int) -> bool:
-    """Whether a part of ``bits``-bit codes rounds x to bytes (:mod:`qgemv_q8`): only with
-    ``GMLX_Q8X=all`` (not yet served in this kernel), a chunk a lane in flight."""
-    return qgemv_q8.trying() and qgemv_q8.rounds(bits) and depth == 1
+def rounded(bits: int, depth: int, k: int, warps: int) -> bool:
+    """Whether a part of ``bits``-bit codes rounds x, a row of ``k`` values, to bytes
+    (:mod:`qgemv_q8`): only with ``GMLX_Q8X=all`` (not yet served in this kernel), a
+    chunk a lane in flight, where the row fits a block of ``warps`` warps."""
+    return qgemv_q8.trying() and qgemv_q8.rounds(bits) and depth == 1 and k > 0 and qgemv_q8.fits(k, warps)
+
+
+def tolerance(bits: int, config: tuple[int, ...], k: int) -> float:
+    """What a load allows this kernel's part of ``bits``-bit codes, launched in ``config``
+    on a row of ``k`` values, beyond twice MLX's error, as a share of its largest output
+    (:func:`timing.agrees`): :data:`qgemv_q8.TOLERANCE` where the part rounds x
+    (:func:`rounded`), else MLX's own. Not :func:`qgemv_q8.tolerance`: by default the
+    one-row 4-bit products round x, this kernel's 4-bit part does not."""
+    warps, _, _, depth, *_ = launch_shape(config)
+    return qgemv_q8.TOLERANCE if rounded(bits, depth, k, warps) else timing.TOLERANCE
 
 
 def source(sizes: tuple[int, int], values: int, layout: tuple[int, int], values_layout: tuple[int, int],
@@ -90,7 +102,7 @@ def _kernel(dtype: Any, layout: tuple[int, int], values_layout: tuple[int, int],
     """One kernel per pair of layouts, launch shape and sizes (``k``, the row's width:
     where a part rounds x to bytes, :func:`rounded`)."""
     t = cuda_type(dtype)
-    q8 = tuple(bool(k) and rounded(bits, depth) and qgemv_q8.fits(k, warps) for bits in (layout[0], values_layout[0]))
+    q8 = tuple(rounded(bits, depth, k, warps) for bits in (layout[0], values_layout[0]))
     head = (f"using T = {t}; constexpr int WARPS = {warps}; constexpr int RPW = {rpw}; "
             f"constexpr int DEPTH = {depth}; constexpr float EPS = {float(eps)!r}f; "
             f"constexpr int NB1 = {blocks(sum(sizes), warps, rpw)};"

@@ -85,15 +85,18 @@ def decide(model: Any, key: str, agrees: Callable[[], bool], use: Callable[[Iter
 
 
 def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[tuple[int, ...]], list[Any]],
-                  agrees: Callable[[Any], bool], k: int, dtype: Any, reps: int = 32) -> tuple[tuple[int, ...], str]:
-    """The launch shape (of ``shapes``, the first the default) a step kernel takes at one
-    row, and what was timed, for the log: from an earlier load on this machine (``key``),
-    else each shape's ``calls(shape)`` (the kernel bound to each of its layers, as the
-    step binds it) timed in a chain over the layers in turn (:func:`timing.chain_time`:
-    each call's input the last one's output, the weights read from memory as a step
-    reads them), where its first call ``agrees``; the first shape timed again last (a
-    GPU still speeding up favours what it meets later). A shape that does not build or
-    launch is no shape. ``GMLX_STEP_SHAPES=device`` times each chain behind a lead product
+                  agrees: Callable[[Any], bool], k: int, bits: int, dtype: Any,
+                  reps: int = 32) -> tuple[tuple[int, ...], str]:
+    """The launch shape (of ``shapes``, the first the default) a step kernel of
+    ``bits``-bit codes takes at one row, and what was timed, for the log: from an earlier
+    load on this machine (``key``, kept apart where the product rounds x to bytes:
+    :func:`qgemv_q8.rounds`), else each shape's ``calls(shape)`` (the kernel bound to
+    each of its layers, as the step binds it) timed in a chain over the layers in turn
+    (:func:`timing.chain_time`: each call's input the last one's output, the weights
+    read from memory as a step reads them), where its first call ``agrees``; the first
+    shape timed again last (a GPU still speeding up favours what it meets later). A
+    shape that does not build or launch is no shape. ``GMLX_STEP_SHAPES=device`` times
+    each chain behind a lead product
     (:func:`timing.device_chain_time`: the device's part alone, where a small kernel's
     chain is the host's), its choices kept under their own key; not yet measured served.
     ``GMLX_STEP_SHAPES=0`` takes the first shape, untimed (the default
@@ -119,7 +122,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
         key = f"{key}:async"
     if qgemv_prepared.prepared():  # the normed products' x made once a block (GMLX_PREPARED=1): kept apart
         key = f"{key}:prepared"
-    if qgemv_q8.q8x():  # the 4-bit products' x rounded to bytes (GMLX_Q8X=1): kept apart
+    if qgemv_q8.rounds(bits):  # x rounded to bytes (a 6-bit product's only with GMLX_Q8X=all): kept apart
         key = f"{key}:q8"
     tuning = Tuning()
     known = tuning.layer(key)

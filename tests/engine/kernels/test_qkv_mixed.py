@@ -5,11 +5,13 @@ binds it (``qkv_cuda.fold_norms``), with MLX's operations standing in for the ke
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx.engine.kernels import qgemv_q8, qkv_mixed
+from gmlx.engine.kernels import qgemv_q8, qkv_mixed, timing
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import emulation
 
@@ -100,3 +102,75 @@ def test_staged_shapes_are_refused() -> None:
                            "scales": mx.zeros((8, 8)), "biases": mx.zeros((8, 8))})()
     with pytest.raises(ValueError, match="unstaged"):
         qkv_mixed.bound(layer, layer, layer, (8, 2, 1, 1, 1), (mx.ones((256,)), 1e-5))
+
+
+@pytest.mark.parametrize(("q8", "layout", "values_layout", "config", "k", "rounds"), [
+    ("1", (4, 32), (6, 32), (4, 2), 4096, (False, False)),  # the default: one-row 4-bit products round, not these
+    ("0", (4, 32), (6, 32), (4, 2), 4096, (False, False)),
+    ("all", (4, 32), (6, 32), (4, 2), 4096, (True, True)),
+    ("all", (4, 32), (8, 64), (4, 4), 4096, (True, False)),  # 8-bit values never round
+    ("all", (4, 32), (6, 32), (4, 4, 1, 2), 4096, (False, False)),  # two chunks a lane in flight
+    ("all", (4, 32), (6, 32), (4, 2), 65536, (False, False)),  # a row too wide for a block's shared memory
+])
+def test_each_part_is_allowed_the_rounded_share_only_where_it_rounds(monkeypatch: pytest.MonkeyPatch, q8: str,
+                                                                     layout, values_layout, config, k: int,
+                                                                     rounds: tuple[bool, bool]) -> None:
+    """``qkv_mixed.tolerance`` allows a part :data:`qgemv_q8.TOLERANCE` exactly where the
+    kernel built for it rounds x to bytes (its name says which part does: ``_q1_q0``),
+    else MLX's own share, whatever the one-row products of those bits do."""
+    monkeypatch.setenv(qgemv_q8.ENV, q8)
+    name = _made(mx.float16, layout, values_layout, config, (8, 8), 8, 1e-5, k)["name"]
+    built = re.search(r"_q([01])_q([01])_", name)
+    assert (tuple(flag == "1" for flag in built.groups()) if built else (False, False)) == rounds, name
+    for (bits, _), rounded in zip((layout, values_layout), rounds, strict=True):
+        assert qkv_mixed.tolerance(bits, config, k) == (qgemv_q8.TOLERANCE if rounded else timing.TOLERANCE), bits
+
+
+@pytest.mark.parametrize("q8", ["1", "all"])
+def test_a_load_holds_the_mixed_launch_to_what_it_rounds(monkeypatch: pytest.MonkeyPatch, q8: str) -> None:
+    """A load's check (``qkv_cuda.fold_norms``) of the one launch of a Q4_K_M's 4-bit
+    queries and keys and 6-bit values: its queries 1% of their largest off (what x
+    rounded to bytes may add, within :data:`qgemv_q8.TOLERANCE`) are refused where the
+    kernel does not round x (``GMLX_Q8X=1``, the default: the layer keeps two launches)
+    and taken where it does (``GMLX_Q8X=all``). ``qkv_mixed.bound`` and
+    ``qgemv_cuda.bound`` stand in with MLX's norm and products (CUDA cannot run here)."""
+    from mlx import nn
+
+    from gmlx.engine.kernels import one_token, qgemv_cuda, qkv_cuda
+    from tests.engine.kernels.models import tiny
+
+    monkeypatch.setenv(qgemv_q8.ENV, q8)
+    monkeypatch.delenv(qkv_cuda.NORM_ENV, raising=False)
+    monkeypatch.delenv(qkv_mixed.ENV, raising=False)
+    mixed: list = []
+
+    def products(x, norm, layers):
+        n = mx.fast.rms_norm(x, norm[0], norm[1])
+        return [mx.quantized_matmul(n, *layer, transpose=True, group_size=g, bits=b) for layer, g, b in layers]
+
+    def bound_mixed(queries, keys, values, config, norm):
+        def run(x):
+            q, k, v = products(x, norm, [((m.weight, m.scales, m.biases), m.group_size, m.bits)
+                                         for m in (queries, keys, values)])
+            return q + 0.01 * mx.abs(q).max() * (mx.arange(q.shape[-1]) == 0), k, v
+        mixed.append(run)
+        return run
+
+    def bound(w, scales, biases, group_size, bits, config, more=(), norm=None, **kw):
+        def run(x):
+            outs = products(x, norm, [(layer, group_size, bits) for layer in ((w, scales, biases), *more)])
+            return tuple(outs) if more else outs[0]
+        return run
+
+    monkeypatch.setattr(qkv_mixed, "bound", bound_mixed)
+    monkeypatch.setattr(qgemv_cuda, "bound", bound)
+    model = tiny("llama", 1, dtype=mx.float16, seed=17)
+    nn.quantize(model, group_size=32, bits=4)
+    v = model.layers[0].self_attn.v_proj
+    dense = nn.Linear(v.weight.shape[1] * 32 // v.bits, v.weight.shape[0], bias=False)
+    dense.weight = mx.dequantize(v.weight, v.scales, v.biases, group_size=v.group_size, bits=v.bits)
+    model.layers[0].self_attn.v_proj = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=6)
+    one_token.attach(model, rotation=lambda attention: None)
+    assert qkv_cuda.fold_norms(model).endswith("at one stream in 1 of 1 block(s)")
+    taken = model.layers[0].self_attn._normed_project[0]
+    assert len(mixed) == 1 and (taken is mixed[0]) == (q8 == "all")

@@ -61,11 +61,11 @@ def test_the_fastest_shape_that_agrees_is_kept_per_machine(tmp_path, monkeypatch
         call(mx.zeros((1, 1, 64)))
         return _last[0] != SHAPES[2]
 
-    shape, said = step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, mx.bfloat16)
+    shape, said = step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, 4, mx.bfloat16)
     assert order == [SHAPES[0], SHAPES[1], SHAPES[0]]
     assert (shape, said) == (SHAPES[0], "4x4x1: 5000000.0, 8x4x1x1x1: 6000000.0 us")  # the clock's seconds
     again = _clock(monkeypatch, {})
-    assert step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, mx.bfloat16) == (
+    assert step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, 4, mx.bfloat16) == (
         SHAPES[0], "from an earlier load")
     assert again == []
 
@@ -74,7 +74,7 @@ def test_no_shape_that_agrees_leaves_the_first(tmp_path, monkeypatch: pytest.Mon
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
     monkeypatch.setenv("GMLX_STEP_SHAPES", "1")
     order = _clock(monkeypatch, {})
-    shape, _ = step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: False, 64, mx.bfloat16)
+    shape, _ = step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: False, 64, 4, mx.bfloat16)
     assert shape == SHAPES[0] and order == []
 
 
@@ -96,8 +96,8 @@ def test_the_gated_kernel_takes_the_timed_shape_at_one_stream(tmp_path, monkeypa
 
     timed: list[tuple] = []
 
-    def one_row_shape(key, shapes, calls, agrees, k, dtype):
-        timed.append((key, shapes, len(calls(shapes[1]))))
+    def one_row_shape(key, shapes, calls, agrees, k, bits, dtype):
+        timed.append((key, shapes, bits, len(calls(shapes[1]))))
         return shapes[1], "timed"
 
     monkeypatch.setattr(glu_cuda.qgemv_cuda, "bound", fake_bound)
@@ -107,7 +107,7 @@ def test_the_gated_kernel_takes_the_timed_shape_at_one_stream(tmp_path, monkeypa
     glu_cuda.tune(model)
     mlps = glu_cuda.fused(model)
     k = mlps[0].gate_proj.weight.shape[1] * 32 // 4
-    assert timed == [(f"{glu_cuda._key(mlps[0])}:{glu_cuda.ENV}:shape", qgemv_cuda.gated_configs(1, k), 2)]
+    assert timed == [(f"{glu_cuda._key(mlps[0])}:{glu_cuda.ENV}:shape", qgemv_cuda.gated_configs(1, k), 4, 2)]
     bound.clear()
     for rows in (1, 2):
         mlps[0]._gated(mlps[0], mx.zeros((rows, 1, k), mx.bfloat16), rows)
@@ -130,8 +130,8 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
         bound.append(config)
         return lambda x: tuple(mx.zeros((*x.shape[:-1], a.shape[0]), x.dtype) for a in (w, *(m[0] for m in more)))
 
-    def one_row_shape(key, shapes, calls, agrees, k, dtype):
-        assert len(calls(shapes[-1])) == 2
+    def one_row_shape(key, shapes, calls, agrees, k, bits, dtype):
+        assert len(calls(shapes[-1])) == 2 and bits == 4
         return shapes[-1], "timed"
 
     monkeypatch.setattr(qkv_cuda.qgemv_cuda, "bound", fake_bound)
@@ -147,12 +147,42 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     assert bound == [qgemv_cuda.configs(1, k)[-1], qgemv_cuda.configs(2)[0]]
 
 
+def test_a_choice_is_kept_apart_only_where_the_product_rounds_x(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With x rounded to bytes (``GMLX_Q8X=1``, the default where the products run on
+    CUDA) a 4-bit product's choice is kept under a key of its own (``:q8``), its kernel
+    not the float sums'; a 6-bit product's is not, its kernel the same either way: a
+    load with ``GMLX_Q8X=0`` reads it. ``GMLX_Q8X=all`` rounds the 6-bit one's x too."""
+    from gmlx.engine.kernels import qgemv_q8
+    from gmlx.engine.kernels.tuning import Tuning
+
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    _clock(monkeypatch, {SHAPES[0]: [9.0, 9.0], SHAPES[2]: [1.0]})
+    assert step_tuning.one_row_shape("k6:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64, 6,
+                                     mx.bfloat16)[0] == SHAPES[2]
+    _clock(monkeypatch, {SHAPES[0]: [9.0, 9.0], SHAPES[2]: [1.0]})
+    assert step_tuning.one_row_shape("k4:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64, 4,
+                                     mx.bfloat16)[0] == SHAPES[2]
+    kept = Tuning()
+    assert kept.layer("k6:shape") == {1: ("gemv", SHAPES[2])} and kept.layer("k6:shape:q8") is None
+    assert kept.layer("k4:shape:q8") == {1: ("gemv", SHAPES[2])} and kept.layer("k4:shape") is None
+    monkeypatch.setenv(qgemv_q8.ENV, "0")
+    assert step_tuning.one_row_shape("k6:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64, 6,
+                                     mx.bfloat16) == (SHAPES[2], "from an earlier load")
+    monkeypatch.setenv(qgemv_q8.ENV, "all")
+    _clock(monkeypatch, {SHAPES[0]: [1.0, 1.0], SHAPES[2]: [9.0]})
+    assert step_tuning.one_row_shape("k6:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64, 6,
+                                     mx.bfloat16)[0] == SHAPES[0]
+    assert Tuning().layer("k6:shape:q8") == {1: ("gemv", SHAPES[0])}
+
+
 def test_with_step_shapes_off_the_first_shape_is_taken_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``GMLX_STEP_SHAPES=0``: the first shape, nothing timed, nothing kept."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
     monkeypatch.setenv("GMLX_STEP_SHAPES", "0")
     order = _clock(monkeypatch, {})
-    assert step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: True, 64, mx.bfloat16)[0] == SHAPES[0]
+    assert step_tuning.one_row_shape("k:shape", SHAPES, _calls, lambda call: True, 64, 4, mx.bfloat16)[0] == SHAPES[0]
     assert order == [] and not (tmp_path / "cache").exists()
 
 
@@ -192,14 +222,14 @@ def test_device_shapes_take_the_device_timer_and_keep_their_own_choice(tmp_path,
 
     monkeypatch.setattr(timing, "device_chain_time", device_chain_time)
     three = SHAPES[:3]
-    shape, said = step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, mx.bfloat16)
+    shape, said = step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, 4, mx.bfloat16)
     assert shape == SHAPES[0] and plain == [] and device == [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[0]]
     assert said.endswith("us, the device's part")
     monkeypatch.setenv("GMLX_STEP_SHAPES", "1")  # the chain's own choice is not the device's
-    assert step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, mx.bfloat16)[0] == SHAPES[1]
+    assert step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, 4, mx.bfloat16)[0] == SHAPES[1]
     assert plain == [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[0]]
     monkeypatch.setenv("GMLX_STEP_SHAPES", "device")
-    assert step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, mx.bfloat16) == (
+    assert step_tuning.one_row_shape("k:shape", three, _calls, lambda call: True, 64, 4, mx.bfloat16) == (
         SHAPES[0], "from an earlier load")
 
 
@@ -251,9 +281,9 @@ def test_a_candidate_set_with_split_shapes_keeps_its_choice_apart(tmp_path, monk
     monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
     split = (4, 4, 1, 1, 0, 4)
     order = _clock(monkeypatch, {SHAPES[0]: [9.0, 9.0], split: [1.0]})
-    assert step_tuning.one_row_shape("k:shape", [SHAPES[0], split], _calls, lambda call: True, 64,
+    assert step_tuning.one_row_shape("k:shape", [SHAPES[0], split], _calls, lambda call: True, 64, 4,
                                      mx.bfloat16)[0] == split
     order.clear()
     _clock(monkeypatch, {SHAPES[0]: [3.0, 3.0], SHAPES[2]: [5.0]})
-    assert step_tuning.one_row_shape("k:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64,
+    assert step_tuning.one_row_shape("k:shape", [SHAPES[0], SHAPES[2]], _calls, lambda call: True, 64, 4,
                                      mx.bfloat16)[0] == SHAPES[0]
