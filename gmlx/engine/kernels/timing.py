@@ -147,11 +147,14 @@ def far_row(k: int, dtype: Any, seed: int) -> Any:
 
 
 def exact_product(x: Any, w: Any, scales: Any, biases: Any, group_size: int, bits: int) -> Any:
-    """``x @ dequantize(w).T`` in float32: the reference every product is held to."""
+    """``x @ dequantize(w).T`` in float32: the reference every product is held to. The
+    weights are dequantized from float32 scales and biases, so each is ``s * q + b``
+    exactly (dequantized in bfloat16 scales' own type, they would be rounded to bfloat16
+    first, a reference as far off as the kernels it judges)."""
     import mlx.core as mx
 
-    w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    return x.astype(mx.float32) @ w.astype(mx.float32).T
+    w = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+    return x.astype(mx.float32) @ w.T
 
 
 def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
