@@ -220,6 +220,10 @@ def lead_for(seconds: float, dtype: Any) -> tuple[Callable[[], Any], float] | No
         rows = min(LEAD_ROWS, rows * min(64, max(2, int(2 * seconds / max(alone, 1e-7)) + 1)))
 
 
+# paired measures a device part is the median of (:func:`device_chain_time`)
+DEVICE_ROUNDS = 3
+
+
 def device_chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     """:func:`chain_time`'s calls with the host's part hidden: the whole chain handed
     over while the device works through a lead product (:func:`lead_for`, sized to twice
@@ -229,7 +233,13 @@ def device_chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     each on the H200's host), so every launch shape of a small product times alike and the
     fastest is noise: on the H200 (12-06 night) the q-k-v shapes timed 22-26 us at load,
     the one taken ran 20.7 us in the step where another ran the same layers in 12.5-13.5.
-    Falls back to :func:`chain_time` where no lead is long enough or nothing is left."""
+
+    The difference is the median of :data:`DEVICE_ROUNDS` pairs, the lead alone timed
+    just before each chain behind it: one pair's difference carries the lead's own
+    jitter, as large as a short chain, and the least of several such differences is their
+    noise, not the chain (H100, 12-07: one pair a call, the least of three calls, timed
+    the 8B's 4096x4096 product at 0.3 us, 35 TB/s). Falls back to :func:`chain_time`
+    where no lead is long enough or nothing is left."""
     import mlx.core as mx
 
     plain = chain_time(call, x, reps)
@@ -237,16 +247,19 @@ def device_chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     if found is None:
         return plain
     lead, _ = found
-    y = x
-    for _ in range(reps):
-        y = call(y)
-    head = lead()
-    start = time.perf_counter()
-    mx.async_eval(head)  # the device starts the lead; the chain queues behind it
-    mx.eval(y)
-    behind = time.perf_counter() - start
-    left = behind - _once(lead)
-    return left if left > 0 else plain
+    left = []
+    for _ in range(DEVICE_ROUNDS):
+        alone = _once(lead)
+        y = x
+        for _ in range(reps):
+            y = call(y)
+        head = lead()
+        start = time.perf_counter()
+        mx.async_eval(head)  # the device starts the lead; the chain queues behind it
+        mx.eval(y)
+        left.append(time.perf_counter() - start - alone)
+    middle = sorted(left)[len(left) // 2]
+    return middle if middle > 0 else plain
 
 
 def queue_time(call: Callable[[], Any], reps: int) -> float:

@@ -250,10 +250,12 @@ def test_a_lead_is_sized_to_twice_the_time_it_must_cover(monkeypatch: pytest.Mon
 
 
 def test_the_device_part_is_what_the_chain_adds_behind_the_lead(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``timing.device_chain_time``: the chain built, the lead handed over first and the
-    chain waited for behind it, the lead's time alone taken away; where nothing is left
-    (the clock's noise) or no lead is long enough, the plain chain's time. The clock
-    stands in (seconds: the chain behind the lead 0.9, the lead alone 0.6)."""
+    """``timing.device_chain_time``: per round the lead timed alone, then the chain built,
+    the lead handed over first and the chain waited for behind it; the median of the
+    rounds' differences (not the least: that is the lead's jitter); where that is nothing
+    (the clock's noise) or no lead is long enough, the plain chain's time. The clock stands
+    in (seconds: the lead alone 0.6; behind it 0.9, 0.7 and 1.5: differences 0.3, 0.1,
+    0.9, median 0.3)."""
     calls: list[int] = []
 
     def call(y):
@@ -263,11 +265,17 @@ def test_the_device_part_is_what_the_chain_adds_behind_the_lead(monkeypatch: pyt
     monkeypatch.setattr(timing, "chain_time", lambda call, x, reps: 0.25)
     handed: list[str] = []
     monkeypatch.setattr(timing, "lead_for", lambda seconds, dtype: (lambda: handed.append("lead") or mx.zeros(1), 0.6))
-    ticks = iter([10.0, 10.9, 20.0, 20.6])
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
+
+    def clock(*pairs: tuple[float, float]):
+        """The clock's readings for rounds of (lead alone, chain behind the lead)."""
+        ticks = iter([t for alone, behind in pairs for t in (0.0, alone, 10.0, 10.0 + behind)])
+        monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
+
+    assert timing.DEVICE_ROUNDS == 3
+    clock((0.6, 0.9), (0.6, 0.7), (0.6, 1.5))
     assert timing.device_chain_time(call, mx.zeros(4), 5) == pytest.approx(0.3)
-    assert len(calls) == 5 and handed == ["lead", "lead"]  # the chain built once; the lead behind it and alone
-    ticks = iter([10.0, 10.5, 20.0, 20.6])  # less behind the lead than alone: noise
+    assert len(calls) == 15 and handed == ["lead"] * 6  # a chain built each round; the lead alone and ahead of it
+    clock((0.6, 0.5), (0.6, 0.6), (0.6, 0.9))  # median nothing left: noise
     assert timing.device_chain_time(call, mx.zeros(4), 5) == 0.25
     monkeypatch.setattr(timing, "lead_for", lambda seconds, dtype: None)
     assert timing.device_chain_time(call, mx.zeros(4), 5) == 0.25
