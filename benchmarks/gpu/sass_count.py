@@ -37,8 +37,11 @@ from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
 VARIANTS = {"float sums": {}, "x prepared": {qgemv_prepared.ENV: "all"},
-            "x as bytes": {qgemv_q8.ENV: "all"}}
+            "x as bytes": {qgemv_q8.ENV: "all"}, "x as bytes, deep": {qgemv_q8.ENV: "all", qgemv_q8.DEEP_ENV: "1"}}
 TWICE = ("x prepared", "x as bytes")  # their loops are unrolled twice (``#pragma unroll 2``)
+# the launch shapes counted, each variant's: the gated, the q-k-v, the down products'
+SHAPES = {"x as bytes, deep": ([(4, 2, 1, 4), (4, 4, 1, 2)], [(4, 2, 1, 4), (8, 2, 1, 2)], [(4, 2, 1, 2), (8, 2, 1, 4)])}
+FIRST = ([(4, 4, 1), (4, 2, 1)], [(8, 1), (4, 2)], [(4, 4)])
 
 
 def kernels() -> list[tuple[str, dict, list]]:
@@ -50,20 +53,22 @@ def kernels() -> list[tuple[str, dict, list]]:
     dt = mx.float16
     try:
         for variant, env in VARIANTS.items():
-            saved = {name: os.environ.get(name) for name in (qgemv_prepared.ENV, qgemv_q8.ENV)}
-            os.environ.update({qgemv_prepared.ENV: "0", qgemv_q8.ENV: "0", **env})
+            saved = {name: os.environ.get(name) for name in (qgemv_prepared.ENV, qgemv_q8.ENV, qgemv_q8.DEEP_ENV)}
+            os.environ.update({qgemv_prepared.ENV: "0", qgemv_q8.ENV: "0", qgemv_q8.DEEP_ENV: "0", **env})
             qgemv_cuda._kernel.cache_clear()
-            for config in [(4, 4, 1), (4, 2, 1), *([qgemv_async.ASYNC[0]] if variant == "float sums" else [])]:
+            gated, parts, down = SHAPES.get(variant, FIRST)
+            for config in [*gated, *([qgemv_async.ASYNC[0]] if variant == "float sums" else [])]:
                 qgemv_cuda.kernel_of(dt, 4, 32, config, gated=True, k=4096, eps=1e-5)
                 out.append((variant, made[-1], [dt, *[mx.uint32, dt, dt] * 2, dt]))
-            for config in [(8, 1), (4, 2)]:
+            for config in parts:
                 qgemv_cuda.kernel_of(dt, 4, 32, config, parts=(4096, 1024, 1024), k=4096, eps=1e-5)
                 out.append((variant, made[-1], [dt, *[mx.uint32, dt, dt] * 3, dt]))
             if variant != "x prepared":  # (no norm before the down product)
-                qgemv_cuda.kernel_of(dt, 4, 32, (4, 4), k=14336, residual=True)
-                out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
-                qgemv_cuda.kernel_of(dt, 6, 32, (4, 4), k=14336, residual=True)  # the 6-bit down product
-                out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
+                for config in down:
+                    qgemv_cuda.kernel_of(dt, 4, 32, config, k=14336, residual=True)
+                    out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
+                    qgemv_cuda.kernel_of(dt, 6, 32, config, k=14336, residual=True)  # the 6-bit down product
+                    out.append((variant, made[-1], [dt, mx.uint32, dt, dt, dt]))
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
@@ -133,7 +138,8 @@ def main() -> None:
         loads = sum(n for op, n in ops.items() if op.startswith(("LDG", "LDGSTS", "LDS")))
         common = ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top))
         kernel = re.sub(r"_[0-9a-f]{12}$", "", m["name"]).removeprefix("gmlx_")
-        chunks = 2 if variant in TWICE else 1
+        deep = re.search(r"_d(\d+)_q8", m["name"])  # a pass of the deeper loop: DEPTH chunks
+        chunks = int(deep.group(1)) if deep else 2 if variant in TWICE else 1
         print(f"| {variant} | {kernel} | {registers.get(mangled, '?')} | {len(body)} | {chunks} | "
               f"{len(body) / chunks:.0f} | {loads} | {common} |")
 

@@ -244,7 +244,7 @@ def _tune(model: nn.Module, layers: list[FastQuantizedLinear]) -> str:
                          + (":staged" if qgemv_cuda.staged() else "")
                          + (":split" if qgemv_cuda.splitting() else "")
                          + (":async" if qgemv_async.streaming() else "")
-                         + (":q8" if qgemv_q8.rounds(m.bits) else ""))  # (6- and 8-bit layers: their own)
+                         + qgemv_q8.key(m.bits))  # (6- and 8-bit layers: their own)
             known = tuning.layer(keys[key])
             if known is None:
                 started = time.perf_counter()

@@ -79,6 +79,8 @@ from gmlx.engine.kernels.qgemv_source import (
     NORMED_BODY,
     PREPARED_BODY,
     Q8_BODY,
+    Q8_DEEP_BODY,
+    Q8_DEEP_NORMED_BODY,
     Q8_NORMED_BODY,
     ROWS_BODY,
     SPLIT_BODY,
@@ -165,7 +167,7 @@ def configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     in its shared memory (:data:`STAGED`; given ``k``, the row's width, where it fits)."""
     if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last three, depth 2
         return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2),
-                *(STAGED if k and stages(k) else []), *splits(k), *qgemv_async.shapes(k)]
+                *(STAGED if k and stages(k) else []), *splits(k), *qgemv_async.shapes(k), *qgemv_q8.deep_shapes()]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
@@ -178,7 +180,8 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
         return [(4, 2, rows)]
     return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2),
             *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else []),
-            *(c for c in [*splits(k), *qgemv_async.shapes(k)] if c[1] % 2 == 0), *qgemv_q8.shapes(gated=True)]
+            *(c for c in [*splits(k), *qgemv_async.shapes(k)] if c[1] % 2 == 0), *qgemv_q8.shapes(gated=True),
+            *qgemv_q8.deep_shapes()]
 
 
 @cache
@@ -200,10 +203,10 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     ``rounds``: at one unstaged row, K whole, that many rounds of each warp's chunks in
     flight through shared memory (:mod:`qgemv_async`); ``prepared``: with ``eps``, at one
     unstaged row, a chunk a lane at a time, K whole, x's floats made once a block
-    (:mod:`qgemv_prepared`, ``k`` values); ``q8``: a 4-bit product of one unstaged row, a
-    chunk a lane at a time, K whole, x rounded to bytes once a block (:mod:`qgemv_q8`, ``k``
-    values), the norm folded in or not."""
-    if q8 and (bits == 8 or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1 or prepared):
+    (:mod:`qgemv_prepared`, ``k`` values); ``q8``: a 4- or 6-bit product of one unstaged
+    row, K whole, x rounded to bytes once a block (:mod:`qgemv_q8`, ``k`` values), ``depth``
+    chunks a lane in flight, the norm folded in or not."""
+    if q8 and (bits == 8 or max_rows > 1 or tiles or split > 1 or rounds > 1 or prepared):
         raise ValueError("x is rounded to bytes for a 4- or 6-bit product of one unstaged row, K whole, only")
     if q8 and not qgemv_q8.fits(k, warps):
         raise ValueError(f"a row of {k} values is not rounded in a block's shared memory")
@@ -239,9 +242,9 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
     body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
-            else (Q8_NORMED_BODY if q8 else PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
+            else ((Q8_DEEP_NORMED_BODY if depth > 1 else Q8_NORMED_BODY) if q8 else PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
                   else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
-            if eps is not None else Q8_BODY if q8 else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
+            if eps is not None else (Q8_DEEP_BODY if depth > 1 else Q8_BODY) if q8 else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
                  + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else "")
@@ -265,8 +268,9 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
-    one_chunk_whole = (max_rows, depth, tiles, split, rounds) == (1, 1, 0, 1, 1)  # a chunk a lane, K whole, one row
-    q8 = qgemv_q8.takes(bits, k, warps, one_chunk_whole)
+    whole = (max_rows, tiles, split, rounds) == (1, 0, 1, 1)  # one unstaged row, K whole
+    one_chunk_whole = whole and depth == 1  # and a chunk a lane at a time
+    q8 = qgemv_q8.takes(bits, k, warps, depth, whole)
     prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and one_chunk_whole
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,

@@ -37,6 +37,7 @@ from gmlx.engine.kernels import timing
 from gmlx.engine.kernels.qgemv_prepared import chunk_loop
 
 ENV = "GMLX_Q8X"
+DEEP_ENV = "GMLX_Q8_DEPTH"
 SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 # a product taking this source is held to twice MLX's error from a float32 product plus
 # this much of its largest value (MLX's own products: 0.001; :func:`timing.agrees`). x's
@@ -51,6 +52,36 @@ def q8x() -> bool:
     """Whether one-row 4-bit products round x to bytes (on unless ``GMLX_Q8X=0``; CUDA
     alone builds these products)."""
     return os.environ.get(ENV, "1") != "0"
+
+
+def deep() -> bool:
+    """Whether the rounded products also run with several chunks a lane in flight
+    (``GMLX_Q8_DEPTH=1``; off until a lease serves it): :data:`DEEP` shapes timed beside
+    the others, and the depth-2 shapes rounded too (else their float sums). Why: a lane
+    of an 8B's product at one row takes 4 chunks (K = 4,096) to 14, and with one chunk
+    in flight each is a wait on memory; its rounded gate-up-swiglu read at 2.27 TB/s of
+    the H100's 3.35 (ncu, 12-07), and on the H200 one stream is no faster for the
+    card's 43% more bandwidth. With DEPTH 4 a lane's whole row of K = 4,096 is in flight
+    before the block rounds x."""
+    return os.environ.get(DEEP_ENV, "0") == "1"
+
+
+# the launch shapes (warps, rows a warp, 1, chunks a lane in flight) the one-row tuners
+# also time where :func:`deep`: at K = 4,096 a lane's whole row in flight at once
+DEEP = [(4, 2, 1, 4), (8, 2, 1, 4), (4, 4, 1, 4)]
+
+
+def deep_shapes() -> list[tuple[int, ...]]:
+    """:data:`DEEP` where :func:`deep`, else none."""
+    return list(DEEP) if deep() else []
+
+
+def key(bits: int) -> str:
+    """What a one-row product's tuning key takes on for what its shapes run: ``:q8``
+    where its bits round x (:func:`rounds`), ``:deep`` where :func:`deep` adds shapes
+    (and rounds the deeper ones): a load with other settings times again rather than
+    read a shape it would not have timed or that ran another source."""
+    return (":q8" if rounds(bits) else "") + (":deep" if deep() else "")
 
 
 def trying() -> bool:
@@ -98,17 +129,21 @@ def shapes(gated: bool) -> list[tuple[int, ...]]:
     return list(GATED) if gated and q8x() else []
 
 
-def takes(bits: int, k: int, warps: int, one_chunk_whole: bool) -> bool:
+def takes(bits: int, k: int, warps: int, depth: int, whole: bool) -> bool:
     """Whether a one-row product takes this source: its bits round (:func:`rounds`), one
-    chunk a lane at a time with K whole (``one_chunk_whole``), and its row fits."""
-    return rounds(bits) and one_chunk_whole and k > 0 and k % 32 == 0 and fits(k, warps)
+    unstaged row with K whole (``whole``), a chunk a lane in flight (``depth`` 1) or
+    more where :func:`deep`, and its row fits."""
+    return (rounds(bits) and whole and (depth == 1 or deep()) and k > 0 and k % 32 == 0
+            and fits(k, warps))
 
 
-def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
+def source(layout: str, row_loads: str, reduce_store: str, normed: bool, deep: bool = False) -> str:
     """The source from the one-row source's parts: the layout's sizes, a chunk's loads of
     each row's codes, scale and bias (into ``q``, ``s``, ``b`` at chunk ``c``), and the
     lanes' meeting and store (each as :mod:`qgemv_source` has them); ``normed``: the norm
-    before the product folded in (its weight the input ``nw``, ``EPS`` in the head).
+    before the product folded in (its weight the input ``nw``, ``EPS`` in the head);
+    ``deep``: ``DEPTH`` chunks a lane in flight (:func:`deep`, ``DEPTH`` in the head), the
+    first ``DEPTH`` loaded before x is rounded (:func:`_deep_loop`), else one.
 
     The norm's scale is a number a row, and a chunk's rounding does not change with it
     (each value over the chunk's largest), so the block rounds ``h * nw`` and sums its
@@ -132,12 +167,7 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
     __shared__ __align__(16) uint4 xq[2][XCHUNKS];  // chunk c's 32 bytes: words 0-3 at [0][c], 4-7 at [1][c]
     __shared__ float2 xds[XCHUNKS];                 // chunk c's step and float sum
     __shared__ float wss[WARPS];                    // each warp's share of the squares' sum
-    // this warp's first chunk (past the end: read, never written), before x is made
-    uint32_t q[RPW][BITS];
-    float s[RPW], b[RPW];
-    {
-        const int c = min(lane, chunks - 1);
-""" + row_loads + r"""    }
+""" + (_DEEP_FIRST if deep else _FIRST) + row_loads + r"""    }
     // x's chunks rounded to bytes, each with its step and float sum, once for the block; a
     // value's byte is the low byte of its float plus 1.5 * 2^23 (the add rounds it, ties to
     // even), four gathered by byte permutes
@@ -185,7 +215,7 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) wss[warp] = ss;
     """ if normed else "") + r"""__syncthreads();
-""" + chunk_loop(row_loads, r"""        const uint4 xa = xq[0][c0], xb = xq[1][c0];
+""" + (_deep_loop if deep else chunk_loop)(row_loads, r"""        const uint4 xa = xq[0][c0], xb = xq[1][c0];
         const int xw[8] = {(int)xa.x, (int)xa.y, (int)xa.z, (int)xa.w, (int)xb.x, (int)xb.y, (int)xb.z, (int)xb.w};
         const float2 ds = xds[c0];
         #pragma unroll
@@ -212,3 +242,70 @@ def source(layout: str, row_loads: str, reduce_store: str, normed: bool) -> str:
             acc[r] += s[r] * (ds.x * (float)dot) + b[r] * ds.y;
         }
 """) + store
+
+
+# The first chunk's weights of each of a warp's rows, loaded before the block rounds x (its
+# wait overlaps that), or the first ``DEPTH`` chunks' (each past the end: read, never used).
+_FIRST = r"""    // this warp's first chunk (past the end: read, never written), before x is made
+    uint32_t q[RPW][BITS];
+    float s[RPW], b[RPW];
+    {
+        const int c = min(lane, chunks - 1);
+"""
+_DEEP_FIRST = r"""    // this warp's first DEPTH chunks (past the end: read, never used), before x is made
+    uint32_t qd[DEPTH][RPW][BITS];
+    float sd[DEPTH][RPW], bd[DEPTH][RPW];
+    #pragma unroll
+    for (int di = 0; di < DEPTH; ++di) {
+        const int c = min(lane + 32 * di, chunks - 1);
+        uint32_t (&q)[RPW][BITS] = qd[di];
+        float (&s)[RPW] = sd[di];
+        float (&b)[RPW] = bd[di];
+"""
+
+
+def _deep_loop(row_loads: str, body: str) -> str:
+    """:func:`qgemv_prepared.chunk_loop` with ``DEPTH`` chunks a lane in flight: warps
+    past the last row leave, then each group of a lane's ``DEPTH`` chunks is summed
+    (``body``, a chunk at ``c0`` from ``q``, ``s`` and ``b``) while the next group's
+    weights are in flight (``row_loads`` into ``qn``, ``sn`` and ``bn``); a chunk past the
+    row's end is neither loaded nor summed. The bounds are ``XCHUNKS``, a constant, so at
+    K = 4,096 and ``DEPTH`` 4 the loop is one pass, every load issued before x was made."""
+    return r"""    if (n0 >= N) return;
+    float acc[RPW];
+    #pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
+    for (int g0 = lane; g0 < XCHUNKS; g0 += 32 * DEPTH) {
+        // the next group's weights in flight while this one is summed
+        uint32_t qn[DEPTH][RPW][BITS];
+        float sn[DEPTH][RPW], bn[DEPTH][RPW];
+        #pragma unroll
+        for (int di = 0; di < DEPTH; ++di) {
+            const int c = g0 + 32 * (DEPTH + di);
+            if (c < XCHUNKS) {
+                uint32_t (&q)[RPW][BITS] = qn[di];
+                float (&s)[RPW] = sn[di];
+                float (&b)[RPW] = bn[di];
+""" + row_loads + r"""            }
+        }
+        #pragma unroll
+        for (int di = 0; di < DEPTH; ++di) {
+            const int c0 = g0 + 32 * di;
+            if (c0 < XCHUNKS) {
+                const uint32_t (&q)[RPW][BITS] = qd[di];
+                const float (&s)[RPW] = sd[di];
+                const float (&b)[RPW] = bd[di];
+""" + body + r"""            }
+        }
+        #pragma unroll
+        for (int di = 0; di < DEPTH; ++di) {
+            #pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                #pragma unroll
+                for (int i = 0; i < BITS; ++i) qd[di][r][i] = qn[di][r][i];
+                sd[di][r] = sn[di][r];
+                bd[di][r] = bn[di][r];
+            }
+        }
+    }
+"""

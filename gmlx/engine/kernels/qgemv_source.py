@@ -383,6 +383,9 @@ PREPARED_BODY = compact(qgemv_prepared.source(_LAYOUT, _ROW_LOADS, _ROW_SUMS, _R
 # folded in or not.
 Q8_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=False))
 Q8_NORMED_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=True))
+# The same with ``DEPTH`` chunks a lane in flight (``GMLX_Q8_DEPTH=1``).
+Q8_DEEP_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=False, deep=True))
+Q8_DEEP_NORMED_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=True, deep=True))
 SPLIT_BODY = compact(split(_SOURCE))
 SPLIT_NORMED_BODY = compact(split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)

@@ -122,8 +122,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
         key = f"{key}:async"
     if qgemv_prepared.prepared():  # the normed products' x made once a block (GMLX_PREPARED=1): kept apart
         key = f"{key}:prepared"
-    if qgemv_q8.rounds(bits):  # x rounded to bytes (a 6-bit product's only with GMLX_Q8X=all): kept apart
-        key = f"{key}:q8"
+    # x rounded to bytes (a 6-bit product's only with GMLX_Q8X=all), the deeper rounded shapes: kept apart
+    key += qgemv_q8.key(bits)
     tuning = Tuning()
     known = tuning.layer(key)
     if known and 1 in known:

@@ -143,6 +143,13 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     qgemv_cuda.kernel_of(dtype, 6, 32, (8, 1), k=4096, eps=1e-5)
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
                     assert all("_q8_" in k[0]["name"] for k in kernels[-2:])
+                    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "1")  # several chunks a lane in flight: gated, residual
+                    qgemv_cuda.kernel_of(dtype, 4, 32, (4, 2, 1, 4), gated=True, k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 6, 32, (8, 2, 1, 2), k=14336, residual=True)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                    assert "_d4_q8_" in kernels[-2][0]["name"] and "_d2_q8_" in kernels[-1][0]["name"]
+                    monkeypatch.delenv(qgemv_q8.DEEP_ENV)
                     qkv_mixed._kernel(dtype, (4, 32), (6, 32), 4, 2, 1, (4096, 1024), 1024, 1e-5, 4096)  # both parts
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype], [dtype] * 3))
                     assert "_q1_q1" in kernels[-1][0]["name"]

@@ -47,7 +47,7 @@ def test_only_4_bit_one_row_unstaged_products_take_it(monkeypatch: pytest.Monkey
 
 
 def test_shapes_and_widths_the_source_refuses() -> None:
-    for kind in ({"max_rows": 2}, {"tiles": 1}, {"split": 2}, {"depth": 2}, {"rounds": 4}, {"prepared": True}):
+    for kind in ({"max_rows": 2}, {"tiles": 1}, {"split": 2}, {"rounds": 4}, {"prepared": True}):
         with pytest.raises(ValueError, match="rounded to bytes"):
             qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=4096, q8=True, **kind)
     with pytest.raises(ValueError, match="rounded to bytes"):
@@ -121,35 +121,43 @@ def _close(got: mx.array, ref: mx.array) -> bool:
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("bits", "group", "config", "dtype", "k"), [
     (4, 32, (4, 2), mx.float16, 1088), (4, 64, (4, 4), mx.bfloat16, 1088), (4, 128, (8, 1), mx.float16, 4096),
-    (6, 32, (4, 4), mx.float16, 1088), (6, 64, (8, 1), mx.bfloat16, 1088)])
+    (6, 32, (4, 4), mx.float16, 1088), (6, 64, (8, 1), mx.bfloat16, 1088),
+    (4, 32, (4, 2, 1, 2), mx.float16, 1088), (4, 64, (4, 4, 1, 4), mx.bfloat16, 4096),
+    (4, 32, (8, 2, 1, 4), mx.float16, 4160), (6, 32, (4, 2, 1, 2), mx.float16, 4160)])
 def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
         tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, group: int, config, dtype, k: int) -> None:
     """A plain product of 4- or 6-bit codes (``GMLX_Q8X=all``) over 1,088 values (lanes
     with one chunk and with two) or 4,096 (four each), 12 weight rows (a block's last warp past the end): the float32 product of x
     rounded as :func:`rounded` says (the biases' part of x itself: :func:`reference`),
     and within :data:`qgemv_q8.TOLERANCE` of MLX's product, though in float16 not within
-    MLX's own distance from a float32 product (x's rounding shows)."""
+    MLX's own distance from a float32 product (x's rounding shows). With several chunks a
+    lane in flight (``GMLX_Q8_DEPTH=1``): 1,088 values at depth 2 (two lanes with a second
+    chunk), 4,096 at depth 4 (a lane's whole row in one group), 4,160 at 4 and 2 (two
+    lanes with a second group of one chunk, or a third)."""
     monkeypatch.setenv(qgemv_q8.ENV, "1" if bits == 4 else "all")
+    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "1")
     n = 12
     mx.random.seed(group + k + bits - 4)
     layer = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((1, k)) * 3).astype(dtype)
     made = _made(dtype, bits, group, config, k=k)
-    assert "_q8_" in made["name"]
+    depth = config[3] if len(config) > 3 else 1
+    assert "_q8_" in made["name"] and (f"_d{depth}_" in made["name"]) == (depth > 1)
     got = _run(tmp_path, made, dtype, group, [layer], x, None, config, bits)
     ref = reference(x, layer, group, bits)
     assert _close(got, ref)
     want = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=bits)
     exact = exact_product(x, *layer, group, bits)
     assert agrees(got, want, exact, qgemv_q8.tolerance(bits))  # what a load allows it
-    if dtype == mx.float16:  # rounded: not within MLX's own distance (bfloat16's output rounding is wider)
+    if dtype == mx.float16 and k <= 4096:  # rounded: not within MLX's own distance (bfloat16's output rounding
+        # is wider; at 4,160 values these rows' float16 sums put MLX's own up to 1.4% off, wide enough for x's)
         assert not agrees(got, want, exact, 1e-3)
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("config", "gated", "dtype"), [
     ((4, 4, 1), True, mx.float16), ((4, 2, 1), True, mx.bfloat16), ((8, 4, 1), True, mx.float16),
-    ((4, 2), False, mx.float16)])
+    ((4, 2), False, mx.float16), ((4, 2, 1, 4), True, mx.float16), ((4, 4, 1, 2), False, mx.bfloat16)])
 def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
         tmp_path, monkeypatch: pytest.MonkeyPatch, config, gated: bool, dtype) -> None:
     """The norm folded in (gated: the MLP's gate-up-swiglu), 1,088 values, 75 output rows:
@@ -158,6 +166,7 @@ def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
     from mlx_lm.models.activations import swiglu
 
     monkeypatch.setenv(qgemv_q8.ENV, "1")
+    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "1")  # (a depth past 1 rounds only so)
     k, n, group, eps = 1088, 75, 32, 1e-5
     mx.random.seed(7 + gated)
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=4)
@@ -224,3 +233,22 @@ def test_the_gated_shapes_of_8_warps_are_timed_only_where_x_is_rounded(monkeypat
     assert set(qgemv_q8.GATED) <= set(qgemv_cuda.gated_configs(1, 4096))
     assert qgemv_cuda.gated_configs(1, 4096)[0] == (4, 4, 1)  # the default stays first
     assert "_q8_" in _made(mx.float16, 4, 32, qgemv_q8.GATED[0], gated=True, k=4096, eps=1e-5)["name"]
+
+
+def test_deeper_shapes_round_and_are_timed_only_with_gmlx_q8_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GMLX_Q8_DEPTH=1``: the depth-2 shapes round x too and :data:`qgemv_q8.DEEP` is
+    timed beside the others, every choice kept under ``:deep``; without it neither, and
+    the keys are as before."""
+    monkeypatch.setenv(qgemv_q8.ENV, "1")
+    monkeypatch.delenv(qgemv_q8.DEEP_ENV, raising=False)
+    assert not set(qgemv_q8.DEEP) & set(qgemv_cuda.configs(1, 4096) + qgemv_cuda.gated_configs(1, 4096))
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 4, 1, 2), gated=True, k=4096, eps=1e-5)["name"]
+    assert qgemv_q8.key(4) == ":q8" and qgemv_q8.key(6) == ""
+    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "1")
+    assert set(qgemv_q8.DEEP) <= set(qgemv_cuda.configs(1, 4096)) and set(qgemv_q8.DEEP) <= set(
+        qgemv_cuda.gated_configs(1, 4096))
+    assert qgemv_cuda.configs(1, 4096)[0] == (4, 2) and qgemv_cuda.gated_configs(1, 4096)[0] == (4, 4, 1)
+    made = _made(mx.float16, 4, 32, (4, 4, 1, 2), gated=True, k=4096, eps=1e-5)
+    assert "_d2_q8_" in made["name"] and "__dp4a" in made["source"] and "qn[DEPTH]" in made["source"]
+    assert "_q8_" not in _made(mx.float16, 6, 32, (4, 2, 1, 4), k=4096)["name"]  # 6-bit: float sums unless all
+    assert qgemv_q8.key(4) == ":q8:deep" and qgemv_q8.key(6) == ":deep"
