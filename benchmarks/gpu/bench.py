@@ -167,6 +167,10 @@ GMLX_VARIANTS = {
     # every one-row form not yet on by default offered to the tuners at once (the 6-bit
     # products rounded, K split between warps, the weights streamed), each shape timed by
     # the device's part alone: the load log says which won where
+    # the rounded one-row products with 2-4 chunks a lane in flight, the first ones loaded
+    # before the block rounds x (qgemv_q8.DEEP shapes timed beside the others; 12-07: the
+    # rounded gate-up read at 2.27 TB/s of the H100's 3.35 with one chunk in flight)
+    "gmlx-q8deep": {"GMLX_Q8_DEPTH": "1"},
     "gmlx-candidates": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device", "GMLX_SPLIT_K": "1", "GMLX_ASYNC": "1"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others

@@ -159,6 +159,13 @@ def parts_row(k: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: in
 VARIANTS = {"": {"GMLX_Q8X": "0"}, "p": {"GMLX_PREPARED": "all", "GMLX_Q8X": "0"}, "q8": {"GMLX_Q8X": "1"}}
 
 
+def takes(variant: str, depth: int, tiles: int, split: int, rounds: int) -> bool:
+    """Whether a launch shape (its depth, tiles, split, rounds) takes the source of
+    ``variant`` (:data:`VARIANTS`): one unstaged row, K whole, a chunk a lane at a time, or
+    more chunks where x is rounded under ``GMLX_Q8_DEPTH=1``."""
+    return (tiles, split, rounds) == (0, 1, 1) and (depth == 1 or (variant == "q8" and qgemv_q8.deep()))
+
+
 def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int) -> list[str]:
     """The products with the norm before them folded in, at one row: the gated MLP (``n``
     outputs) and the attention's parts (``sizes``), at each unstaged launch shape with x
@@ -208,8 +215,9 @@ def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int
         times, ok = {}, {}
         for variant, env in VARIANTS.items():
             os.environ.update(env)  # read as each kernel is built (at its first run below) and by agrees
-            # (prepared, rounded: only the shapes each takes, one chunk a lane, K whole; the others' kernels are the same)
-            for c in configs if not variant else [c for c in configs if qgemv_cuda.launch_shape(c)[3:] == (1, 0, 1, 1)]:
+            # (prepared, rounded: only the shapes each takes, one chunk a lane, K whole (rounded: more chunks
+            # too under GMLX_Q8_DEPTH=1); the others' kernels are the same)
+            for c in configs if not variant else [c for c in configs if takes(variant, *qgemv_cuda.launch_shape(c)[3:])]:
                 if kind == "gated":
                     run = qgemv_cuda.bound(*gate, g, bits, c, up=up, norm=(nw, eps))
                     ok[variant] = ok.get(variant, True) and agrees(run(h), want_glu, exact_glu, qgemv_q8.tolerance(bits))

@@ -33,6 +33,7 @@
 #   x rounded to bytes, agreement and times:    bash benchmarks/gpu/lease.sh q8check   (~200 s, no models)
 #   the next weights fetched into L2 meanwhile: bash benchmarks/gpu/lease.sh prefetch  (~150 s, no models)
 #   the forms not on by default, device-timed:  bash benchmarks/gpu/lease.sh candcheck (~300 s, no models)
+#   the rounded products deeper, by ncu:        GMLX_Q8_DEPTH=1 bash benchmarks/gpu/lease.sh ncu-times (~100 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -384,7 +385,8 @@ PY
     [ "$1" = async ] && servers=${SERVERS:-gmlx-async,gmlx,gmlx-async,gmlx}
     # prepared: the normed products' x made once a block (gmlx-prepared) against the defaults
     [ "$1" = prepared ] && servers=${SERVERS:-gmlx-prepared,gmlx,gmlx-prepared,gmlx}
-    # q8: the 4-bit one-row products' float sums (gmlx-noq8) against the defaults (x rounded to bytes)
+    # q8: the 4-bit one-row products' float sums (gmlx-noq8) against the defaults (x rounded to bytes);
+    #   the next: SERVERS=gmlx-q8deep,gmlx,gmlx-q8deep,gmlx WIDTHS=1 (more chunks a lane in flight)
     [ "$1" = q8 ] && servers=${SERVERS:-gmlx-noq8,gmlx,gmlx-noq8,gmlx}
     "${BENCH[@]}" --results "/tmp/gpu-results-$1" --servers "$servers" \
       --widths "${WIDTHS:-1,8}" --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
