@@ -205,11 +205,6 @@ GMLX_VARIANTS = {
     # (12-06 evening's lease: the rope and the norm folds, both defaults since; these two
     # turn them off again for a comparison)
     "gmlx-nofewer-steptimes": {"GMLX_ROPE_ATTENTION": "0", "GMLX_QKV_NORM": "0", "GMLX_STEP_TIMES": "128"},
-    # the streams' wake-ups held until the worker hands its next step over, where the
-    # event loop's turn runs beside MLX's encoding instead of inside the step's build
-    # (gmlx.engine.mailbox; off by default)
-    "gmlx-wake-steptimes": {"GMLX_WAKE_AT_HANDOVER": "1", "GMLX_STEP_TIMES": "128"},
-    "gmlx-wake": {"GMLX_WAKE_AT_HANDOVER": "1"},
     # the layers' rope folded into the in-place attention (one operation a layer fewer:
     # cached_attention_cuda.folded_rope), and that with the add-norm kernel in the compiled
     # blocks (two more): 11-12 operations a layer of the 8B's step down to 8

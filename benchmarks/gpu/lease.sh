@@ -17,7 +17,6 @@
 #   the attention's code shorter:              bash benchmarks/gpu/lease.sh compact   (~400 s)
 #   settings by the served step's GPU time:    bash benchmarks/gpu/lease.sh variants  (~300-400 s)
 #   where the served step's host time goes:    bash benchmarks/gpu/lease.sh host      (~450 s)
-#   the wake-ups at the hand-over:            bash benchmarks/gpu/lease.sh wake      (~470 s)
 #   point 3 on an H200 (kind nvidia-h200):    bash benchmarks/gpu/lease.sh h200      (~250 s)
 #   MLX's graph commits on a host-paced step: bash benchmarks/gpu/lease.sh h200host  (~350 s)
 #   point 4 again (served and in process):    bash benchmarks/gpu/lease.sh point4    (~550 s)
@@ -240,17 +239,6 @@ case ${1:-} in
     GMLX_HOME=/tmp/gmlx-home GMLX_STEP_TIMES=128 timeout 300 python3 $GPU/served_step.py /tmp/models/llama3-8b/q4_k_m.gguf \
       --modes served --widths 1,8,32 --tokens 256 --prefix 0 --bias 0 --dtype float16 > "$OUT/served-step.txt" 2>&1
     grep -vE "^ *\| (cuda|q4_k_m)" "$OUT/served-step.txt" | cut -c1-300 | tail -20
-    ;;
-  wake)
-    # the defaults (the rope and norm folds since 12-06 evening) against the wake-ups held for
-    # the hand-over (GMLX_WAKE_AT_HANDOVER=1) and against the folds off, phases logged
-    # (`pairs` after it: one stream alternating with llama-server)
-    with_env
-    "${BENCH[@]}" --results /tmp/gpu-results-wake --servers gmlx-steptimes,gmlx-wake-steptimes,gmlx-nofewer-steptimes,llama \
-      --widths 1,8,32 --rounds 2 --prefix-reps 0 --out "$OUT/wake.md" > "$OUT/wake.txt" 2>&1
-    grep -E "decode steps of (1|8) |tok/s \(|takes the rope|norm before the attention" "$OUT/wake.txt" | cut -c1-330 | head -44
-    bash $GPU/setup.sh kernels "$OUT" | tail -1  # the folds' kernels, for the next lease's .gpu/ptx
-    tail -8 "$OUT/wake.md"
     ;;
   h200)
     # point 3 where the issue set it (an H200: its floor at 4.8 TB/s): the defaults, phases

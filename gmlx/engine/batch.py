@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from gmlx.engine import handover, mailbox, mlxlm, scheduling, step_times
+from gmlx.engine import handover, mlxlm, scheduling, step_times
 from gmlx.engine.errors import EngineError, GmlxError
 from gmlx.engine.kv_layers import make_cache
 from gmlx.engine.kv_quant import KVQuant
@@ -68,20 +68,11 @@ class Batch:
         self._staged: dict[int, tuple[Any, Any]] = {}
         self._staged_uid = 0
         self.step_times = step_times.from_env()  # the decode steps' phases (GMLX_STEP_TIMES), or None
-        # the streams' wake-ups held for the next hand-over (GMLX_WAKE_AT_HANDOVER): read once,
-        # for the generators this batch opens and the worker thread that holds them
-        self.holds_wakes = mailbox.hold_enabled()
 
     @property
     def free(self) -> int:
         """Slots no request holds."""
         return max(0, self.width - len(self.running))
-
-    @property
-    def wakes_at_handover(self) -> bool:
-        """Whether the generator's next step starts with a decode step that wakes the
-        held streams as it is handed over (``mailbox.wake_held``, where held)."""
-        return self.holds_wakes and self._gen is not None and mlxlm.hands_over_hooked(self._gen)
 
     def new_cache(self) -> list[Any]:
         """A fresh cache for one request (its KV layers quantized under ``kv_quant``)."""
@@ -97,7 +88,7 @@ class Batch:
         self._gen = mlxlm.batch_generator(self.loaded.model, sorted(self.loaded.tokenizer.eos_token_ids),
                                           self.width, self.prefill_step_size,
                                           None if self._handover is None else self._handover.stream,
-                                          self.step_times, mailbox.wake_held if self.holds_wakes else None)
+                                          self.step_times)
         if self.speculation is not None:  # decoding streams verify drafts in rounds
             mlxlm.use_generation_batch(self._gen, self.speculation.generation_batch(
                 self.loaded.model, self._draft_policy, self.prefill_step_size))

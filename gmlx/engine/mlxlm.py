@@ -20,7 +20,6 @@ __all__ = [
     "FirstToken",
     "batch_generator",
     "first_token",
-    "hands_over_hooked",
     "infer_tool_parser",
     "kv_used",
     "model_classes",
@@ -57,14 +56,12 @@ def infer_tool_parser(hf_tokenizer: Any) -> str | None:
 
 
 def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step: int,
-                    stream: Any = None, times: Any = None, before_hand: Callable[[], None] | None = None) -> Any:
+                    stream: Any = None, times: Any = None) -> Any:
     """mlx-lm's ``BatchGenerator`` decoding up to ``width`` streams, each ending at any
     of ``stop_tokens``. Prompts prefill ``prefill_step`` tokens a step, one prompt at
     a time until the caller sets ``prefill_batch_size`` (the worker sets both before
     every step). ``stream``: the one it computes on (default: mlx-lm's own). ``times``:
-    a :class:`~gmlx.engine.step_times.StepTimes` its decode steps are stamped into.
-    ``before_hand``: called in each decode step as its graph is built, just before it is
-    handed to the device (:func:`gmlx.engine.mailbox.wake_held`)."""
+    a :class:`~gmlx.engine.step_times.StepTimes` its decode steps are stamped into."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(
@@ -77,7 +74,6 @@ def batch_generator(model: Any, stop_tokens: list[int], width: int, prefill_step
     )
     gen._generation_batch = _decode_batch().empty(model, gen.sampler)
     gen._generation_batch.times = times
-    gen._generation_batch.before_hand = before_hand
     return gen
 
 
@@ -103,7 +99,6 @@ def _decode_batch() -> type:
 
     class DecodeBatch(GenerationBatch):
         times = None  # a StepTimes, where the step's phases are wanted (GMLX_STEP_TIMES)
-        before_hand: Callable[[], None] | None = None  # called as the step is handed over
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._bias = BatchBias()
@@ -136,8 +131,6 @@ def _decode_batch() -> type:
                 sampled = mx.concatenate([s(scores[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
             self._next_tokens = sampled
             built = time.perf_counter()
-            if self.before_hand is not None:
-                self.before_hand()
             mx.async_eval(sampled, *wanted, token_context)
             handed = time.perf_counter()
             mx.eval(inputs)
@@ -188,16 +181,6 @@ def _decode_batch() -> type:
             return mx.concatenate(pieces, axis=0), token_context
 
     return DecodeBatch
-
-
-def hands_over_hooked(gen: Any) -> bool:
-    """Whether ``gen``'s next step starts with a decode step that calls its
-    ``before_hand`` hook (:func:`batch_generator`) as it hands the step over: rows are
-    decoding, in gmlx's decode batch with a hook (not a speculative batch swapped in).
-
-    Reads ``BatchGenerator._generation_batch``."""
-    decoding = gen._generation_batch
-    return getattr(decoding, "before_hand", None) is not None and len(decoding) > 0
 
 
 def prefill_lengths(gen: Any) -> list[int]:

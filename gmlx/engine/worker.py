@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gmlx.engine import mailbox, scheduling
+from gmlx.engine import scheduling
 from gmlx.engine.batch import Batch
 from gmlx.engine.drafting import refuse_structured
 from gmlx.engine.errors import EngineError, GmlxError, ServerOverloadedError
@@ -277,8 +277,6 @@ class ModelWorker:
             keep_buffers(self.buffer_cache_bytes)
         batch = self._batch
         batch.open()
-        if batch.holds_wakes:  # the streams woken as the next step is handed over
-            mailbox.hold()
         try:
             while not self._closed.is_set():
                 try:
@@ -295,7 +293,6 @@ class ModelWorker:
                 if kind == "submit":
                     self._pending.append(payload)
             self._end_all(self._close_error)
-            mailbox.release()
             batch.close()
             self._closed.set()
             self._done.set()
@@ -314,8 +311,6 @@ class ModelWorker:
                 continue
             for active, reason, error in batch.step(self.stats):
                 self._finish(active, reason, error)
-            if not batch.wakes_at_handover:  # (events held for the next hand-over wait no longer)
-                mailbox.wake_held()
 
     def _restart(self, error: Exception) -> None:
         """The loop failed outside any one request: end the requests in flight with an
@@ -358,8 +353,6 @@ class ModelWorker:
         self._batch.running.clear()
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
-        if block:
-            mailbox.wake_held()  # nothing held waits out an idle worker
         while True:
             try:
                 kind, payload = self._inbox.get(block=block, timeout=timeout)
