@@ -167,7 +167,7 @@ def configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     in its shared memory (:data:`STAGED`; given ``k``, the row's width, where it fits)."""
     if rows == 1:  # (warps, rows a warp, 1, chunks a lane in flight): the last three, depth 2
         return [(4, 2), (8, 2), (4, 4), (8, 1), (4, 2, 1, 2), (8, 2, 1, 2), (4, 4, 1, 2),
-                *(STAGED if k and stages(k) else []), *splits(k), *qgemv_async.shapes(k), *qgemv_q8.deep_shapes()]
+                *(STAGED if k and stages(k) else []), *splits(k), *qgemv_async.shapes(k), *qgemv_q8.deep_shapes(k)]
     return [(4, 1, rows), (4, 2, rows)]  # two: each one compiles at a first load's tuning
 
 
@@ -181,7 +181,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
     return [(4, 4, 1), (4, 2, 1), (4, 4, 1, 2),
             *([(8, 4, 1, 1, 1), (8, 4, 1, 2, 2), (16, 2, 1, 2, 1)] if k and stages(k) else []),
             *(c for c in [*splits(k), *qgemv_async.shapes(k)] if c[1] % 2 == 0), *qgemv_q8.shapes(gated=True),
-            *qgemv_q8.deep_shapes()]
+            *qgemv_q8.deep_shapes(k)]
 
 
 @cache

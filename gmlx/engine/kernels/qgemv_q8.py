@@ -67,13 +67,20 @@ def deep() -> bool:
 
 
 # the launch shapes (warps, rows a warp, 1, chunks a lane in flight) the one-row tuners
-# also time where :func:`deep`: at K = 4,096 a lane's whole row in flight at once
+# also time where :func:`deep`: at K = 4,096 a lane's whole row in flight at once; the
+# last (4 rows a warp, 16 chunks a lane in registers: 168 a thread for the gate-up, sm_90)
+# only up to :data:`WIDEST_DEEP` values, past which it runs out of registers (the 8B's
+# 14,336-wide down products: 240-255 a thread)
 DEEP = [(4, 2, 1, 4), (8, 2, 1, 4), (4, 4, 1, 4)]
+WIDEST_DEEP = 4096
 
 
-def deep_shapes() -> list[tuple[int, ...]]:
-    """:data:`DEEP` where :func:`deep`, else none."""
-    return list(DEEP) if deep() else []
+def deep_shapes(k: int = 0) -> list[tuple[int, ...]]:
+    """:data:`DEEP` where :func:`deep` (its last shape only for a row of at most
+    :data:`WIDEST_DEEP` values, ``k``; 0: unknown, all), else none."""
+    if not deep():
+        return []
+    return [c for c in DEEP if c[1] * c[3] < 16 or not k or k <= WIDEST_DEEP]
 
 
 def key(bits: int) -> str:

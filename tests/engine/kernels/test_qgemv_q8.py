@@ -252,3 +252,5 @@ def test_deeper_shapes_round_and_are_timed_only_with_gmlx_q8_depth(monkeypatch: 
     assert "_d2_q8_" in made["name"] and "__dp4a" in made["source"] and "qn[DEPTH]" in made["source"]
     assert "_q8_" not in _made(mx.float16, 6, 32, (4, 2, 1, 4), k=4096)["name"]  # 6-bit: float sums unless all
     assert qgemv_q8.key(4) == ":q8:deep" and qgemv_q8.key(6) == ":deep"
+    assert (4, 4, 1, 4) in qgemv_cuda.configs(1, 4096) and (4, 4, 1, 4) not in qgemv_cuda.configs(1, 14336)
+    assert (4, 2, 1, 4) in qgemv_cuda.configs(1, 14336)  # (its registers fit at any width)
