@@ -26,7 +26,10 @@ only change from float sums is x's rounding, at most ``d / 2`` a value (``a / 25
 norm's scale (``rsqrt(mean(h^2) + eps)``) does not change a chunk's rounding, so the same
 pass sums the squares, the block meets once, and each output is scaled as it is written.
 The output is not MLX's bits and is further from a float32 product than MLX's own (whose
-x is float16): :data:`TOLERANCE` states how far a load allows. Each warp loads its next chunk's weights while summing the current one.
+x is float16): :data:`TOLERANCE` states how far a load allows. Each warp loads its next chunk's weights
+while summing the current one; with ``GMLX_Q8_DEPTH=1`` (:func:`deep`, off until served)
+the tuners also time shapes with 2-4 chunks a lane in flight, the first of them loaded
+before the block rounds x.
 """
 
 from __future__ import annotations
