@@ -61,8 +61,8 @@ def _scoped(body: str, bits: int, group: int, head: str) -> str:
 def rounded(bits: int, depth: int, k: int, warps: int) -> bool:
     """Whether a part of ``bits``-bit codes rounds x, a row of ``k`` values, to bytes
     (:mod:`qgemv_q8`): only with ``GMLX_Q8X=all`` (not yet served in this kernel), a
-    chunk a lane in flight, where the row fits a block of ``warps`` warps."""
-    return qgemv_q8.trying() and qgemv_q8.rounds(bits) and depth == 1 and k > 0 and qgemv_q8.fits(k, warps)
+    chunk a lane in flight, where the one-row products would round it (:func:`qgemv_q8.takes`)."""
+    return qgemv_q8.trying() and depth == 1 and qgemv_q8.takes(bits, k, warps, depth, whole=True)
 
 
 def tolerance(bits: int, config: tuple[int, ...], k: int) -> float:
