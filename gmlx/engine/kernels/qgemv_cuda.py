@@ -78,10 +78,7 @@ from gmlx.engine.kernels.qgemv_source import (
     BODY,
     NORMED_BODY,
     PREPARED_BODY,
-    Q8_BODY,
-    Q8_DEEP_BODY,
-    Q8_DEEP_NORMED_BODY,
-    Q8_NORMED_BODY,
+    Q8_BODIES,
     ROWS_BODY,
     SPLIT_BODY,
     SPLIT_NORMED_BODY,
@@ -241,10 +238,10 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     inputs += ["res"] if residual else ["nw"] if eps is not None else []
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
-    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
-            else ((Q8_DEEP_NORMED_BODY if depth > 1 else Q8_NORMED_BODY) if q8 else PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
+    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else Q8_BODIES[eps is not None, depth > 1] if q8
+            else (PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
                   else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
-            if eps is not None else (Q8_DEEP_BODY if depth > 1 else Q8_BODY) if q8 else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
+            if eps is not None else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
                  + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else "")

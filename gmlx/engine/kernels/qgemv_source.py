@@ -379,13 +379,10 @@ ASYNC_BODY = compact(_ASYNC_SOURCE)
 ASYNC_NORMED_BODY = compact(_normed(_ASYNC_SOURCE))
 # The one-row source with the norm folded in and x prepared once a block (:mod:`qgemv_prepared`).
 PREPARED_BODY = compact(qgemv_prepared.source(_LAYOUT, _ROW_LOADS, _ROW_SUMS, _REDUCE_STORE))
-# The one-row 4-bit source with x rounded to bytes once a block (:mod:`qgemv_q8`), the norm
-# folded in or not.
-Q8_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=False))
-Q8_NORMED_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=True))
-# The same with ``DEPTH`` chunks a lane in flight (``GMLX_Q8_DEPTH=1``).
-Q8_DEEP_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=False, deep=True))
-Q8_DEEP_NORMED_BODY = compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed=True, deep=True))
+# The one-row source with x rounded to bytes once a block (:mod:`qgemv_q8`), the norm
+# folded in or not, by (normed, ``DEPTH`` chunks a lane in flight: ``GMLX_Q8_DEPTH=1``).
+Q8_BODIES = {(normed, deep): compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed, deep))
+             for normed in (False, True) for deep in (False, True)}
 SPLIT_BODY = compact(split(_SOURCE))
 SPLIT_NORMED_BODY = compact(split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)

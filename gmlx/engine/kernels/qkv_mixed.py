@@ -31,7 +31,7 @@ from gmlx.engine.kernels import qgemv_q8, timing
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_cuda import launch_shape
 from gmlx.engine.kernels.qgemv_heads import parts_head
-from gmlx.engine.kernels.qgemv_source import NORMED_BODY, Q8_NORMED_BODY
+from gmlx.engine.kernels.qgemv_source import NORMED_BODY, Q8_BODIES
 
 ENV = "GMLX_QKV_MIXED"
 _MACROS = ("ROWS_TOTAL", "ROW_W", "ROW_S", "ROW_B", "OUTPUT", "STORE", "CHUNK")
@@ -81,8 +81,7 @@ def source(sizes: tuple[int, int], values: int, layout: tuple[int, int], values_
     group)``) by the first ``NB1`` blocks, the ``values`` rows in ``values_layout`` by the
     rest; the input ``x`` normalized by the weight ``nw`` (``EPS``) in both; ``q8``: which
     part rounds x to bytes once a block (:mod:`qgemv_q8`; ``XCHUNKS`` in the head)."""
-    first = Q8_NORMED_BODY if q8[0] else NORMED_BODY
-    second = Q8_NORMED_BODY if q8[1] else NORMED_BODY
+    first, second = (Q8_BODIES[True, False] if rounds else NORMED_BODY for rounds in q8)
     for old, new in (("blockIdx.x", "(blockIdx.x - NB1)"), ("w_shape", "w3_shape")):
         if second.count(old) != 1:
             raise AssertionError(f"the normed one-row source changed: {old!r} is not there once")
