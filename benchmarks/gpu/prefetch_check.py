@@ -108,12 +108,11 @@ def main() -> None:
         return call
 
     def regions(i: int, mb: float) -> list[int]:
+        """Bytes fetched of each input: the o-proj's whole, the gate's and up's first rows
+        (half of ``mb`` each, their codes, scales and biases alike)."""
         w = layers[i]
-        half = int(mb * 1e6 / 2)
-        share = [min(half, w["gate"][0].nbytes)] * 2
-        frac = [s / w["gate"][0].nbytes for s in share]
-        return ([w["o"][0].nbytes, w["o"][1].nbytes, w["o"][2].nbytes]
-                + [int(w[name][j].nbytes * frac[0]) // 16 * 16 for name in ("gate", "up") for j in range(3)])
+        share = min(1.0, mb * 1e6 / 2 / w["gate"][0].nbytes)
+        return [a.nbytes for a in w["o"]] + [int(a.nbytes * share) // 16 * 16 for name in ("gate", "up") for a in w[name]]
 
     def weights(i: int):
         w = layers[i]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -258,7 +259,7 @@ def device_chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
         mx.async_eval(head)  # the device starts the lead; the chain queues behind it
         mx.eval(y)
         left.append(time.perf_counter() - start - alone)
-    middle = sorted(left)[len(left) // 2]
+    middle = statistics.median(left)
     return middle if middle > 0 else plain
 
 
