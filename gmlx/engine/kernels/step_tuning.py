@@ -89,8 +89,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
                   reps: int = 32) -> tuple[tuple[int, ...], str]:
     """The launch shape (of ``shapes``, the first the default) a step kernel of
     ``bits``-bit codes takes at one row, and what was timed, for the log: from an earlier
-    load on this machine (``key``, kept apart where the product rounds x to bytes:
-    :func:`qgemv_q8.rounds`), else each shape's ``calls(shape)`` (the kernel bound to
+    load on this machine (``key``, kept apart by what its shapes run: :func:`qgemv_q8.key`),
+    else each shape's ``calls(shape)`` (the kernel bound to
     each of its layers, as the step binds it) timed in a chain over the layers in turn
     (:func:`timing.chain_time`: each call's input the last one's output, the weights
     read from memory as a step reads them), where its first call ``agrees``; the first
