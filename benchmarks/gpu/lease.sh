@@ -289,11 +289,13 @@ case ${1:-} in
     # no models needed (after `install`): every launch of the normed gate-up's kernels at 4 warps
     # (x made by each warp, prepared once a block, deeper, streamed) in gemv_check --normed,
     # timed by the GPU alone (ncu's gpu__time_duration, one pass a launch; the chain's clock of
-    # preparedcheck is the host's on a slow host): the median us of each kernel
+    # preparedcheck is the host's on a slow host): the median us of each kernel. CHECK: other
+    # gemv_check arguments (the plain products: CHECK="--shapes 14336x4096x4,4096x4096x4"
+    # KERNELS="qgemv_half"; with GMLX_SPLIT_K=1 their K-split shapes, x rounded, among them)
     with_env
     GMLX_ASYNC=1 timeout "${LIMIT:-230}" "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
       --kernel-name "regex:${KERNELS:-qglun_half_4_32_4_}" --metrics gpu__time_duration.sum --csv \
-      python3 $GPU/gemv_check.py --normed --reps "${REPS:-10}" > "$OUT/ncu-times.csv" 2>&1
+      python3 $GPU/gemv_check.py ${CHECK:---normed} --reps "${REPS:-10}" > "$OUT/ncu-times.csv" 2>&1
     python3 - "$OUT/ncu-times.csv" <<'PY'
 import csv, re, statistics, sys
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]

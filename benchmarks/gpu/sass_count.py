@@ -37,10 +37,13 @@ from tests.engine.kernels import test_cuda_compile as compile_test
 
 # the variants counted: each an environment the kernels are built under
 VARIANTS = {"float sums": {}, "x prepared": {qgemv_prepared.ENV: "all"},
-            "x as bytes": {qgemv_q8.ENV: "all"}, "x as bytes, deep": {qgemv_q8.ENV: "all", qgemv_q8.DEEP_ENV: "1"}}
-TWICE = ("x prepared", "x as bytes")  # their loops are unrolled twice (``#pragma unroll 2``)
+            "x as bytes": {qgemv_q8.ENV: "all"}, "x as bytes, deep": {qgemv_q8.ENV: "all", qgemv_q8.DEEP_ENV: "1"},
+            "x as bytes, split": {qgemv_q8.ENV: "all", qgemv_cuda.SPLIT_ENV: "1"}}
+TWICE = ("x prepared", "x as bytes", "x as bytes, split")  # their loops are unrolled twice (``#pragma unroll 2``)
 # the launch shapes counted, each variant's: the gated, the q-k-v, the down products'
-SHAPES = {"x as bytes, deep": ([(4, 2, 1, 4), (4, 4, 1, 2)], [(4, 2, 1, 4), (8, 2, 1, 2)], [(4, 2, 1, 2), (8, 2, 1, 4)])}
+SHAPES = {"x as bytes, deep": ([(4, 2, 1, 4), (4, 4, 1, 2)], [(4, 2, 1, 4), (8, 2, 1, 2)], [(4, 2, 1, 2), (8, 2, 1, 4)]),
+          "x as bytes, split": ([(8, 4, 1, 1, 0, 2), (4, 4, 1, 1, 0, 4)], [(8, 2, 1, 1, 0, 4)],
+                                [(8, 4, 1, 1, 0, 2), (16, 4, 1, 1, 0, 4)])}
 FIRST = ([(4, 4, 1), (4, 2, 1)], [(8, 1), (4, 2)], [(4, 4)])
 
 
@@ -53,8 +56,9 @@ def kernels() -> list[tuple[str, dict, list]]:
     dt = mx.float16
     try:
         for variant, env in VARIANTS.items():
-            saved = {name: os.environ.get(name) for name in (qgemv_prepared.ENV, qgemv_q8.ENV, qgemv_q8.DEEP_ENV)}
-            os.environ.update({qgemv_prepared.ENV: "0", qgemv_q8.ENV: "0", qgemv_q8.DEEP_ENV: "0", **env})
+            names = (qgemv_prepared.ENV, qgemv_q8.ENV, qgemv_q8.DEEP_ENV, qgemv_cuda.SPLIT_ENV)
+            saved = {name: os.environ.get(name) for name in names}
+            os.environ.update({**dict.fromkeys(names, "0"), **env})
             qgemv_cuda._kernel.cache_clear()
             gated, parts, down = SHAPES.get(variant, FIRST)
             for config in [*gated, *([qgemv_async.ASYNC[0]] if variant == "float sums" else [])]:

@@ -69,7 +69,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8
+from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8, qgemv_split
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
 from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
@@ -79,6 +79,7 @@ from gmlx.engine.kernels.qgemv_source import (
     NORMED_BODY,
     PREPARED_BODY,
     Q8_BODIES,
+    Q8_SPLIT_BODIES,
     ROWS_BODY,
     SPLIT_BODY,
     SPLIT_NORMED_BODY,
@@ -137,14 +138,9 @@ STAGED = [(8, 2, 1, 1, 1), (8, 2, 1, 2, 2), (8, 4, 1, 1, 2), (16, 2, 1, 2, 1)]
 # one row, each row's K split between warps (:data:`qgemv_source.SPLIT_BODY`): (warps, rows
 # a group of warps, 1, chunks a lane in flight, 0, warps a group); every product kind,
 # the norm folded in or not
-SPLIT = [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 8)]
-SPLIT_ENV = "GMLX_SPLIT_K"  # 1: the one-row tuners time the split shapes beside the others
-
-
-def splitting() -> bool:
-    """Whether the split shapes are timed (``GMLX_SPLIT_K=1``; off by default until a
-    served run measures them)."""
-    return os.environ.get(SPLIT_ENV, "0") == "1"
+SPLIT = [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 8), (8, 4, 1, 1, 0, 2), (16, 4, 1, 1, 0, 4)]
+SPLIT_ENV = qgemv_split.ENV
+splitting = qgemv_split.splitting
 
 
 def splits(k: int) -> list[tuple[int, ...]]:
@@ -203,9 +199,10 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     (:mod:`qgemv_prepared`, ``k`` values); ``q8``: a 4- or 6-bit product of one unstaged
     row, K whole, x rounded to bytes once a block (:mod:`qgemv_q8`, ``k`` values), ``depth``
     chunks a lane in flight, the norm folded in or not."""
-    if q8 and (bits == 8 or max_rows > 1 or tiles or split > 1 or rounds > 1 or prepared):
-        raise ValueError("x is rounded to bytes for a 4- or 6-bit product of one unstaged row, K whole, only")
-    if q8 and not qgemv_q8.fits(k, warps):
+    if q8 and (bits == 8 or max_rows > 1 or tiles or rounds > 1 or prepared or (split > 1 and depth > 1)):
+        raise ValueError("x is rounded to bytes for a 4- or 6-bit product of one unstaged row only (K split: a chunk"
+                         " a lane in flight)")
+    if q8 and not qgemv_q8.fits(k, warps, rpw if split > 1 else 0):
         raise ValueError(f"a row of {k} values is not rounded in a block's shared memory")
     if prepared and (eps is None or max_rows > 1 or tiles or split > 1 or rounds > 1 or depth > 1):
         raise ValueError("x is prepared once a block for a normed product of one unstaged row, K whole, only")
@@ -238,7 +235,8 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     inputs += ["res"] if residual else ["nw"] if eps is not None else []
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
         "n" if eps is not None else "")
-    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles else Q8_BODIES[eps is not None, depth > 1] if q8
+    body = (ROWS_BODY if max_rows > 1 else STAGED_BODY if tiles
+            else (Q8_SPLIT_BODIES[eps is not None] if split > 1 else Q8_BODIES[eps is not None, depth > 1]) if q8
             else (PREPARED_BODY if prepared else ASYNC_NORMED_BODY if rounds > 1
                   else SPLIT_NORMED_BODY if split > 1 else NORMED_BODY)
             if eps is not None else ASYNC_BODY if rounds > 1 else SPLIT_BODY if split > 1 else BODY)
@@ -267,7 +265,7 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
     whole = (max_rows, tiles, split, rounds) == (1, 0, 1, 1)  # one unstaged row, K whole
     one_chunk_whole = whole and depth == 1  # and a chunk a lane at a time
-    q8 = qgemv_q8.takes(bits, k, warps, depth, whole)
+    q8 = qgemv_q8.takes(bits, k, warps, depth, (max_rows, tiles, rounds) == (1, 0, 1), split, rpw)
     prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and one_chunk_whole
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-from gmlx.engine.kernels import timing
+from gmlx.engine.kernels import qgemv_split, timing
 from gmlx.engine.kernels.qgemv_prepared import chunk_loop
 
 ENV = "GMLX_Q8X"
@@ -89,9 +89,12 @@ def deep_shapes(k: int = 0) -> list[tuple[int, ...]]:
 def key(bits: int) -> str:
     """What a one-row product's tuning key takes on for what its shapes run: ``:q8``
     where its bits round x (:func:`rounds`), ``:deep`` where :func:`deep` adds shapes
-    (and rounds the deeper ones): a load with other settings times again rather than
-    read a shape it would not have timed or that ran another source."""
-    return (":q8" if rounds(bits) else "") + (":deep" if deep() else "")
+    (and rounds the deeper ones), ``:q8split`` where the split shapes
+    (``GMLX_SPLIT_K=1``) round x too (before, they summed floats): a load with other
+    settings times again rather than read a shape it would not have timed or that ran
+    another source."""
+    return (":q8" if rounds(bits) else "") + (":deep" if deep() else "") + (
+        ":q8split" if rounds(bits) and qgemv_split.splitting() else "")
 
 
 def trying() -> bool:
@@ -115,15 +118,17 @@ def tolerance(bits: int, rows: int = 1) -> float:
     return TOLERANCE if rounds(bits) and rows == 1 else timing.TOLERANCE
 
 
-def shared_bytes(k: int, warps: int) -> int:
+def shared_bytes(k: int, warps: int, split_rows: int = 0) -> int:
     """A block's shared memory for a row of ``k`` values: x's bytes, each chunk's step and
-    sum, and each warp's share of the squares' sum."""
-    return k + 8 * (k // 32) + 4 * warps
+    sum, and each warp's share of the squares' sum; where K is split between warps, each
+    warp's sums of its ``split_rows`` rows and a squares' slot too."""
+    return k + 8 * (k // 32) + 4 * warps + (4 * warps * (split_rows + 1) if split_rows else 0)
 
 
-def fits(k: int, warps: int) -> bool:
-    """Whether a row of ``k`` values can be rounded in a block of ``warps`` warps."""
-    return shared_bytes(k, warps) <= SHARED_BYTES
+def fits(k: int, warps: int, split_rows: int = 0) -> bool:
+    """Whether a row of ``k`` values can be rounded in a block of ``warps`` warps
+    (``split_rows``: :func:`shared_bytes`)."""
+    return shared_bytes(k, warps, split_rows) <= SHARED_BYTES
 
 
 # the gated products' shapes of more warps a block, timed beside the others where x is
@@ -139,12 +144,14 @@ def shapes(gated: bool) -> list[tuple[int, ...]]:
     return list(GATED) if gated and q8x() else []
 
 
-def takes(bits: int, k: int, warps: int, depth: int, whole: bool) -> bool:
+def takes(bits: int, k: int, warps: int, depth: int, whole: bool, split: int = 1, rpw: int = 0) -> bool:
     """Whether a one-row product takes this source: its bits round (:func:`rounds`), one
-    unstaged row with K whole (``whole``), a chunk a lane in flight (``depth`` 1) or
-    more where :func:`deep`, and its row fits."""
-    return (rounds(bits) and whole and (depth == 1 or deep()) and k > 0 and k % 32 == 0
-            and fits(k, warps))
+    unstaged row, not streamed (``whole``), a chunk a lane in flight (``depth`` 1) or
+    more where :func:`deep`, or K split between ``split`` warps at one chunk a lane in
+    flight (:func:`qgemv_split.split_rounded`; ``rpw`` rows a group of them), and its row
+    fits."""
+    return (rounds(bits) and whole and (depth == 1 or (deep() and split == 1)) and k > 0 and k % 32 == 0
+            and fits(k, warps, rpw if split > 1 else 0))
 
 
 def source(layout: str, row_loads: str, reduce_store: str, normed: bool, deep: bool = False) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.cuda_source import compact
-from gmlx.engine.kernels.qgemv_split import split
+from gmlx.engine.kernels.qgemv_split import split, split_rounded
 
 # Every source's start: the layout's sizes, this lane's place; then (``_START``) this
 # warp's weight rows.
@@ -383,6 +383,10 @@ PREPARED_BODY = compact(qgemv_prepared.source(_LAYOUT, _ROW_LOADS, _ROW_SUMS, _R
 # folded in or not, by (normed, ``DEPTH`` chunks a lane in flight: ``GMLX_Q8_DEPTH=1``).
 Q8_BODIES = {(normed, deep): compact(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed, deep))
              for normed in (False, True) for deep in (False, True)}
+# ... and with each row's K split between warps (``GMLX_SPLIT_K=1``), a chunk a lane in
+# flight, by normed (:func:`qgemv_split.split_rounded`).
+Q8_SPLIT_BODIES = {normed: compact(split_rounded(qgemv_q8.source(_LAYOUT, _ROW_LOADS, _REDUCE_STORE, normed)))
+                   for normed in (False, True)}
 SPLIT_BODY = compact(split(_SOURCE))
 SPLIT_NORMED_BODY = compact(split(_normed(_SOURCE)))
 ROWS_BODY = compact(_ROWS_SOURCE)

@@ -150,6 +150,16 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                     kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
                     assert "_d4_q8_" in kernels[-2][0]["name"] and "_d2_q8_" in kernels[-1][0]["name"]
                     monkeypatch.delenv(qgemv_q8.DEEP_ENV)
+                    # K split between warps: residual (4- and 6-bit), gated and parts with the norm folded in
+                    qgemv_cuda.kernel_of(dtype, 4, 64, (16, 4, 1, 1, 0, 4), k=14336, residual=True)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 6, 32, (8, 4, 1, 1, 0, 2), k=14336, residual=True)
+                    kernels.append((made[-1], [dtype, mx.uint32, dtype, dtype, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 4, 32, (8, 4, 1, 1, 0, 2), gated=True, k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 2, dtype]))
+                    qgemv_cuda.kernel_of(dtype, 4, 32, (8, 2, 1, 1, 0, 4), parts=(4096, 1024, 1024), k=4096, eps=1e-5)
+                    kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype]))
+                    assert all("_q8_" in k[0]["name"] and "_s" in k[0]["name"] for k in kernels[-4:])
                     qkv_mixed._kernel(dtype, (4, 32), (6, 32), 4, 2, 1, (4096, 1024), 1024, 1e-5, 4096)  # both parts
                     kernels.append((made[-1], [dtype, *[mx.uint32, dtype, dtype] * 3, dtype], [dtype] * 3))
                     assert "_q1_q1" in kernels[-1][0]["name"]

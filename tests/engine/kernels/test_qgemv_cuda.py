@@ -90,7 +90,8 @@ def test_split_shapes_only_where_asked_and_where_each_warp_has_chunks(monkeypatc
     assert qgemv_cuda.splits(14336) == []
     monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "1")
     assert qgemv_cuda.splits(14336) == qgemv_cuda.SPLIT
-    assert qgemv_cuda.splits(4096) == [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4)]  # 128 chunks: not eight ways
+    assert qgemv_cuda.splits(4096) == [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 2),
+                                      (16, 4, 1, 1, 0, 4)]  # 128 chunks: not eight ways
     assert qgemv_cuda.splits(1024) == []
     assert qgemv_cuda.launch_shape((8, 2, 1, 1, 0, 4)) == (8, 2, 1, 1, 0, 4, 1)
     assert qgemv_cuda.launch_shape((4, 2)) == (4, 2, 1, 1, 0, 1, 1)

@@ -41,13 +41,15 @@ def test_only_4_bit_one_row_unstaged_products_take_it(monkeypatch: pytest.Monkey
     monkeypatch.setenv(qgemv_q8.ENV, "1")
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 2), k=4096)["name"]  # depth 2
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 4), k=4096)["name"]  # four rows of x
-    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 1, 0, 4), k=4096)["name"]  # K split
+    assert "_s4_q8_" in _made(mx.float16, 4, 32, (4, 2, 1, 1, 0, 4), k=4096)["name"]  # K split, a chunk a lane
+    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "1")
+    assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2, 1, 2, 0, 2), k=4096)["name"]  # K split, depth 2
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2), k=65536)["name"]  # x's bytes over 48 KB
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 2))["name"]  # no width given
 
 
 def test_shapes_and_widths_the_source_refuses() -> None:
-    for kind in ({"max_rows": 2}, {"tiles": 1}, {"split": 2}, {"rounds": 4}, {"prepared": True}):
+    for kind in ({"max_rows": 2}, {"tiles": 1}, {"split": 2, "depth": 2}, {"rounds": 4}, {"prepared": True}):
         with pytest.raises(ValueError, match="rounded to bytes"):
             qgemv_cuda._kernel(mx.float16, 4, 32, 4, 2, k=4096, q8=True, **kind)
     with pytest.raises(ValueError, match="rounded to bytes"):
@@ -61,6 +63,8 @@ def test_shared_memory_of_a_row() -> None:
     (14,336 values) takes 17.9 KB; 32,768 fit, 40,960 do not."""
     assert qgemv_q8.shared_bytes(14336, 4) == 14336 + 8 * 448 + 16
     assert qgemv_q8.fits(32768, 8) and not qgemv_q8.fits(40960, 4)
+    assert qgemv_q8.shared_bytes(14336, 8, split_rows=4) == 14336 + 8 * 448 + 32 + 8 * 5 * 4  # and the warps' sums
+    assert qgemv_q8.fits(39200, 4) and not qgemv_q8.fits(39200, 16, split_rows=4)
 
 
 def rounded(x: np.ndarray) -> np.ndarray:
@@ -94,7 +98,8 @@ def _run(tmp_path, made: dict, dtype, group: int, layers: list, h: mx.array, nw:
         (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
     k, n = h.shape[-1], layers[0][0].shape[0]
     program = emulation.PRELUDE + f"using E = {emulation.HOST_TYPES[name]};\n" + body + main
-    emulation.compile_and_run(tmp_path, program, [1, k, n, group, bits, config[0], config[1], 0, 1])
+    emulation.compile_and_run(tmp_path, program, [1, k, n, group, bits, config[0], config[1], 0,
+                                                  qgemv_cuda.launch_shape(config)[5]])
     return mx.array(np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
 
 
@@ -123,7 +128,9 @@ def _close(got: mx.array, ref: mx.array) -> bool:
     (4, 32, (4, 2), mx.float16, 1088), (4, 64, (4, 4), mx.bfloat16, 1088), (4, 128, (8, 1), mx.float16, 4096),
     (6, 32, (4, 4), mx.float16, 1088), (6, 64, (8, 1), mx.bfloat16, 1088),
     (4, 32, (4, 2, 1, 2), mx.float16, 1088), (4, 64, (4, 4, 1, 4), mx.bfloat16, 4096),
-    (4, 32, (8, 2, 1, 4), mx.float16, 4160), (6, 32, (4, 2, 1, 2), mx.float16, 4160)])
+    (4, 32, (8, 2, 1, 4), mx.float16, 4160), (6, 32, (4, 2, 1, 2), mx.float16, 4160),
+    (4, 32, (4, 4, 1, 1, 0, 4), mx.float16, 2176), (4, 64, (16, 4, 1, 1, 0, 4), mx.bfloat16, 2176),
+    (6, 32, (8, 4, 1, 1, 0, 2), mx.float16, 4160), (4, 128, (8, 2, 1, 1, 0, 4), mx.float16, 4096)])
 def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
         tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, group: int, config, dtype, k: int) -> None:
     """A plain product of 4- or 6-bit codes (``GMLX_Q8X=all``) over 1,088 values (lanes
@@ -133,7 +140,11 @@ def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
     MLX's own distance from a float32 product (x's rounding shows). With several chunks a
     lane in flight (``GMLX_Q8_DEPTH=1``): 1,088 values at depth 2 (two lanes with a second
     chunk), 4,096 at depth 4 (a lane's whole row in one group), 4,160 at 4 and 2 (two
-    lanes with a second group of one chunk, or a third)."""
+    lanes with a second group of one chunk, or a third). With K split between warps
+    (``GMLX_SPLIT_K=1``, :func:`qgemv_split.split_rounded`): 2,176 values split four ways
+    (a group's third warp with 4 lanes' chunks, its fourth none; at 16 warps a block's
+    last group wholly past the end), 4,160 two ways (6-bit), 4,096 four ways (one chunk a
+    lane each)."""
     monkeypatch.setenv(qgemv_q8.ENV, "1" if bits == 4 else "all")
     monkeypatch.setenv(qgemv_q8.DEEP_ENV, "1")
     n = 12
@@ -141,8 +152,9 @@ def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
     layer = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((1, k)) * 3).astype(dtype)
     made = _made(dtype, bits, group, config, k=k)
-    depth = config[3] if len(config) > 3 else 1
+    depth, split = qgemv_cuda.launch_shape(config)[3], qgemv_cuda.launch_shape(config)[5]
     assert "_q8_" in made["name"] and (f"_d{depth}_" in made["name"]) == (depth > 1)
+    assert (f"_s{split}_" in made["name"]) == (split > 1)
     got = _run(tmp_path, made, dtype, group, [layer], x, None, config, bits)
     ref = reference(x, layer, group, bits)
     assert _close(got, ref)
@@ -157,12 +169,14 @@ def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize(("config", "gated", "dtype"), [
     ((4, 4, 1), True, mx.float16), ((4, 2, 1), True, mx.bfloat16), ((8, 4, 1), True, mx.float16),
-    ((4, 2), False, mx.float16), ((4, 2, 1, 4), True, mx.float16), ((4, 4, 1, 2), False, mx.bfloat16)])
+    ((4, 2), False, mx.float16), ((4, 2, 1, 4), True, mx.float16), ((4, 4, 1, 2), False, mx.bfloat16),
+    ((4, 4, 1, 1, 0, 4), True, mx.float16), ((8, 2, 1, 1, 0, 2), False, mx.bfloat16)])
 def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
         tmp_path, monkeypatch: pytest.MonkeyPatch, config, gated: bool, dtype) -> None:
     """The norm folded in (gated: the MLP's gate-up-swiglu), 1,088 values, 75 output rows:
     the float32 norm and product of the normed row rounded as :func:`rounded` says (and
-    its swiglu), and within :data:`qgemv_q8.TOLERANCE` of MLX's norm, products and swiglu."""
+    its swiglu), and within :data:`qgemv_q8.TOLERANCE` of MLX's norm, products and swiglu;
+    with K split between warps too (their sums met before the norm's scale)."""
     from mlx_lm.models.activations import swiglu
 
     monkeypatch.setenv(qgemv_q8.ENV, "1")
