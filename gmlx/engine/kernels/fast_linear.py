@@ -50,6 +50,7 @@ from gmlx.engine.kernels.tuning import Paths, Tuning, layer_key, model_key
 
 LARGE = 512  # the bucket every product of more than 256 rows (a long prefill chunk) takes
 COLD_BYTES = 256 << 20  # weights a product's timing passes through (past the GPU's L2 cache)
+SLOPED_ROWS = 64  # buckets timed by a call's slope (timing.per_call); larger ones by their runs' totals
 GEMV_ROWS = 2  # the CUDA-core kernels' buckets (products and step kernels): past them tensor cores won on the H200
 MAX_KEPT_ROWS = 64  # decode steps of at most this many streams keep their worked-out call
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, LARGE)
@@ -339,7 +340,9 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
     reason). Why the queue stays the default: the one lease that served the chain's
     choices (H100, 12-06, with the other 12-06 additions) decoded one stream at 176 tok/s
     where the queue's had served 276 (12-05), the cause not yet isolated
-    (``lease.sh bisect``)."""
+    (``lease.sh bisect``). Up to :data:`SLOPED_ROWS` rows a path's time is a call's, the
+    slope between runs of ``reps`` and four times as many (:func:`timing.per_call`: a
+    run's own cost left out, as large as the differences between launch shapes)."""
     import mlx.core as mx
 
     k = _in_features(layer)
@@ -364,10 +367,14 @@ def _measure(layer: Any, alike: Sequence[Any] = (), reps: int = 20) -> Paths:
                 products[(GEMV, config)] = lambda x, *w, c=config: qgemv_cuda.gemv(x, *w, g, bits, config=c)
         exact = timing.exact_product(x, *args, g, bits)
         want = products[(MLX, (0, 0))](x, *args)
-        def timed(fn: Callable[..., Any], x: Any = x) -> float:
-            if _queued():
-                return timing.queue_time(timing.cycling(fn, x, weights), reps)
-            return timing.chain_time(timing.chained(fn, weights), x, reps)
+        def timed(fn: Callable[..., Any], x: Any = x, rows: int = rows) -> float:
+            def run(n: int) -> float:
+                if _queued():
+                    return timing.queue_time(timing.cycling(fn, x, weights), n)
+                return timing.chain_time(timing.chained(fn, weights), x, n)
+
+            # decode-sized: a call's time without the run's own (timing.per_call); a prompt's: the run's
+            return timing.per_call(run, reps) if rows <= SLOPED_ROWS else run(reps) / reps
 
         times = {name: timed(fn) for name, fn in products.items()
                  if name[0] == MLX or timing.runs_and_agrees(

@@ -93,8 +93,10 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     else each shape's ``calls(shape)`` (the kernel bound to
     each of its layers, as the step binds it) timed in a chain over the layers in turn
     (:func:`timing.chain_time`: each call's input the last one's output, the weights
-    read from memory as a step reads them), where its first call ``agrees``; the first
-    shape timed again last (a GPU still speeding up favours what it meets later). A
+    read from memory as a step reads them; a call's time the slope between chains of
+    ``reps`` and four times as many, :func:`timing.per_call`), where its first call
+    ``agrees``; the first shape timed again last (a GPU still speeding up favours what it
+    meets later). A
     shape that does not build or launch is no shape. ``GMLX_STEP_SHAPES=device`` times
     each chain behind a lead product
     (:func:`timing.device_chain_time`: the device's part alone, where a small kernel's
@@ -107,7 +109,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     import mlx.core as mx
 
     from gmlx.engine.kernels import qgemv_prepared, qgemv_q8
-    from gmlx.engine.kernels.timing import chain_time, device_chain_time, fed
+    from gmlx.engine.kernels.timing import chain_time, device_chain_time, fed, per_call
     from gmlx.engine.kernels.tuning import Tuning
 
     mode = os.environ.get("GMLX_STEP_SHAPES", "1")
@@ -141,7 +143,11 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
                 out = bound[next(turn) % len(bound)](y)
                 return fed(out[0] if isinstance(out, tuple) else out, y)
 
-            took = timer(chain, x, max(reps, len(bound))) / max(reps, len(bound))
+            calls_timed = max(reps, len(bound))
+            if timer is device_chain_time:
+                took = timer(chain, x, calls_timed) / calls_timed
+            else:  # the chain's slope: its own cost taken out (:func:`timing.per_call`)
+                took = per_call(lambda n, chain=chain: chain_time(chain, x, n), calls_timed)
         except (TypeError, ValueError, RuntimeError) as error:
             log.warning("cuda: a launch shape %s is not used: %s", shape, str(error).splitlines()[0][:200])
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -181,6 +182,30 @@ def chain_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
     start = time.perf_counter()
     mx.eval(y)
     return time.perf_counter() - start
+
+
+# a timing's longer run, in its shorter one's calls, and the rounds of both (:func:`per_call`)
+LONGER = 4
+ROUNDS = 3
+
+
+def per_call(run: Callable[[int], float], reps: int, rounds: int = ROUNDS) -> float:
+    """Seconds a call of what ``run(n)`` times ``n`` calls of: the slope between ``reps``
+    and :data:`LONGER` times as many, each the least of ``rounds`` runs (a short and a
+    long one in turn, so a machine whose speed drifts favours neither), or the longer
+    run's time a call where the slope is not positive (noise larger than the difference).
+    Why: a run's own cost is in its total and not in its calls (the first commands
+    encoded before the device starts, the device's clocks rising from idle, the last
+    wait), and over a few dozen calls it is as large as the differences a tuner looks
+    for. On an H100 (12-07) a load's chain of 32 timed the 8B's one-row products at
+    43.7-60.3 us a call, where ncu timed the same kernels at 29.7-33.6, and the shapes
+    ranked differently from load to load."""
+    short = long = math.inf
+    for _ in range(rounds):
+        short = min(short, run(reps))
+        long = min(long, run(LONGER * reps))
+    slope = (long - short) / ((LONGER - 1) * reps)
+    return slope if slope > 0 else long / (LONGER * reps)
 
 
 # the lead's product: (rows, LEAD_K) @ (LEAD_K, LEAD_K), its rows doubled (or more) up

@@ -16,17 +16,29 @@ from tests.engine.kernels.models import tiny
 SHAPES = [(4, 4, 1), (8, 4, 1, 1, 1), (4, 2, 1), (16, 2, 1, 2, 1)]
 
 
-def _clock(monkeypatch: pytest.MonkeyPatch, took: dict[tuple[int, ...], list[float]]) -> list[tuple[int, ...]]:
-    """``timing.chain_time`` as ``took[shape]``'s next number a call (per call of the
-    chain), the shape read from the bound calls (each records its shape when called);
-    returns the shapes in the order they were timed."""
+# a chain's own cost, the stand-in clock's, in turn: larger than the calls' differences
+OVERHEAD = (3.0, 7.0, 5.0)
+
+
+def _clock(monkeypatch: pytest.MonkeyPatch, took: dict[tuple[int, ...], list[float]],
+           overhead: dict[tuple[int, ...], float] | None = None) -> list[tuple[int, ...]]:
+    """``timing.chain_time`` as a run's own cost (:data:`OVERHEAD` in turn, plus
+    ``overhead[shape]``) and ``took[shape]``'s next number a call, one number a timing
+    (the short and long runs of :func:`timing.per_call`'s rounds), the shape read from
+    the bound calls (each records its shape when called); returns the shapes in the
+    order they were timed."""
     order: list[tuple[int, ...]] = []
+    runs: dict[tuple[int, ...], int] = {}
+    per_timing = 2 * timing.ROUNDS
 
     def chain_time(call, x, reps):
         call(x)
         shape = _last[0]
-        order.append(shape)
-        return took[shape].pop(0) * reps
+        runs[shape] = runs.get(shape, 0) + 1
+        if runs[shape] % per_timing == 1:
+            order.append(shape)
+        a_call = took[shape][(runs[shape] - 1) // per_timing]
+        return OVERHEAD[runs[shape] % 3] + (overhead or {}).get(shape, 0.0) + a_call * reps
 
     monkeypatch.setattr(timing, "chain_time", chain_time)
     return order
@@ -68,6 +80,35 @@ def test_the_fastest_shape_that_agrees_is_kept_per_machine(tmp_path, monkeypatch
     assert step_tuning.one_row_shape("k:shape", SHAPES, calls, agrees, 64, 4, mx.bfloat16) == (
         SHAPES[0], "from an earlier load")
     assert again == []
+
+
+def test_a_shape_is_timed_by_its_calls_not_by_its_runs_own_cost(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's own cost (commands encoded before the device starts, clocks rising, the
+    last wait) is in its total, not in its calls: the shape whose calls are faster is
+    kept though its runs carry more of that cost (here a chain of 32 calls 5 s each
+    plus 200 s, against 6 s each plus 0; by totals of 32 calls the second wins)."""
+    monkeypatch.setenv("GMLX_HOME", str(tmp_path))
+    monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
+    shapes = SHAPES[:2]
+    order = _clock(monkeypatch, {shapes[0]: [5.0, 5.0], shapes[1]: [6.0]}, overhead={shapes[0]: 200.0})
+    shape, said = step_tuning.one_row_shape("k:slope", shapes, _calls, lambda call: True, 64, 4, mx.bfloat16)
+    assert order == [shapes[0], shapes[1], shapes[0]]
+    assert (shape, said) == (shapes[0], "4x4x1: 5000000.0, 8x4x1x1x1: 6000000.0 us")
+
+
+def test_a_call_is_the_slope_between_a_short_and_a_long_run() -> None:
+    """:func:`timing.per_call`: the least of each length's runs (taken in turn), their
+    difference over the calls between them; where noise makes that slope not positive,
+    the long run's time a call."""
+    runs: list[int] = []
+
+    def run(n: int) -> float:
+        runs.append(n)
+        return (9.0, 2.0, 4.0)[len(runs) % 3] + 0.5 * n
+
+    assert timing.per_call(run, 8) == pytest.approx(0.5)
+    assert runs == [8, 32] * timing.ROUNDS
+    assert timing.per_call(lambda n: 100.0 if n == 32 else 101.0, 8) == pytest.approx(100.0 / 32)
 
 
 def test_no_shape_that_agrees_leaves_the_first(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
