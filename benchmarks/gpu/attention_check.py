@@ -46,7 +46,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.gemv_check import per_product
+from benchmarks.gpu.gemv_check import calls_a_product, per_product
 from benchmarks.gpu.kernel_times import kernel_table, marker
 from gmlx.engine.kernels import (
     attention_cuda,
@@ -100,8 +100,8 @@ def timed(window: int, fn, x, reps: int) -> float:
 def ncu_table(path: Path, reps: int) -> None:
     """The cached table's timings from ncu's CSV of a ``--marked`` run: for each row and
     variant, GPU microseconds a call (every kernel launched in its window, over the
-    window's ``3 * (3 + reps)`` calls) and each kernel's share."""
-    calls = 3 * (3 + reps)
+    window's calls: ``gemv_check.calls_a_product``) and each kernel's share."""
+    calls = calls_a_product(reps)
     table = kernel_table(path, 1)
     print("| row (dtype, D, streams, capacity, at) | variant | GPU us a call | kernels (us a launch x launches a call) |")
     print("|---|---|---:|---|")

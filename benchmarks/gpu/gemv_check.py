@@ -33,8 +33,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gmlx.engine.kernels import qgemv_cuda, qgemv_q8
-from gmlx.engine.kernels.timing import agrees, chain_time, device_chain_time, fed
+from gmlx.engine.kernels import qgemv_cuda, qgemv_q8, timing
+from gmlx.engine.kernels.timing import agrees, chain_time, device_chain_time, fed, per_call
 
 # (K, N, bits): an 8B's products in Q4_K_M's layouts
 SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4096, 1024, 6),
@@ -45,14 +45,25 @@ SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4
 def per_product(fn, x, reps: int) -> float:
     """us a product of ``fn`` (``x`` in, an output or a list of them out), ``reps`` in a
     chain, each one's input the last one's first output (``timing.fed``): products that
-    do not depend on each other run at once on a GPU, which a step's do not; the best of
-    three."""
+    do not depend on each other run at once on a GPU, which a step's do not. By the
+    chain's clock, a call's slope between chains of ``reps`` and four times as many (as
+    the load's tuners time them: ``timing.per_call``); by the device's, the best of three."""
 
     def call(y):
         out = fn(y)
         return fed(out[0] if isinstance(out, (list, tuple)) else out, y)
 
+    if CLOCK[0] is chain_time:
+        return per_call(lambda n: chain_time(call, x, n), reps) * 1e6
     return min(CLOCK[0](call, x, reps) for _ in range(3)) / reps * 1e6
+
+
+def calls_a_product(reps: int) -> int:
+    """The calls :func:`per_product` makes for ``reps`` (each run's three warm-up calls
+    among them): what a window of ncu's launches holds."""
+    if CLOCK[0] is chain_time:
+        return timing.ROUNDS * (2 * 3 + reps + timing.LONGER * reps)
+    return 3 * (3 + reps)
 
 
 # the clock ``per_product`` reads: the chain's (the host's where it is slower than the
