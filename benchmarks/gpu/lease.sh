@@ -43,7 +43,8 @@
 #   launch shape: gemv.txt), the 8B's F16 GGUF, the build waited
 #   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
 # gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
-#   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here).
+#   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here, or over
+#   benchmarks/gpu/kernels/mlx-ptx.tar.gz to keep it for later checkouts).
 # trace: every kernel of the served step (the load's tuning from gmlx's run, the whole step
 #   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler; then one
 #   stream's kernels under ncu (each kind's DRAM and SM throughput in % of peak).
@@ -78,6 +79,15 @@ mkdir -p "$OUT"
 GPU=benchmarks/gpu
 BENCH=(python3 $GPU/bench.py --models llama3-8b:q4 --start-timeout 540 --gmlx-home /tmp/gmlx-home)
 
+stage_kernels() {
+  # MLX's kernel cache of an earlier lease: .gpu/ptx where carried, else the one kept in the
+  # repository (benchmarks/gpu/kernels/: a new checkout has no .gpu/; it travels with every
+  # call's tree); setup.sh install unpacks it where its MLX is the one installed
+  if [ -d .gpu/ptx ]; then bash $GPU/setup.sh stage .gpu/ptx
+  elif [ -f $GPU/kernels/mlx-ptx.tar.gz ]; then bash $GPU/setup.sh stage $GPU/kernels
+  fi
+}
+
 with_env() {
   # shellcheck disable=SC1091
   . /tmp/gpu-env.sh
@@ -98,12 +108,12 @@ case ${1:-} in
   install)
     # part 3 and the kernel cache staged and the wheels installed, no models: enough for the
     # in-process checks (gemv_check, attention_check) in a short lease
-    bash $GPU/setup.sh stage .gpu/part3 && { [ ! -d .gpu/ptx ] || bash $GPU/setup.sh stage .gpu/ptx; } || exit 1
+    bash $GPU/setup.sh stage .gpu/part3 && stage_kernels || exit 1
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     ;;
   prepare)
     # the kernel cache of an earlier lease, where this checkout has one (else gmlx's first load compiles all)
-    bash $GPU/setup.sh stage .gpu/part3 && { [ ! -d .gpu/ptx ] || bash $GPU/setup.sh stage .gpu/ptx; } || exit 1
+    bash $GPU/setup.sh stage .gpu/part3 && stage_kernels || exit 1
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     with_env
     if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0 leaves them to the load's own timings (a short lease)
@@ -204,7 +214,7 @@ case ${1:-} in
     # one stream's step in process, no llama.cpp and no GGUF (the synthetic 8B in Q4_K_M's
     # layouts, long_steps' worker round): as it is, then with all four 12-06 additions; each
     # load tunes what is not yet kept
-    bash $GPU/setup.sh stage .gpu/part3 && { [ ! -d .gpu/ptx ] || bash $GPU/setup.sh stage .gpu/ptx; } || exit 1
+    bash $GPU/setup.sh stage .gpu/part3 && stage_kernels || exit 1
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
     with_env
     export GMLX_HOME=/tmp/gmlx-home
