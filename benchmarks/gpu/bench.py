@@ -145,8 +145,10 @@ GMLX_VARIANTS = {
     # the one-row products' (and the fused step kernels') K split between a block's warps, timed
     # beside the other shapes (tuned under keys of their own): the down products and the
     # o-projection of 4,096 outputs read at 1.4-1.8 TB/s on the H200 (12-06 night) with 2-8
-    # warps a streaming multiprocessor
+    # warps a streaming multiprocessor. Since 12-07 10:00 the 4-bit products' split shapes
+    # round x too (qgemv_split.split_rounded); gmlx-q8all-splitk: the 6-bit ones as well
     "gmlx-splitk": {"GMLX_SPLIT_K": "1"},
+    "gmlx-q8all-splitk": {"GMLX_SPLIT_K": "1", "GMLX_Q8X": "all"},
     # the normed one-row products (the gate-up-swiglu, the q-k-v) with x's floats made once a
     # block in shared memory and the next chunk's weights loaded while this one is summed
     # (426 SASS instructions a chunk of the normed gate-up at 4x4 against 591)
@@ -164,13 +166,13 @@ GMLX_VARIANTS = {
     "gmlx-q8all": {"GMLX_Q8X": "all"},
     # both, with the launch shapes timed by the device's part alone (gmlx-deviceshapes)
     "gmlx-q8all-device": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device"},
-    # every one-row form not yet on by default offered to the tuners at once (the 6-bit
-    # products rounded, K split between warps, the weights streamed), each shape timed by
-    # the device's part alone: the load log says which won where
     # the rounded one-row products with 2-4 chunks a lane in flight, the first ones loaded
     # before the block rounds x (qgemv_q8.DEEP shapes timed beside the others; 12-07: the
     # rounded gate-up read at 2.27 TB/s of the H100's 3.35 with one chunk in flight)
     "gmlx-q8deep": {"GMLX_Q8_DEPTH": "1"},
+    # every one-row form not yet on by default offered to the tuners at once (the 6-bit
+    # products rounded, K split between warps, the weights streamed), each shape timed by
+    # the device's part alone: the load log says which won where
     "gmlx-candidates": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device", "GMLX_SPLIT_K": "1", "GMLX_ASYNC": "1"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others
