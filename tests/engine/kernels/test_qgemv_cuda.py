@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx.engine.kernels import qgemv_cuda, qgemv_prepared
+from gmlx.engine.kernels import qgemv_cuda, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.cuda_source import kernel_name
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import byte_perm, emulation
@@ -458,22 +458,26 @@ def test_the_norm_folded_into_the_one_row_source_is_mlx_norm_then_product(
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("bits", "sizes", "config", "prepared"), [
-    (4, (10, 3, 3), (4, 2), False), (4, (12, 4), (4, 4, 1, 2), False), (4, (10, 3, 3), (8, 2, 1, 1, 0, 4), False),
-    (4, (10, 3, 3), (2, 4, 1, 1, 0, 1, 4), False), (4, (10, 3, 3), (8, 1), True), (6, (12, 4), (4, 4), True)])
+@pytest.mark.parametrize(("bits", "sizes", "config", "form"), [
+    (4, (10, 3, 3), (4, 2), "x"), (4, (12, 4), (4, 4, 1, 2), "x"), (4, (10, 3, 3), (8, 2, 1, 1, 0, 4), "x"),
+    (4, (10, 3, 3), (2, 4, 1, 1, 0, 1, 4), "x"), (4, (10, 3, 3), (8, 1), "prepared"), (6, (12, 4), (4, 4), "prepared"),
+    (4, (12, 4), (4, 2), "q8"), (4, (10, 3, 3), (8, 2, 1, 1, 0, 4), "q8"), (4, (12, 4), (16, 4, 1, 1, 0, 4), "q8")])
 def test_the_norm_folded_into_the_parts_source_is_mlx_norm_then_each_product(
-        tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, sizes: tuple[int, ...], config, prepared: bool) -> None:
+        tmp_path, monkeypatch: pytest.MonkeyPatch, bits: int, sizes: tuple[int, ...], config, form: str) -> None:
     """The parts source (an attention's queries, keys and values) with the norm before it
-    folded in, x prepared once a block or not: each layer's output as close to a float32
-    norm and product as MLX's norm then product are."""
+    folded in, x made by each warp, prepared once a block, or rounded to bytes once a
+    block (``q8``, K split between warps or not): each layer's output as close to a
+    float32 norm and product as MLX's norm then product are (rounded: within
+    :data:`qgemv_q8.TOLERANCE`)."""
     dtype, k, group, eps = mx.float16, _width(config, 32), 32, 1e-5
     mx.random.seed(bits + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     h = (mx.random.normal((1, k)) * 5 - 1).astype(dtype)
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
-    monkeypatch.setenv(qgemv_prepared.ENV, "all" if prepared else "0")  # (1: the gated products alone)
+    monkeypatch.setenv(qgemv_prepared.ENV, "all" if form == "prepared" else "0")  # (1: the gated products alone)
+    monkeypatch.setenv(qgemv_q8.ENV, "1" if form == "q8" else "0")
     made = _made(dtype, bits, group, config, parts=sizes, k=k, eps=eps)
-    assert ("_p_" in made["name"]) == prepared
+    assert ("_p_" in made["name"]) == (form == "prepared") and ("_q8_" in made["name"]) == (form == "q8")
     assert made["input_names"][-1] == "nw"
     suffix = ["", "2", "3"][:len(sizes)]
     body = emulation.function(made, ["float16", *(["uint32", "float16", "float16"] * len(sizes)), "float16"],
@@ -515,4 +519,5 @@ int main(int argc, char** argv) {{
     for sfx, n, layer in zip(suffix, sizes, layers):
         got = mx.array(np.frombuffer((tmp_path / f"out{sfx}.bin").read_bytes(), dtype=np.uint16).reshape(1, n)).view(dtype)
         want = mx.quantized_matmul(normed, *layer, transpose=True, group_size=group, bits=bits)
-        assert agrees(got, want, exact_product(normed32, *layer, group, bits)), f"part {sfx or 1}"
+        assert agrees(got, want, exact_product(normed32, *layer, group, bits), qgemv_q8.tolerance(bits)), \
+            f"part {sfx or 1}"
