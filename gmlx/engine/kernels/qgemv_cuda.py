@@ -263,9 +263,9 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
-    whole = (max_rows, tiles, split, rounds) == (1, 0, 1, 1)  # one unstaged row, K whole
-    one_chunk_whole = whole and depth == 1  # and a chunk a lane at a time
-    q8 = qgemv_q8.takes(bits, k, warps, depth, (max_rows, tiles, rounds) == (1, 0, 1), split, rpw)
+    one_row = (max_rows, tiles, rounds) == (1, 0, 1)  # one unstaged row, not streamed
+    one_chunk_whole = one_row and (split, depth) == (1, 1)  # K whole, a chunk a lane at a time
+    q8 = qgemv_q8.takes(bits, k, warps, depth, one_row, split, rpw)
     prepared = (not q8 and qgemv_prepared.takes(gated) and eps is not None and one_chunk_whole
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,

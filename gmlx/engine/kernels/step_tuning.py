@@ -115,9 +115,9 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     mode = os.environ.get("GMLX_STEP_SHAPES", "1")
     if mode == "0":
         return shapes[0], "the first shape (GMLX_STEP_SHAPES=0)"
-    timer = chain_time
-    if mode == "device":  # the device's part alone, kept apart from the chain's choices
-        timer, key = device_chain_time, f"{key}:device"
+    device = mode == "device"
+    if device:  # the device's part alone, kept apart from the chain's choices
+        key = f"{key}:device"
     if any(len(shape) > 5 and shape[5] > 1 for shape in shapes):  # K split (GMLX_SPLIT_K=1): kept apart
         key = f"{key}:split"
     if any(len(shape) > 6 and shape[6] > 1 for shape in shapes):  # streamed (GMLX_ASYNC=1): kept apart
@@ -144,8 +144,8 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
                 return fed(out[0] if isinstance(out, tuple) else out, y)
 
             calls_timed = max(reps, len(bound))
-            if timer is device_chain_time:
-                took = timer(chain, x, calls_timed) / calls_timed
+            if device:
+                took = device_chain_time(chain, x, calls_timed) / calls_timed
             else:  # the chain's slope: its own cost taken out (:func:`timing.per_call`)
                 took = per_call(lambda n, chain=chain: chain_time(chain, x, n), calls_timed)
         except (TypeError, ValueError, RuntimeError) as error:
@@ -156,7 +156,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     tuning.set_layer(key, {1: ("gemv", best)})
     tuning.save()
     said = ", ".join(f"{'x'.join(map(str, s))}: {t * 1e6:.1f}" for s, t in times.items()) + " us"
-    return best, said + (", the device's part" if timer is device_chain_time else "")
+    return best, said + (", the device's part" if device else "")
 
 
 def tried(run: Callable[[Any, int], Any], k: int, dtype: Any, rows: tuple[int, ...] = (1, 3)) -> list | None:
