@@ -34,7 +34,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gmlx.engine.kernels import qgemv_cuda, qgemv_q8, timing
-from gmlx.engine.kernels.timing import agrees, chain_time, device_chain_time, fed, per_call
+from gmlx.engine.kernels.timing import agrees, chain_call_time, chain_time, device_chain_time, fed
 
 # (K, N, bits): an 8B's products in Q4_K_M's layouts
 SHAPES = [(4096, 4096, 4), (4096, 1024, 4), (4096, 6144, 4), (4096, 5120, 4), (4096, 1024, 6),
@@ -54,7 +54,7 @@ def per_product(fn, x, reps: int) -> float:
         return fed(out[0] if isinstance(out, (list, tuple)) else out, y)
 
     if CLOCK[0] is chain_time:
-        return per_call(lambda n: chain_time(call, x, n), reps) * 1e6
+        return chain_call_time(call, x, reps) * 1e6
     return min(CLOCK[0](call, x, reps) for _ in range(3)) / reps * 1e6
 
 

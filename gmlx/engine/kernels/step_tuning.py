@@ -109,7 +109,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     import mlx.core as mx
 
     from gmlx.engine.kernels import qgemv_prepared, qgemv_q8
-    from gmlx.engine.kernels.timing import chain_time, device_chain_time, fed, per_call
+    from gmlx.engine.kernels.timing import chain_call_time, device_chain_time, fed
     from gmlx.engine.kernels.tuning import Tuning
 
     mode = os.environ.get("GMLX_STEP_SHAPES", "1")
@@ -147,7 +147,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
             if device:
                 took = device_chain_time(chain, x, calls_timed) / calls_timed
             else:  # the chain's slope: its own cost taken out (:func:`timing.per_call`)
-                took = per_call(lambda n, chain=chain: chain_time(chain, x, n), calls_timed)
+                took = chain_call_time(chain, x, calls_timed)
         except (TypeError, ValueError, RuntimeError) as error:
             log.warning("cuda: a launch shape %s is not used: %s", shape, str(error).splitlines()[0][:200])
             continue

@@ -208,6 +208,12 @@ def per_call(run: Callable[[int], float], reps: int, rounds: int = ROUNDS) -> fl
     return slope if slope > 0 else long / (LONGER * reps)
 
 
+def chain_call_time(call: Callable[[Any], Any], x: Any, reps: int) -> float:
+    """Seconds a call of :func:`chain_time`'s chain from ``x``: its slope between chains
+    of ``reps`` and :data:`LONGER` times as many calls (:func:`per_call`)."""
+    return per_call(lambda n: chain_time(call, x, n), reps)
+
+
 # the lead's product: (rows, LEAD_K) @ (LEAD_K, LEAD_K), its rows doubled (or more) up
 # to LEAD_ROWS until the GPU takes long enough over it (2**17 rows: 1.1 TFLOP, 512 MB of
 # float16 in and out, ~2 ms on an H200)
