@@ -172,9 +172,14 @@ VARIANTS = {"": {"GMLX_Q8X": "0"}, "p": {"GMLX_PREPARED": "all", "GMLX_Q8X": "0"
 
 def takes(variant: str, depth: int, tiles: int, split: int, rounds: int) -> bool:
     """Whether a launch shape (its depth, tiles, split, rounds) takes the source of
-    ``variant`` (:data:`VARIANTS`): one unstaged row, K whole, a chunk a lane at a time, or
-    more chunks where x is rounded under ``GMLX_Q8_DEPTH=1``."""
-    return (tiles, split, rounds) == (0, 1, 1) and (depth == 1 or (variant == "q8" and qgemv_q8.deep()))
+    ``variant`` (:data:`VARIANTS`): one unstaged row, not streamed, K whole and a chunk a
+    lane at a time; where x is rounded, also more chunks under ``GMLX_Q8_DEPTH=1`` and K
+    split between warps at a chunk a lane (``GMLX_SPLIT_K=1``: ``qgemv_split.split_rounded``)."""
+    if (tiles, rounds) != (0, 1):
+        return False
+    if variant == "q8":
+        return (split == 1 and (depth == 1 or qgemv_q8.deep())) or (split > 1 and depth == 1)
+    return split == 1 and depth == 1
 
 
 def normed_rows(k: int, n: int, sizes: tuple[int, ...], bits: int, dtype, g: int, reps: int) -> list[str]:

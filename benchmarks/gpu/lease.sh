@@ -33,6 +33,7 @@
 #   the next weights fetched into L2 meanwhile: bash benchmarks/gpu/lease.sh prefetch  (~150 s, no models)
 #   the forms not on by default, device-timed:  bash benchmarks/gpu/lease.sh candcheck (~300 s, no models)
 #   the rounded products deeper, by ncu:        GMLX_Q8_DEPTH=1 bash benchmarks/gpu/lease.sh ncu-times (~100 s, no models)
+#   K split between warps, x rounded, by ncu:  bash benchmarks/gpu/lease.sh ncu-split (~350 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -319,6 +320,18 @@ for name, t in sorted(times.items()):
     print(f"{name}: median {statistics.median(t):.1f} us, min {min(t):.1f}, {len(t)} launches")
 PY
     tail -3 "$OUT/ncu-times.csv" | cut -c1-300
+    ;;
+  ncu-split)
+    # no models needed (after `install`; ~350 s): K split between a block's warps with x rounded
+    # (GMLX_SPLIT_K=1, the 6-bit products rounded too: GMLX_Q8X=all) by ncu's clock, every launch
+    # shape beside the unsplit ones: the plain products the 8B's step makes at one row (its 4- and
+    # 6-bit down products, the o-projection), then the normed gate-up-swiglu and q-k-v
+    export GMLX_SPLIT_K=1 GMLX_Q8X=all
+    mkdir -p "$OUT/plain" "$OUT/normed"
+    OUT=$OUT/plain LIMIT=${LIMIT:-170} REPS=${REPS:-2} KERNELS=qgemv CHECK="--shapes 14336x4096x4,14336x4096x6,4096x4096x4" \
+      bash "$0" ncu-times | head -60
+    OUT=$OUT/normed LIMIT=${LIMIT:-170} REPS=${REPS:-2} KERNELS="qglun_half_4_32_|qparts3n_half_4_32_" \
+      bash "$0" ncu-times | head -60
     ;;
   q8check)
     # no models needed (after `install`): the normed gate-up-swiglu and q-k-v at each shape,
