@@ -170,6 +170,13 @@ GMLX_VARIANTS = {
     # before the block rounds x (qgemv_q8.DEEP shapes timed beside the others; 12-07: the
     # rounded gate-up read at 2.27 TB/s of the H100's 3.35 with one chunk in flight)
     "gmlx-q8deep": {"GMLX_Q8_DEPTH": "1"},
+    # the bytes a multiprocessor keeps in flight, both ways at once, for a card whose
+    # bandwidth the one-chunk products leave unused (the H200: one stream's step ~3.0 ms on
+    # it and on the H100 alike): more chunks a lane for the wide grids (the gate-up), K split
+    # between more warps for the small ones (the down products, q-k-v, o-projection: 256-384
+    # blocks of 4 warps, 2-3 a multiprocessor), the 6-bit products rounded too; each product
+    # takes what its tuner times fastest
+    "gmlx-inflight": {"GMLX_Q8_DEPTH": "1", "GMLX_SPLIT_K": "1", "GMLX_Q8X": "all"},
     # every one-row form not yet on by default offered to the tuners at once (the 6-bit
     # products rounded, K split between warps, the weights streamed), each shape timed by
     # the device's part alone: the load log says which won where
