@@ -34,6 +34,7 @@
 #   the forms not on by default, device-timed:  bash benchmarks/gpu/lease.sh candcheck (~300 s, no models)
 #   the rounded products deeper, by ncu:        GMLX_Q8_DEPTH=1 bash benchmarks/gpu/lease.sh ncu-times (~100 s, no models)
 #   K split between warps, x rounded, by ncu:  bash benchmarks/gpu/lease.sh ncu-split (~350 s, no models)
+#   bytes in flight both ways, in process:     bash benchmarks/gpu/lease.sh inflight  (~500 s, no models; start with LLAMA=0)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -101,7 +102,8 @@ case ${1:-} in
     # the host: a one-stream step is partly the host's, so leases are compared with it in view
     echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; python loop:" \
       "$(python3 -c 'import time; t = time.perf_counter(); sum(i * i for i in range(3_000_000)); print(f"{time.perf_counter() - t:.3f} s")')"
-    bash $GPU/setup.sh stage .gpu/part1 && nice -n 19 bash $GPU/setup.sh llama --background
+    # LLAMA=0: no llama.cpp build (a lease of in-process checks alone: its 16 jobs slow the host)
+    bash $GPU/setup.sh stage .gpu/part1 && { [ "${LLAMA:-1}" = 0 ] || nice -n 19 bash $GPU/setup.sh llama --background; }
     ;;
   part2)
     bash $GPU/setup.sh stage .gpu/part2 && bash $GPU/setup.sh status
@@ -320,6 +322,18 @@ for name, t in sorted(times.items()):
     print(f"{name}: median {statistics.median(t):.1f} us, min {min(t):.1f}, {len(t)} launches")
 PY
     tail -3 "$OUT/ncu-times.csv" | cut -c1-300
+    ;;
+  inflight)
+    # no model file (after `install`; ~450-550 s): the synthetic 8B in Q4_K_M's layouts (random
+    # weights, float16) loaded as a server loads it, one stream's served step traced, a process a
+    # setting (step_variants.py): the defaults against gmlx-inflight (more chunks a lane in
+    # flight, K split between warps, the 6-bit products rounded). Each first load tunes its
+    # products (~150-250 s); GMLX_HOME keeps that for a second round (ROUNDS=2, ~70 s a run)
+    with_env
+    GMLX_HOME=/tmp/gmlx-home timeout 575 python3 $GPU/step_variants.py synthetic:llama3-8b --variants "${VARIANTS:-gmlx,gmlx-inflight}" \
+      --rounds "${ROUNDS:-1}" --widths "${WIDTHS:-1}" --timeout 280 --keep "$OUT/inflight" > "$OUT/inflight.txt" 2>&1
+    cat "$OUT/inflight.txt"
+    grep -h -E "^served:|cut off|Traceback|Error" "$OUT"/inflight/*.txt | cut -c1-900 | head -20
     ;;
   ncu-split)
     # no models needed (after `install`; ~350 s): K split between a block's warps with x rounded
