@@ -175,8 +175,10 @@ GMLX_VARIANTS = {
     # it and on the H100 alike): more chunks a lane for the wide grids (the gate-up), K split
     # between more warps for the small ones (the down products, q-k-v, o-projection: 256-384
     # blocks of 4 warps, 2-3 a multiprocessor), the 6-bit products rounded too; each product
-    # takes what its tuner times fastest
+    # takes what its tuner times fastest. The defaults since 12-07 evening (H100, the synthetic
+    # 8B's served step in process: 2.85 ms against 3.13); gmlx-noinflight: the defaults before
     "gmlx-inflight": {"GMLX_Q8_DEPTH": "1", "GMLX_SPLIT_K": "1", "GMLX_Q8X": "all"},
+    "gmlx-noinflight": {"GMLX_Q8_DEPTH": "0", "GMLX_SPLIT_K": "0", "GMLX_Q8X": "1"},
     # every one-row form not yet on by default offered to the tuners at once (the 6-bit
     # products rounded, K split between warps, the weights streamed), each shape timed by
     # the device's part alone: the load log says which won where

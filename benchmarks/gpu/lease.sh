@@ -326,11 +326,12 @@ PY
   inflight)
     # no model file (after `install`; ~450-550 s): the synthetic 8B in Q4_K_M's layouts (random
     # weights, float16) loaded as a server loads it, one stream's served step traced, a process a
-    # setting (step_variants.py): the defaults against gmlx-inflight (more chunks a lane in
-    # flight, K split between warps, the 6-bit products rounded). Each first load tunes its
-    # products (~150-250 s); GMLX_HOME keeps that for a second round (ROUNDS=2, ~70 s a run)
+    # setting (step_variants.py): the defaults (since 12-07 evening: more chunks a lane in
+    # flight, K split between warps, the 6-bit products rounded) against the defaults before
+    # (gmlx-noinflight). Each first load tunes its products (~150-250 s); GMLX_HOME keeps that
+    # for a second round (ROUNDS=2, ~70 s a run)
     with_env
-    GMLX_HOME=/tmp/gmlx-home timeout 575 python3 $GPU/step_variants.py synthetic:llama3-8b --variants "${VARIANTS:-gmlx,gmlx-inflight}" \
+    GMLX_HOME=/tmp/gmlx-home timeout 575 python3 $GPU/step_variants.py synthetic:llama3-8b --variants "${VARIANTS:-gmlx,gmlx-noinflight}" \
       --rounds "${ROUNDS:-1}" --widths "${WIDTHS:-1}" --timeout 280 --keep "$OUT/inflight" > "$OUT/inflight.txt" 2>&1
     cat "$OUT/inflight.txt"
     grep -h -E "^served:|cut off|Traceback|Error" "$OUT"/inflight/*.txt | cut -c1-900 | head -20

@@ -37,7 +37,7 @@ buckets beside MLX's product and the tensor-core kernel, and keeps whichever is 
 
 At one row any of these products (plain, with a residual, gated, of several layers, the
 norm folded in or not) may also split each row's K between warps of a block
-(:data:`SPLIT`, its sixth number; ``GMLX_SPLIT_K=1`` has the tuners time those shapes), so
+(:data:`SPLIT`, its sixth number; the tuners time those shapes unless ``GMLX_SPLIT_K=0``), so
 a product of few outputs keeps enough warps in flight: see :mod:`qgemv_split`. It may
 also stream each warp's weights through shared memory (:data:`qgemv_async.ASYNC`, its
 seventh number; ``GMLX_ASYNC=1``), and a 4-bit product rounds x to bytes once a block and

@@ -27,9 +27,10 @@ norm's scale (``rsqrt(mean(h^2) + eps)``) does not change a chunk's rounding, so
 pass sums the squares, the block meets once, and each output is scaled as it is written.
 The output is not MLX's bits and is further from a float32 product than MLX's own (whose
 x is float16): :data:`TOLERANCE` states how far a load allows. Each warp loads its next chunk's weights
-while summing the current one; with ``GMLX_Q8_DEPTH=1`` (:func:`deep`, off until served)
-the tuners also time shapes with 2-4 chunks a lane in flight, the first of them loaded
-before the block rounds x.
+while summing the current one; the tuners also time shapes with 2-4 chunks a lane in
+flight, the first of them loaded before the block rounds x (:func:`deep`; off with
+``GMLX_Q8_DEPTH=0``). The 6-bit products round x too (``GMLX_Q8X=all``, the default;
+``1``: the 4-bit ones alone).
 """
 
 from __future__ import annotations
@@ -54,19 +55,22 @@ TOLERANCE = 0.03
 def q8x() -> bool:
     """Whether one-row 4-bit products round x to bytes (on unless ``GMLX_Q8X=0``; CUDA
     alone builds these products)."""
-    return os.environ.get(ENV, "1") != "0"
+    return os.environ.get(ENV, "all") != "0"
 
 
 def deep() -> bool:
-    """Whether the rounded products also run with several chunks a lane in flight
-    (``GMLX_Q8_DEPTH=1``; off until a lease serves it): :data:`DEEP` shapes timed beside
-    the others, and the depth-2 shapes rounded too (else their float sums). Why: a lane
+    """Whether the rounded products also run with several chunks a lane in flight (on
+    unless ``GMLX_Q8_DEPTH=0``): :data:`DEEP` shapes timed beside the others, and the
+    depth-2 shapes rounded too (else their float sums). Why: a lane
     of an 8B's product at one row takes 4 chunks (K = 4,096) to 14, and with one chunk
     in flight each is a wait on memory; its rounded gate-up-swiglu read at 2.27 TB/s of
     the H100's 3.35 (ncu, 12-07), and on the H200 one stream is no faster for the
     card's 43% more bandwidth. With DEPTH 4 a lane's whole row of K = 4,096 is in flight
-    before the block rounds x."""
-    return os.environ.get(DEEP_ENV, "0") == "1"
+    before the block rounds x. Measured with the split shapes and the 6-bit products
+    rounded (``gmlx-inflight``, H100, 12-07, the synthetic 8B's served step in process):
+    the gate-up-swiglu took 4x2 depth 4 (29.0 against 32.8 us), the 4-bit down products 8x2
+    depth 4 (16.8 against 19.1), the output layer 4x2 depth 4 (150 against 167)."""
+    return os.environ.get(DEEP_ENV, "1") != "0"
 
 
 # the launch shapes (warps, rows a warp, 1, chunks a lane in flight) the one-row tuners
@@ -90,7 +94,7 @@ def key(bits: int) -> str:
     """What a one-row product's tuning key takes on for what its shapes run: ``:q8``
     where its bits round x (:func:`rounds`), ``:deep`` where :func:`deep` adds shapes
     (and rounds the deeper ones), ``:q8split`` where the split shapes
-    (``GMLX_SPLIT_K=1``) round x too (before, they summed floats): a load with other
+    (``GMLX_SPLIT_K``, on by default) round x too (before, they summed floats): a load with other
     settings times again rather than read a shape it would not have timed or that ran
     another source."""
     return (":q8" if rounds(bits) else "") + (":deep" if deep() else "") + (
@@ -98,15 +102,17 @@ def key(bits: int) -> str:
 
 
 def trying() -> bool:
-    """Whether the rounded forms not yet served are asked for too (``GMLX_Q8X=all``)."""
-    return os.environ.get(ENV) == "all"
+    """Whether the 6-bit products round x too (``GMLX_Q8X=all``, the default; ``1``: the
+    4-bit ones alone)."""
+    return os.environ.get(ENV, "all") == "all"
 
 
 def rounds(bits: int) -> bool:
-    """Whether one-row products of ``bits``-bit codes round x to bytes: 4-bit ones by
-    default, 6-bit ones too with ``GMLX_Q8X=all`` (not yet served: each group of four
-    6-bit codes becomes four bytes in 5 instructions, where the float sums take ~4 a code;
-    the 8B's 6-bit down products read at 1.77 TB/s on the H200, 12-06 night)."""
+    """Whether one-row products of ``bits``-bit codes round x to bytes: 4- and 6-bit
+    ones (``GMLX_Q8X=all``, the default; ``1``: 4-bit ones alone). Each group of four
+    6-bit codes becomes four bytes in 5 instructions, where the float sums take ~4 a code:
+    the 8B's 6-bit down products took 22.2 us split two ways against 25.7 (H100, 12-07,
+    ``gmlx-inflight``), the 6-bit output layer 150 against 167."""
     return q8x() and (bits == 4 or (bits == 6 and trying()))
 
 

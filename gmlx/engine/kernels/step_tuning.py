@@ -118,13 +118,13 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     device = mode == "device"
     if device:  # the device's part alone, kept apart from the chain's choices
         key = f"{key}:device"
-    if any(len(shape) > 5 and shape[5] > 1 for shape in shapes):  # K split (GMLX_SPLIT_K=1): kept apart
+    if any(len(shape) > 5 and shape[5] > 1 for shape in shapes):  # K split (GMLX_SPLIT_K): kept apart
         key = f"{key}:split"
     if any(len(shape) > 6 and shape[6] > 1 for shape in shapes):  # streamed (GMLX_ASYNC=1): kept apart
         key = f"{key}:async"
     if qgemv_prepared.prepared():  # the normed products' x made once a block (GMLX_PREPARED=1): kept apart
         key = f"{key}:prepared"
-    # x rounded to bytes (a 6-bit product's only with GMLX_Q8X=all), the deeper rounded shapes: kept apart
+    # x rounded to bytes (a 6-bit product's with GMLX_Q8X=all, the default), the deeper rounded shapes: kept apart
     key += qgemv_q8.key(bits)
     tuning = Tuning()
     known = tuning.layer(key)

@@ -1,14 +1,18 @@
-"""The kernel sources' tests build each source as asked: the float sums unless a test
-turns on x rounded to bytes (``GMLX_Q8X``, on by default where the products run on CUDA;
-``test_qgemv_q8`` covers it, and that it is the default)."""
+"""The kernel sources' tests build each source as asked: the float sums, one chunk a lane
+in flight and K whole unless a test turns on x rounded to bytes (``GMLX_Q8X``), more
+chunks a lane (``GMLX_Q8_DEPTH``) or K split between warps (``GMLX_SPLIT_K``), all three
+on by default where the products run on CUDA (``test_qgemv_q8`` and ``test_qgemv_cuda``
+cover them, and that they are the defaults)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gmlx.engine.kernels import qgemv_q8
+from gmlx.engine.kernels import qgemv_q8, qgemv_split
 
 
 @pytest.fixture(autouse=True)
 def _float_sums_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(qgemv_q8.ENV, "0")
+    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "0")
+    monkeypatch.setenv(qgemv_split.ENV, "0")

@@ -575,20 +575,21 @@ def test_the_load_checks_the_residual_kernel_against_mlx_add(monkeypatch, caplog
 
 
 def test_the_split_shapes_tuning_is_kept_apart(monkeypatch) -> None:
-    """With ``GMLX_SPLIT_K=1`` the products' tuner times the split shapes too, so its
-    choices are kept under keys of their own: a load with it measures again after one
-    without, and a second load with it measures nothing."""
+    """With the split shapes (``GMLX_SPLIT_K``, on by default) the products' tuner times
+    them too, so its choices are kept under keys of their own: a load with them measures
+    again after one without (``GMLX_SPLIT_K=0``), and a second load with them measures
+    nothing."""
     from gmlx.engine.kernels import fast_linear, qgemv_cuda
 
     measured = []
     monkeypatch.setattr(cuda_source, "available", lambda: True)
     monkeypatch.setattr(fast_linear, "_measure", lambda layer, *_: measured.append(1) or {1: (fast_linear.DENSE, (0, 0))})
     monkeypatch.setattr(timing, "step_time", lambda model, rows: 1.0)
-    monkeypatch.delenv(qgemv_cuda.SPLIT_ENV, raising=False)
+    monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "0")
     use_fast_kernels(_tiny_quantized_llama())
     assert measured
     measured.clear()
-    monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "1")
+    monkeypatch.delenv(qgemv_cuda.SPLIT_ENV)  # the default
     use_fast_kernels(_tiny_quantized_llama())
     assert measured
     measured.clear()

@@ -83,11 +83,14 @@ def test_which_products_it_takes() -> None:
 
 
 def test_split_shapes_only_where_asked_and_where_each_warp_has_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split shapes are timed only with ``GMLX_SPLIT_K=1``, for a row wide enough that
-    each warp of a group gets a chunk a lane, by every one-row tuner; they launch as many
-    groups of warps a block as their warps over the split, at one unstaged row only."""
-    monkeypatch.delenv(qgemv_cuda.SPLIT_ENV, raising=False)
+    """The split shapes are timed unless ``GMLX_SPLIT_K=0`` (by default since 12-07), for
+    a row wide enough that each warp of a group gets a chunk a lane, by every one-row
+    tuner; they launch as many groups of warps a block as their warps over the split, at
+    one unstaged row only."""
+    monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "0")
     assert qgemv_cuda.splits(14336) == []
+    monkeypatch.delenv(qgemv_cuda.SPLIT_ENV)  # the default
+    assert qgemv_cuda.splits(14336) == qgemv_cuda.SPLIT
     monkeypatch.setenv(qgemv_cuda.SPLIT_ENV, "1")
     assert qgemv_cuda.splits(14336) == qgemv_cuda.SPLIT
     assert qgemv_cuda.splits(4096) == [(4, 4, 1, 1, 0, 4), (8, 2, 1, 1, 0, 4), (8, 4, 1, 1, 0, 2),

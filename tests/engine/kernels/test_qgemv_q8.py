@@ -20,6 +20,9 @@ from tests.engine.kernels.test_qgemv_cuda import _GATED_MAIN, _MAIN, _made
 def test_it_is_the_default_and_gmlx_q8x_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(qgemv_q8.ENV)
     assert qgemv_q8.q8x() and "_q8_" in _made(mx.float16, 4, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)["name"]
+    assert qgemv_q8.rounds(6) and "_q8_" in _made(mx.float16, 6, 32, (4, 2), k=14336, residual=True)["name"]
+    monkeypatch.setenv(qgemv_q8.ENV, "1")  # the 4-bit products alone
+    assert qgemv_q8.rounds(4) and not qgemv_q8.rounds(6)
     monkeypatch.setenv(qgemv_q8.ENV, "0")
     assert not qgemv_q8.q8x()
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 4, 1), gated=True, k=4096, eps=1e-5)["name"]
@@ -226,16 +229,21 @@ def test_x_rounded_adds_under_the_tolerance_at_an_8b_width() -> None:
 
 
 def test_a_load_allows_the_tolerance_only_where_x_may_be_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loads' agreement checks hold a one-row 4-bit product to twice MLX's error plus
-    :data:`qgemv_q8.TOLERANCE` of the largest output, every other product (6- and 8-bit,
-    more rows, or ``GMLX_Q8X=0``) to MLX's 0.1%: a product 1% off passes only there."""
+    """The loads' agreement checks hold a one-row 4- or 6-bit product (by default: x
+    rounded for both) to twice MLX's error plus :data:`qgemv_q8.TOLERANCE` of the largest
+    output, every other product (8-bit, more rows, 6-bit with ``GMLX_Q8X=1``, any with
+    ``GMLX_Q8X=0``) to MLX's 0.1%: a product 1% off passes only there."""
     exact = mx.array([100.0, -50.0, 3.0])
     want, got = exact + 0.01, exact + mx.array([1.0, 0.0, 0.0])
     monkeypatch.delenv(qgemv_q8.ENV)
-    assert agrees(got, want, exact, qgemv_q8.tolerance(4)) and not agrees(exact + 4.0, want, exact, qgemv_q8.tolerance(4))
-    for bits, rows in ((6, 1), (8, 1), (4, 2)):
+    for bits in (4, 6):
+        assert agrees(got, want, exact, qgemv_q8.tolerance(bits)), bits
+        assert not agrees(exact + 4.0, want, exact, qgemv_q8.tolerance(bits)), bits
+    for bits, rows in ((8, 1), (4, 2), (6, 2)):
         assert not agrees(got, want, exact, qgemv_q8.tolerance(bits, rows)), (bits, rows)
     assert not agrees(got, want, exact)
+    monkeypatch.setenv(qgemv_q8.ENV, "1")  # the 4-bit products alone
+    assert agrees(got, want, exact, qgemv_q8.tolerance(4)) and not agrees(got, want, exact, qgemv_q8.tolerance(6))
     monkeypatch.setenv(qgemv_q8.ENV, "0")
     assert not agrees(got, want, exact, qgemv_q8.tolerance(4))
 
@@ -250,11 +258,13 @@ def test_the_gated_shapes_of_8_warps_are_timed_only_where_x_is_rounded(monkeypat
 
 
 def test_deeper_shapes_round_and_are_timed_only_with_gmlx_q8_depth(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GMLX_Q8_DEPTH=1``: the depth-2 shapes round x too and :data:`qgemv_q8.DEEP` is
-    timed beside the others, every choice kept under ``:deep``; without it neither, and
-    the keys are as before."""
+    """``GMLX_Q8_DEPTH`` (on by default since 12-07): the depth-2 shapes round x too and
+    :data:`qgemv_q8.DEEP` is timed beside the others, every choice kept under ``:deep``;
+    with ``GMLX_Q8_DEPTH=0`` neither, and the keys are as before."""
     monkeypatch.setenv(qgemv_q8.ENV, "1")
-    monkeypatch.delenv(qgemv_q8.DEEP_ENV, raising=False)
+    monkeypatch.delenv(qgemv_q8.DEEP_ENV)
+    assert qgemv_q8.deep() and qgemv_q8.key(4) == ":q8:deep"  # the default
+    monkeypatch.setenv(qgemv_q8.DEEP_ENV, "0")
     assert not set(qgemv_q8.DEEP) & set(qgemv_cuda.configs(1, 4096) + qgemv_cuda.gated_configs(1, 4096))
     assert "_q8_" not in _made(mx.float16, 4, 32, (4, 4, 1, 2), gated=True, k=4096, eps=1e-5)["name"]
     assert qgemv_q8.key(4) == ":q8" and qgemv_q8.key(6) == ""
