@@ -179,9 +179,9 @@ GMLX_VARIANTS = {
     # 8B's served step in process: 2.85 ms against 3.13); gmlx-noinflight: the defaults before
     "gmlx-inflight": {"GMLX_Q8_DEPTH": "1", "GMLX_SPLIT_K": "1", "GMLX_Q8X": "all"},
     "gmlx-noinflight": {"GMLX_Q8_DEPTH": "0", "GMLX_SPLIT_K": "0", "GMLX_Q8X": "1"},
-    # every one-row form not yet on by default offered to the tuners at once (the 6-bit
-    # products rounded, K split between warps, the weights streamed), each shape timed by
-    # the device's part alone: the load log says which won where
+    # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
+    # between warps, both default since 12-07 evening, and the weights streamed, not), each
+    # shape timed by the device's part alone: the load log says which won where
     "gmlx-candidates": {"GMLX_Q8X": "all", "GMLX_STEP_SHAPES": "device", "GMLX_SPLIT_K": "1", "GMLX_ASYNC": "1"},
     # the one-row products' weights streamed through shared memory (asynchronous copies, 2-4
     # rounds of a warp's chunks in flight at one chunk's registers), timed beside the others

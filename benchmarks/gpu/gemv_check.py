@@ -177,8 +177,8 @@ def takes(variant: str, depth: int, tiles: int, split: int, rounds: int) -> bool
     split between warps at a chunk a lane (``GMLX_SPLIT_K=1``: ``qgemv_split.split_rounded``)."""
     if (tiles, rounds) != (0, 1):
         return False
-    if variant == "q8":
-        return (split == 1 and (depth == 1 or qgemv_q8.deep())) or (split > 1 and depth == 1)
+    if variant == "q8":  # as qgemv_q8.takes has it
+        return depth == 1 or (qgemv_q8.deep() and split == 1)
     return split == 1 and depth == 1
 
 
