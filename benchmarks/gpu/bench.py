@@ -179,6 +179,10 @@ GMLX_VARIANTS = {
     # 8B's served step in process: 2.85 ms against 3.13); gmlx-noinflight: the defaults before
     "gmlx-inflight": {"GMLX_Q8_DEPTH": "1", "GMLX_SPLIT_K": "1", "GMLX_Q8X": "all"},
     "gmlx-noinflight": {"GMLX_Q8_DEPTH": "0", "GMLX_SPLIT_K": "0", "GMLX_Q8X": "1"},
+    # a greedy step's argmax by MLX's reduction (23-25 us of the 8B's one-stream step on the
+    # H100, 12-06), not gmlx's kernel (argmax_cuda: a block of 1,024 threads a row, default
+    # since 12-07 night, not yet timed on a GPU)
+    "gmlx-noargmax": {"GMLX_ARGMAX_KERNEL": "0"},
     # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
     # between warps, both default since 12-07 evening, and the weights streamed, not), each
     # shape timed by the device's part alone: the load log says which won where

@@ -88,13 +88,15 @@ def _decode_batch() -> type:
     (penalties, a grammar) still run row by row, after the bias, as mlx-lm runs them.
     A step whose rows all sample greedily, none asking for log-probabilities, takes the
     argmax of the logits and computes no log-probabilities (its rows' are None): two
-    graph operations over the vocabulary and a view a row fewer (``_needs_logprobs``).
+    graph operations over the vocabulary and a view a row fewer (``_needs_logprobs``);
+    on CUDA that argmax is gmlx's kernel (:mod:`~gmlx.engine.kernels.argmax_cuda`).
     A prompt's first token is still sampled by mlx-lm's own step, as it joins."""
     import time
 
     import mlx.core as mx
     from mlx_lm.generate import GenerationBatch
 
+    from gmlx.engine.kernels import argmax_cuda
     from gmlx.engine.sampling import BatchBias, LogitBias, greedy_logprobs_sampler, greedy_sampler
 
     class DecodeBatch(GenerationBatch):
@@ -125,7 +127,9 @@ def _decode_batch() -> type:
                 scores = logits
                 self._next_logprobs = [None] * len(samplers)
                 wanted = []
-            if not samplers or all(s is samplers[0] for s in samplers):
+            if samplers and samplers[0] is greedy_sampler and all(s is greedy_sampler for s in samplers):
+                sampled = argmax_cuda.greedy(scores)  # one launch a step on CUDA, else mx.argmax
+            elif not samplers or all(s is samplers[0] for s in samplers):
                 sampled = (samplers[0] if samplers else self.fallback_sampler)(scores)
             else:
                 sampled = mx.concatenate([s(scores[e:e + 1]) for e, s in enumerate(samplers)], axis=0)

@@ -77,6 +77,9 @@ inline int __dp4a(int a, int b, int c) {
 inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline unsigned __shfl_xor_sync(unsigned m, unsigned v, int o) {  // an index through the same exchange
+    return __float_as_uint(__shfl_xor_sync(m, __uint_as_float(v), o));
+}
 template <typename X> std::vector<X> load(const char* path, size_t n) {
     std::vector<X> data(n);
     FILE* f = std::fopen(path, "rb");

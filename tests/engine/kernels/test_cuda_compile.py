@@ -20,6 +20,7 @@ import pytest
 
 from gmlx.engine.kernels import (
     add_norm_cuda,
+    argmax_cuda,
     attention_cuda,
     cached_attention_cuda,
     qgemv_async,
@@ -60,7 +61,8 @@ def _wrapped(made: dict, input_types: list, output_types: list | None = None) ->
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
+    for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda,
+                   argmax_cuda):
         module._kernel.cache_clear()  # made again here, through the stand-in
     attention_cuda._combine_kernel.cache_clear()
     return made
@@ -206,11 +208,16 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
             for d in (2048, 4096):
                 add_norm_cuda._kernel(dtype, d, 1e-5)
                 kernels.append((made[-1], [dtype, dtype, dtype]))
+            argmax_cuda._kernel(dtype)
+            kernels.append((made[-1], [dtype], [mx.uint32]))
             for traditional, eps in ((False, None), (True, None), (False, 1e-6)):
                 rope_cuda._kernel(dtype, 32, 8, 128, traditional, eps)
                 kernels.append((made[-1], [dtype, dtype, mx.int32, mx.float32, *([dtype] * 2 if eps else [])]))
+        argmax_cuda._kernel(mx.float32)
+        kernels.append((made[-1], [mx.float32], [mx.uint32]))
     finally:
-        for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda):
+        for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda,
+                       argmax_cuda):
             module._kernel.cache_clear()
         attention_cuda._combine_kernel.cache_clear()
     names = [kernel[0]["name"] for kernel in kernels]

@@ -1,0 +1,144 @@
+"""A greedy decode step's argmax over the vocabulary, for CUDA: one block of 1,024 threads
+a row, every thread's share of the row loaded 16 bytes at a time with eight loads in
+flight, then the block's best (value, index) by shuffles and one warp.
+
+Why: a greedy step without log-probabilities ends in ``mx.argmax`` over its logits
+(``DecodeBatch._step``, :mod:`gmlx.engine.mlxlm`), and MLX's reduction took 23-25 us of
+the 8B's one-stream step on the H100 (12-06: 128,256 float16 logits, 256 KB), about what
+the 4096x4096 o-projection costs for 40 times the bytes. A block that has its whole
+share of a 256 KB row in flight in two rounds needs a few microseconds.
+
+The same index as ``mx.argmax`` for every row (:func:`argmax`'s check in the tests): the
+first of the row's largest values, a NaN larger than any number (the first NaN where
+there is one), index 0 for a row of ``-inf``. Used where it is built (CUDA) and not
+turned off (``GMLX_ARGMAX_KERNEL=0``); elsewhere ``mx.argmax``. The tests run the source
+on the CPU, each block as host threads, against ``mx.argmax``, and compile it for sm_90."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+from gmlx.engine.kernels import cuda_source
+from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
+
+ENV = "GMLX_ARGMAX_KERNEL"
+THREADS = 1024
+IN_FLIGHT = 8  # 16-byte loads a thread has in flight: a 128,256-wide float16 row in two rounds
+
+# ``better(v, i, w, j)``: whether value ``v`` at ``i`` goes before ``w`` at ``j`` as
+# mx.argmax orders them (a NaN above every number, then the larger value, then the lower
+# index; ``j`` UINT32_MAX: nothing yet)
+_SOURCE = """
+constexpr int WARPS = THREADS / 32;
+constexpr int VPT = 16 / sizeof(T);
+__shared__ float wv[WARPS];
+__shared__ uint32_t wi[WARPS];
+const int t = threadIdx.x;
+const int lane = t & 31;
+const int warp = t >> 5;
+const int n = logits_shape[1];
+const T* x = logits + (size_t)blockIdx.x * n;
+auto better = [](float v, uint32_t i, float w, uint32_t j) -> bool {
+    const bool vn = v != v, wn = w != w;
+    if (j == 0xffffffffu) return true;
+    if (vn || wn) return vn && (!wn || i < j);
+    return v > w || (v == w && i < j);
+};
+float best = 0.0f;
+uint32_t at = 0xffffffffu;
+const bool wide = n % VPT == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+if (wide) {
+    const int vecs = n / VPT;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (int base = t; base < vecs; base += THREADS * IN_FLIGHT) {
+        uint4 raw[IN_FLIGHT];
+        #pragma unroll
+        for (int u = 0; u < IN_FLIGHT; ++u) {
+            const int i = base + u * THREADS;
+            if (i < vecs) raw[u] = xv[i];
+        }
+        #pragma unroll
+        for (int u = 0; u < IN_FLIGHT; ++u) {
+            const int i = base + u * THREADS;
+            if (i >= vecs) break;
+            const T* e = reinterpret_cast<const T*>(&raw[u]);
+            #pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                const float v = static_cast<float>(e[k]);
+                const uint32_t j = (uint32_t)(i * VPT + k);
+                if (better(v, j, best, at)) { best = v; at = j; }
+            }
+        }
+    }
+} else {
+    for (int i = t; i < n; i += THREADS) {
+        const float v = static_cast<float>(x[i]);
+        if (better(v, (uint32_t)i, best, at)) { best = v; at = (uint32_t)i; }
+    }
+}
+#pragma unroll
+for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, best, o);
+    const uint32_t j = __shfl_xor_sync(0xffffffffu, at, o);
+    if (j != 0xffffffffu && better(v, j, best, at)) { best = v; at = j; }
+}
+if (lane == 0) { wv[warp] = best; wi[warp] = at; }
+__syncthreads();
+if (warp == 0) {
+    best = lane < WARPS ? wv[lane] : 0.0f;
+    at = lane < WARPS ? wi[lane] : 0xffffffffu;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(0xffffffffu, best, o);
+        const uint32_t j = __shfl_xor_sync(0xffffffffu, at, o);
+        if (j != 0xffffffffu && better(v, j, best, at)) { best = v; at = j; }
+    }
+    if (lane == 0) out[blockIdx.x] = at == 0xffffffffu ? 0u : at;
+}
+"""
+
+
+@cache
+def _on_cuda() -> bool:
+    return cuda_source.available()
+
+
+def enabled() -> bool:
+    """Whether greedy decode steps take :func:`argmax`: on CUDA unless ``GMLX_ARGMAX_KERNEL=0``
+    (asked every step: the device, once a process)."""
+    return os.environ.get(ENV, "1") != "0" and _on_cuda()
+
+
+@cache
+def _kernel(dtype: Any) -> Any:
+    head = f"using T = {cuda_type(dtype)};\nconstexpr int THREADS = {THREADS}; constexpr int IN_FLIGHT = {IN_FLIGHT};\n"
+    return build(f"gmlx_argmax_{cuda_type(dtype).strip('_')}", head, compact(_SOURCE), ["logits"])
+
+
+def supports(logits: Any) -> bool:
+    """Whether :func:`argmax` takes ``logits``: rows of a floating type, ``(rows, n)``."""
+    import mlx.core as mx
+
+    return (logits.ndim == 2 and logits.dtype in (mx.float16, mx.bfloat16, mx.float32)
+            and 0 < logits.shape[1] < 2**31 - 1 and logits.shape[0] > 0)
+
+
+def argmax(logits: Any) -> Any:
+    """``mx.argmax(logits, axis=-1)`` (``uint32``, one index a row) in one launch a step."""
+    import mlx.core as mx
+
+    rows = logits.shape[0]
+    return _kernel(logits.dtype)(inputs=[logits], output_shapes=[(rows,)], output_dtypes=[mx.uint32],
+                                 grid=(rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))[0]
+
+
+def greedy(logits: Any) -> Any:
+    """A greedy step's tokens: :func:`argmax` where it is on and takes ``logits``, else
+    ``mx.argmax`` (mlx-lm's ``greedy_sampler``)."""
+    import mlx.core as mx
+
+    if enabled() and supports(logits):
+        return argmax(logits)
+    return mx.argmax(logits, axis=-1)
