@@ -234,7 +234,8 @@ def check_fixed(reps: int = 100) -> None:
     fewer keys in flight and built for dense rows alone (less code: whether a launch
     fetching its 41-68 KB of code is the ~17 us it costs at any length), over no keys at
     all, with the rope folded in; the wide form (a query head a block of 32 warps,
-    :func:`cached_attention_cuda.wide_threads`), plain and with the rope folded in; a
+    :func:`cached_attention_cuda.wide_threads`), plain and with the rope folded in, and
+    in each launch shape of :func:`cached_attention_cuda.wide_shapes` as served; a
     kernel of the same launch that only reads the positions; MLX's one-query attention."""
     from mlx import nn
 
@@ -279,6 +280,14 @@ def check_fixed(reps: int = 100) -> None:
         forms["whole, a key a warp, the rope folded in"] = cached(live, "warp", rope=folded)
         forms["whole, wide (a query head a block of 32 warps, a key a warp)"] = cached(live, "wide")
         forms["whole, wide, the rope folded in"] = cached(live, "wide", rope=folded)
+        # the launch shapes GMLX_ATTENTION_WIDE_SHAPES=1 has the load time, as served (dense rows, the rope folded in)
+        for warps, in_flight in cached_attention_cuda.wide_shapes(d):
+            forms[f"whole, wide, {warps} warps a block, {in_flight} key(s) in flight, dense, the rope folded in"] = (
+                cached(live, "wide", in_flight, True, rope=folded, warps=warps))
+            err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="wide",
+                                                           warps=warps, in_flight=in_flight)
+            agreed.append(f"wide {warps}x{in_flight} at {at + 1} keys: {err:.4f}, "
+                          f"the cache {'as' if written else 'NOT as'} written")
         forms["a kernel of the same launch reading the positions only"] = lambda x, position=position: floor(
             inputs=[x, live, position], grid=(kv_heads * attention_cuda.THREADS, 1, 1),
             threadgroup=(attention_cuda.THREADS, 1, 1), output_shapes=[(1, 1, heads * d)],

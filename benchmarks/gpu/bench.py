@@ -183,6 +183,11 @@ GMLX_VARIANTS = {
     # H100, 12-06), not gmlx's kernel (argmax_cuda: a block of 1,024 threads a row, default
     # since 12-07 night, not yet timed on a GPU)
     "gmlx-noargmax": {"GMLX_ARGMAX_KERNEL": "0"},
+    # one stream's wide attention in the launch shape its load times fastest (fewer warps a
+    # block, more keys in flight a warp: cached_attention_cuda.wide_shapes), not its one shape
+    # of 32 warps walking their keys a load at a time (12.3-12.5 us a layer at ~130-260
+    # positions on the H100 for ~0.5 MB read)
+    "gmlx-wideshapes": {"GMLX_ATTENTION_WIDE_SHAPES": "1"},
     # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
     # between warps, both default since 12-07 evening, and the weights streamed, not), each
     # shape timed by the device's part alone: the load log says which won where

@@ -28,10 +28,12 @@ def prepare_layers(model: Any) -> list[str]:
     attached before the tuners, so they time whole steps as they will be served (a custom
     kernel's host cost paid at a trace, not every step), and traced again after them with
     the paths they chose; on CUDA (unless ``GMLX_WHOLE_STEP=0`` or
-    ``GMLX_CACHE_ATTENTION=0``) the whole one-token step is one compiled call (:mod:`whole_step`), likewise. Returns the load notes."""
+    ``GMLX_CACHE_ATTENTION=0``) the whole one-token step is one compiled call (:mod:`whole_step`), likewise;
+    on CUDA a greedy step's argmax is checked once a process (:func:`argmax_cuda.check`). Returns the load notes."""
     from gmlx.engine import mlxlm
     from gmlx.engine.kernels import (
         add_norm_cuda,
+        argmax_cuda,
         attention_cuda,
         cached_attention_cuda,
         compiled_blocks,
@@ -78,6 +80,8 @@ def prepare_layers(model: Any) -> list[str]:
             log.warning("cuda: the norms are not folded into %s's kernels: %s", kernel.__name__.rsplit(".", 1)[-1],
                         error)
     compiled_blocks.retrace(model)  # the paths and kernels the tuners left in place
+    if (line := argmax_cuda.check()) is not None:  # once a process, before a greedy step takes it
+        log.info("%s", line)
     return notes
 
 

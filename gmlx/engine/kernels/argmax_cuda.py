@@ -12,7 +12,8 @@ The same index as ``mx.argmax`` for every row (:func:`argmax`'s check in the tes
 first of the row's largest values, a NaN larger than any number (the first NaN where
 there is one), index 0 for a row of ``-inf``. Used where it is built (CUDA) and not
 turned off (``GMLX_ARGMAX_KERNEL=0``); elsewhere ``mx.argmax``. The tests run the source
-on the CPU, each block as host threads, against ``mx.argmax``, and compile it for sm_90."""
+on the CPU, each block as host threads, against ``mx.argmax``, and compile it for sm_90;
+a load on CUDA checks it against ``mx.argmax`` before greedy steps take it (:func:`check`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from gmlx.engine.kernels.cuda_source import build, compact, cuda_type
 ENV = "GMLX_ARGMAX_KERNEL"
 THREADS = 1024
 IN_FLIGHT = 8  # 16-byte loads a thread has in flight: a 128,256-wide float16 row in two rounds
+_agrees: bool | None = None  # the load's check (:func:`check`), once a process; None: not yet
 
 # ``better(v, i, w, j)``: whether value ``v`` at ``i`` goes before ``w`` at ``j`` as
 # mx.argmax orders them (a NaN above every number, then the larger value, then the lower
@@ -134,11 +136,38 @@ def argmax(logits: Any) -> Any:
                                  grid=(rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))[0]
 
 
-def greedy(logits: Any) -> Any:
-    """A greedy step's tokens: :func:`argmax` where it is on and takes ``logits``, else
-    ``mx.argmax`` (mlx-lm's ``greedy_sampler``)."""
+def check() -> str | None:
+    """Once a process, at a model's load where :func:`enabled`: the kernel against
+    ``mx.argmax`` on rows of each floating type (a vocabulary's width in wide loads with
+    its maximum three times, a width not a multiple of one); greedy steps take it only
+    where every row agreed. A kernel that does not compile or launch here, or disagrees,
+    leaves them ``mx.argmax`` and the load goes on. Returns the load's log line (None
+    where nothing was checked)."""
     import mlx.core as mx
 
-    if enabled() and supports(logits):
+    global _agrees
+    if _agrees is not None or not enabled():
+        return None
+    try:
+        for dtype in (mx.float16, mx.bfloat16, mx.float32):
+            for n in (128256, 1001):
+                x = mx.random.normal((3, n), key=mx.random.key(n)).astype(dtype)
+                x[0, n // 2] = x[0, n - 1] = x[0, 7] = 100.0
+                mx.eval(x)
+                if argmax(x).tolist() != mx.argmax(x, axis=-1).tolist():
+                    raise RuntimeError(f"it disagrees with mx.argmax ({dtype}, rows of {n})")
+    except RuntimeError as error:
+        _agrees = False
+        return f"cuda: a greedy step's argmax stays MLX's: {str(error).splitlines()[0][:200]}"
+    _agrees = True
+    return "cuda: a greedy step's argmax in one launch a row"
+
+
+def greedy(logits: Any) -> Any:
+    """A greedy step's tokens: :func:`argmax` where it is on, agreed at the load's
+    :func:`check` and takes ``logits``, else ``mx.argmax`` (mlx-lm's ``greedy_sampler``)."""
+    import mlx.core as mx
+
+    if _agrees and enabled() and supports(logits):
         return argmax(logits)
     return mx.argmax(logits, axis=-1)

@@ -115,6 +115,9 @@ _hsplits: dict[tuple, tuple[int, int]] = {}  # likewise: the whole form's blocks
 _lane_agrees: dict[tuple, bool] = {}  # whether the lane form agreed with MLX at the load's check (cached_attention_load)
 _wide_agrees: dict[tuple, bool] = {}  # likewise the wide form
 _wide: dict[tuple, bool] = {}  # the load's measure: whether one stream's whole form takes WIDE
+# likewise, with GMLX_ATTENTION_WIDE_SHAPES=1: the wide form's (warps a block, keys in flight a warp)
+_wide_shapes: dict[tuple, tuple[int, int]] = {}
+WIDE_SHAPES_ENV = "GMLX_ATTENTION_WIDE_SHAPES"
 
 
 def cached_enabled() -> bool:
@@ -191,7 +194,7 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp",
-            hsplit: int = 1, rope: str = "", in_flight: int = 0, dense: bool = False) -> Any:
+            hsplit: int = 1, rope: str = "", in_flight: int = 0, dense: bool = False, warps: int = 0) -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
     share of the keys, for the combine), a key a warp or a key a lane (``layout``), each
     block ``group // hsplit`` of the key-value head's ``group`` query heads (the head
@@ -201,8 +204,9 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     :func:`cached_attention_source.unroll`), built for ``dense`` rows alone or for any
     strides: four kernels a head split, rope, unroll and build per float type, head size,
     scale and group, whatever the cache's length. ``layout`` :data:`WIDE`: a key a warp in
-    blocks of :func:`wide_threads` (``hsplit`` then the whole group: a query head a block)."""
-    head = (attention_cuda.kernel_head(dtype, head_dim, scale, block_threads(layout, head_dim))
+    blocks of :func:`wide_threads`, or of ``warps`` warps where given (``hsplit`` then the
+    whole group: a query head a block)."""
+    head = (attention_cuda.kernel_head(dtype, head_dim, scale, warps * 32 or block_threads(layout, head_dim))
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
             + f"constexpr bool DENSE = {'true' if dense else 'false'};\n"
@@ -210,7 +214,8 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
             + (FINISH_SPLIT if split else FINISH_ONE))
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
             f"{f'_h{hsplit}' if hsplit > 1 else ''}{f'_{layout}' if layout != 'warp' else ''}{'_split' if split else ''}"
-            f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}")
+            f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}"
+            f"{f'_w{warps}' if warps else ''}")
     return build(name, head, body("warp" if layout == WIDE else layout, bool(rope)),
                  ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
@@ -247,6 +252,31 @@ def wide_threads(d: int) -> int:
     the in-place write: a query head a block, its warps each a key at a time, so a short
     cache's keys are one or two a warp and a long one's spread over 32 blocks x 32 warps."""
     return 1024 if d <= 128 else 512
+
+
+def wide_shapes_enabled() -> bool:
+    """Whether the load times the wide form at several launch shapes (:func:`wide_shapes`)
+    and keeps the fastest (``GMLX_ATTENTION_WIDE_SHAPES=1``; else its one shape,
+    :func:`wide_threads` with a key in flight a warp)."""
+    return os.environ.get(WIDE_SHAPES_ENV, "0") == "1"
+
+
+def wide_shapes(d: int) -> tuple[tuple[int, int], ...]:
+    """The wide form's launch shapes the load times with :func:`wide_shapes_enabled`:
+    ``(warps a block, keys in flight a warp)``, its one shape first. Each within a
+    block's 65,536 registers (nvcc 13, sm_90, the rope folded in, float16 and bfloat16:
+    heads of 128 take 56 registers a thread at 32 warps and 1-2 keys in flight, 71-72 at
+    16 warps and 4, 108-109 at 8; heads of 256 61-64 at 16 warps and 1, 88-89 at 2, 119
+    at 8 warps and 4).
+
+    Why: at one stream over a short cache the wide form is latency, not bytes (12.3-12.5
+    us a layer on the H100 at ~130-260 positions for ~0.5 MB of keys and values): each
+    of its 32 warps walks its keys one load at a time, so 256 positions are eight
+    round trips to memory a warp. Fewer warps a block with more keys in flight each
+    have the same keys in two or three."""
+    if d <= 128:
+        return (wide_threads(d) // 32, 1), (32, 2), (16, 4), (16, 8), (8, 8)
+    return (wide_threads(d) // 32, 1), (16, 2), (8, 4)
 
 
 def block_threads(layout: str, d: int) -> int:
@@ -309,7 +339,7 @@ def _shape(q: Any, keys: Any) -> tuple:
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
                   scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None,
                   rope: tuple[Any, Any, str] | None = None, in_flight: int | None = None,
-                  dense: bool | None = None) -> Any:
+                  dense: bool | None = None, warps: int | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -328,7 +358,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     :data:`ROPES`), ``q`` and ``k_new`` are the projections unrotated and the kernel
     rotates them (:func:`folded_rope`), the cache taking the rotated key. ``in_flight``
     (the kernel's keys in flight a warp; 0: its layout's own) and ``dense`` (a build for
-    dense rows alone) where None, as :func:`compact` says.
+    dense rows alone) where None, as :func:`compact` says; the wide form in the launch
+    shape the load took for it (:func:`wide_shapes`), else ``warps`` warps a block
+    where given, else :func:`wide_threads`.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -353,10 +385,13 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
         raise ValueError(f"a head split of {hsplit} for {heads // kv_heads} query heads a key-value head")
     pairs = rope[2] if rope else ""
     default_in_flight, default_dense = compact()
+    if layout == WIDE and warps is None and (taken := _wide_shapes.get(shape)) and wide_shapes_enabled():
+        warps, in_flight = taken[0], taken[1] if in_flight is None else in_flight
     in_flight = default_in_flight if in_flight is None else in_flight
     dense = default_dense if dense is None else dense
+    shaped = {"warps": warps} if layout == WIDE and warps else {}
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
-                                                          hsplit, pairs, in_flight, dense),
+                                                          hsplit, pairs, in_flight, dense, **shaped),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
                                     q, n, b * kv_heads * hsplit, (b, 1, heads * d),
-                                    block_threads(layout, d))
+                                    32 * shaped["warps"] if shaped else block_threads(layout, d))

@@ -142,9 +142,14 @@ def _supported(shapes: set[tuple]) -> list[tuple]:
 
 def tune_splits(model: Any) -> list[str]:
     """Where a split starts to pay for each of ``model``'s in-place attention shapes on this
-    GPU (:func:`tune_split`). Returns one line a shape for the load's log."""
-    return [tune_split(heads, kv_heads, d, scale, dtype)
-            for heads, kv_heads, d, scale, dtype in _supported(_in_place_shapes(model))]
+    GPU (:func:`tune_split`). Where a wide form took a launch shape of its own
+    (:func:`_tune_wide_shape`), each rope folded into it is checked again in that shape
+    (:func:`check_folds`). Returns one line a shape for the load's log."""
+    lines = [tune_split(heads, kv_heads, d, scale, dtype)
+             for heads, kv_heads, d, scale, dtype in _supported(_in_place_shapes(model))]
+    if any(shape != cac.wide_shapes(key[2])[0] for key, shape in cac._wide_shapes.items()):
+        check_folds(model)
+    return lines
 
 
 def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> str:
@@ -182,7 +187,7 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
         return [times[form] / 2 for form in forms]
 
     key = (heads, kv_heads, d, str(dtype))
-    for chosen_before in (cac._layouts, cac._hsplits, cac._wide):
+    for chosen_before in (cac._layouts, cac._hsplits, cac._wide, cac._wide_shapes):
         chosen_before.pop(key, None)
     said = []
     if cac._lane_agrees.get(key, False):
@@ -200,6 +205,8 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
         cac._hsplits[key] = (best, 1)
         said.append(f"whole form {best} block{'s' if best > 1 else ''} a key-value head ({HSPLIT_CAPACITY:,}: "
                     + " / ".join(f"{t * 1e6:.1f}" for t in took) + f" us at {' / '.join(map(str, options))})")
+    if cac._wide_agrees.get(key, False) and cac.wide_shapes_enabled():  # the wide form's launch shape first
+        said.append(_tune_wide_shape(heads, kv_heads, d, scale, dtype, [call(c) for c in WIDE_CAPACITIES]))
     if cac._wide_agrees.get(key, False):  # one stream's whole form as chosen so far, or wide
         took = [pair(call(capacity), (1, None, None), (1, cac.WIDE, None)) for capacity in WIDE_CAPACITIES]
         cac._wide[key] = all(wide < chosen for chosen, wide in took)
@@ -222,20 +229,48 @@ def tune_split(heads: int, kv_heads: int, d: int, scale: float, dtype: Any) -> s
     return f"{heads} heads over {kv_heads}, head size {d}: " + "; ".join(said)
 
 
-def _call_time(args: tuple, n: int, layout: str | None, hsplit: int | None = None, reps: int = 20) -> float:
+def _tune_wide_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, calls: list[tuple]) -> str:
+    """The wide form's launch shape for one attention shape (:func:`cached_attention_cuda.wide_shapes`):
+    each shape that launches here and agrees with MLX (:func:`_check`: one whose registers a
+    block cannot hold fails its launch) timed over ``calls`` (one stream's, at each of
+    :data:`WIDE_CAPACITIES`), in the order a, b, ..., b, a, and the least total kept for
+    :func:`cached_attention_cuda.attend_cached`. Returns what it timed and took, for the load's line."""
+    key = (heads, kv_heads, d, str(dtype))
+    shapes = [cac.wide_shapes(d)[0]]
+    for warps, in_flight in cac.wide_shapes(d)[1:]:
+        try:
+            for capacity in (cac.MIN_KEYS, 16 * cac.MIN_KEYS):
+                _check(heads, kv_heads, d, scale, dtype, capacity, 1, 1, cac.WIDE, warps=warps, in_flight=in_flight)
+            shapes.append((warps, in_flight))
+        except RuntimeError as error:
+            log.warning("cuda: the in-place attention's wide form is not used at %d warps a block, %d keys in flight: "
+                        "%s", warps, in_flight, str(error).splitlines()[0][:200])
+    totals = dict.fromkeys(shapes, 0.0)
+    for shape in (*shapes, *reversed(shapes)):
+        totals[shape] += sum(_call_time(args, 1, cac.WIDE, None, warps=shape[0], in_flight=shape[1]) for args in calls)
+    best = min(shapes, key=totals.__getitem__)
+    cac._wide_shapes[key] = best
+    return (f"the wide form {best[0]} warps a block, {best[1]} key(s) in flight ("
+            + ", ".join(f"{w}x{u}: {totals[(w, u)] / 2 * 1e6:.1f}" for w, u in shapes)
+            + f" us over {' + '.join(f'{c:,}' for c in WIDE_CAPACITIES)} positions)")
+
+
+def _call_time(args: tuple, n: int, layout: str | None, hsplit: int | None = None, reps: int = 20,
+               **shape: int) -> float:
     """Seconds a call of :func:`cached_attention_cuda.attend_cached` over ``args`` with ``n`` splits in
     ``layout`` and ``hsplit`` blocks a key-value head (None: the shape's), ``reps`` calls
     in a chain (each call's queries the last one's output: :func:`timing.chain_time`, as
-    a step's layers follow each other; each writes the same position again)."""
+    a step's layers follow each other; each writes the same position again); ``shape``:
+    the wide form's ``warps`` and ``in_flight`` where given."""
     from gmlx.engine.kernels.timing import chain_time
 
     q, rest = args[0], args[1:]
-    return chain_time(lambda x: cac.attend_cached(x, *rest, n=n, layout=layout, hsplit=hsplit).reshape(q.shape), q,
-                      reps) / reps
+    return chain_time(lambda x: cac.attend_cached(x, *rest, n=n, layout=layout, hsplit=hsplit, **shape).reshape(q.shape),
+                      q, reps) / reps
 
 
 def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity: int, n: int, hsplit: int = 1,
-           layout: str = "warp", rope: tuple | None = None) -> None:
+           layout: str = "warp", rope: tuple | None = None, **shape: int) -> None:
     """One :func:`cached_attention_cuda.attend_cached` call with ``n`` splits and ``hsplit`` blocks a key-value
     head in ``layout`` on random inputs (two streams, the second padded) against MLX's
     attention over the same keys with the step's written at the middle position: RuntimeError where the output is off by more than 0.05 (bf16 rounding of
@@ -251,7 +286,7 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
     k_new, v_new = (mx.random.normal((2, kv_heads, 1, d), key=keys[i]).astype(dtype) for i in (1, 2))
     k, v = (mx.random.normal((2, kv_heads, capacity, d), key=keys[i]).astype(dtype) for i in (3, 4))
     padding = mx.array([0, 3], dtype=mx.int32)
-    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout, hsplit, rope)
+    err, written = agreement(q, k_new, v_new, k, v, padding, at, scale, n, layout, hsplit, rope, **shape)
     if not (err <= 0.05 and written):
         raise RuntimeError(f"the in-place attention (a key a {layout}, {hsplit} block(s) a key-value head) disagrees "
                            f"with MLX's ({heads} heads over {kv_heads}, head size {d}, {capacity} positions: "
@@ -261,7 +296,7 @@ def _check(heads: int, kv_heads: int, d: int, scale: float, dtype: Any, capacity
 
 def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: int, scale: float,
               n: int | None = None, layout: str | None = None, hsplit: int | None = None,
-              rope: tuple | None = None) -> tuple[float, bool]:
+              rope: tuple | None = None, **shape: int) -> tuple[float, bool]:
     """One :func:`cached_attention_cuda.attend_cached` call writing at ``at`` (``n`` splits in ``layout``,
     ``hsplit`` blocks a key-value head: as it would be launched where None), against
     MLX's attention over the same keys with the step's written there (each stream's from
@@ -270,7 +305,8 @@ def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: 
     its inverse frequencies and pairs: :func:`folded_rope`), the kernel is handed ``q``
     and ``k_new`` unrotated with each stream's position (``at`` less its padding) and
     rotates them, against the module's rotation; the written key may then differ from
-    the module's in its last bits (the angles computed apart), within the same 0.05."""
+    the module's in its last bits (the angles computed apart), within the same 0.05.
+    ``shape``: the wide form's ``warps`` and ``in_flight`` where given."""
     import mlx.core as mx
 
     folded, raw_q, raw_k = None, q, k_new
@@ -286,7 +322,7 @@ def agreement(q: Any, k_new: Any, v_new: Any, k: Any, v: Any, padding: Any, at: 
                                                 scale=scale, mask=mask)
     mx.eval(q, k_new, v_new, k, v, padding, k_want, v_want, want, raw_q, raw_k)  # all before the kernel writes
     got = cac.attend_cached(raw_q, raw_k, v_new, k, v, padding, mx.array([at], dtype=mx.int32), scale, n=n,
-                        layout=layout, hsplit=hsplit, rope=folded)
+                        layout=layout, hsplit=hsplit, rope=folded, **shape)
     mx.eval(got)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32).reshape(got.shape)).max().item()
     if folded is not None:  # the written key within the tolerance, the rest bit for bit

@@ -133,8 +133,43 @@ def test_greedy_steps_take_it_and_decode_the_same_tokens(demo_model, monkeypatch
 
     monkeypatch.setattr(argmax_cuda, "_on_cuda", lambda: True)
     monkeypatch.setattr(argmax_cuda, "argmax", stand_in)
+    monkeypatch.setattr(argmax_cuda, "_agrees", False)  # as after a load whose check failed: MLX's
+    assert decode(greedy) == plain and not calls
+    monkeypatch.setattr(argmax_cuda, "_agrees", True)
     assert decode(greedy) == plain
     assert len(calls) >= 7 and all(shape[0] <= 3 and shape[1] == demo_model.model.args.vocab_size for shape in calls)
     calls.clear()
     decode([sampling.greedy_sampler, sampling.make_sampler(SamplingParams(temperature=0.8, seed=1))])
     assert len(calls) < 7 and all(shape[0] == 1 for shape in calls)  # the greedy stream's steps alone, if any
+
+
+@pytest.mark.parametrize("kernel,agrees", [("mx.argmax", True), ("off by one", False), ("does not compile", False)])
+def test_a_load_checks_it_once_before_greedy_steps_take_it(monkeypatch: pytest.MonkeyPatch, kernel: str,
+                                                          agrees: bool) -> None:
+    """On CUDA (a stand-in for the kernel here: it cannot run) the first load's check runs
+    it on each floating type against ``mx.argmax``; one that disagrees or fails (an NVRTC
+    error is a RuntimeError) leaves greedy steps ``mx.argmax`` and the load goes on; the
+    check is not run again in the process."""
+    def stand_in(logits: mx.array) -> mx.array:
+        seen.append(logits.dtype)
+        if kernel == "does not compile":
+            raise RuntimeError("nvrtc: error: identifier undefined\nmore")
+        return mx.argmax(logits, axis=-1) + (1 if kernel == "off by one" else 0)
+
+    seen: list = []
+    monkeypatch.setattr(argmax_cuda, "_on_cuda", lambda: True)
+    monkeypatch.setattr(argmax_cuda, "_agrees", None)
+    monkeypatch.setattr(argmax_cuda, "argmax", stand_in)
+    line = argmax_cuda.check()
+    assert argmax_cuda._agrees is agrees
+    assert line == ("cuda: a greedy step's argmax in one launch a row" if agrees else
+                    "cuda: a greedy step's argmax stays MLX's: " + ("nvrtc: error: identifier undefined"
+                                                                    if kernel == "does not compile" else
+                                                                    "it disagrees with mx.argmax (mlx.core.float16, "
+                                                                    "rows of 128256)"))
+    assert set(seen) == ({mx.float16, mx.bfloat16, mx.float32} if agrees else {mx.float16})
+    assert argmax_cuda.check() is None  # once a process
+    logits = mx.array([[0.0, 3.0, 1.0]])
+    seen.clear()
+    assert argmax_cuda.greedy(logits).tolist() == [1 + (kernel == "off by one" and agrees)]
+    assert bool(seen) is agrees

@@ -304,14 +304,15 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
     a key-value head; with ``splits``, the split form (each head's keys over that many
     blocks) and then the combine kernel's source over the shares it wrote; ``rope``
     (each stream's position, the inverse frequencies, the pairs) folds the rotation of
-    ``q`` and ``k_new`` in; ``build`` (keys in flight, dense rows alone) picks the kernel's
-    build and ``cache_strides`` replaces the strides the cache's arrays are handed with. Each store
+    ``q`` and ``k_new`` in; ``build`` (keys in flight, dense rows alone[, the wide form's
+    warps a block]) picks the kernel's build and ``cache_strides`` replaces the strides the cache's arrays are handed with. Each store
     into the cache's keys is counted too, a count a (stream, key-value head): the fourth
     array returned."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
     wide = layout == cached_attention_cuda.WIDE  # a query head a block, blocks of many warps
     hsplit = q.shape[1] // k.shape[1] if wide else hsplit
-    threads = cached_attention_cuda.wide_threads(q.shape[-1]) if wide else attention_cuda.THREADS
+    warps = build[2] if len(build) > 2 else 0  # the wide form's warps a block, where given
+    threads = (32 * warps or cached_attention_cuda.wide_threads(q.shape[-1])) if wide else attention_cuda.THREADS
     kernel, run = _emulated(cached_attention_cuda._kernel, q, scale,
                             [dtype] * 5 + ["int32", "int32"] + (["int32", "float32"] if rope else []),
                             "q.data(), qs, qt, kn.data(), nt, vn.data(), nt, k.data(), ks, kt, v.data(), kt, "
@@ -436,6 +437,25 @@ def test_the_wide_form_writes_the_step_in_place_and_attends_as_mlx_does(
     rope = nn.RoPE(d, base=10000.0)  # and with the rope folded in
     _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), 1, cached_attention_cuda.WIDE,
                         rope=(rope, mx.array([at - p for p in padding], dtype=mx.int32)))
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
+                                                         (mx.float16, 256, 512, 270, [0, 9, 261])])
+def test_the_wide_forms_other_launch_shapes_attend_as_mlx_does(
+        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int]) -> None:
+    """Each launch shape the load may time for the wide form beside its own
+    (:func:`cached_attention_cuda.wide_shapes`: fewer warps a block, more keys in flight
+    a warp, a stream's keys ending inside a warp's keys in flight), dense rows as
+    gmlx's caches hold them, with the rope folded in: MLX's attention, the cache written
+    once a (stream, key-value head)."""
+    rope = nn.RoPE(d, base=10000.0)
+    offsets = mx.array([at - p for p in padding], dtype=mx.int32)
+    for warps, in_flight in cached_attention_cuda.wide_shapes(d)[1:]:
+        k, k_after = _cached_matches_mlx(tmp_path, (3, 4, 2, capacity, at, d, padding, dtype), 1,
+                                         cached_attention_cuda.WIDE, rope=(rope, offsets),
+                                         build=(in_flight, True, warps))
+        assert not mx.array_equal(k_after, k).item()
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
@@ -940,6 +960,72 @@ def test_the_load_times_one_streams_whole_form_against_the_wide_one(monkeypatch:
             cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
                                                 k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125,
                                                 n=2, layout="wide")
+    finally:
+        one_token.detach(model)
+
+
+def test_the_load_times_the_wide_forms_launch_shapes_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``GMLX_ATTENTION_WIDE_SHAPES=1``, where the wide form agreed at the load's
+    check, ``tune_split`` checks each of its other launch shapes against MLX (one that
+    fails, as a launch whose registers a block cannot hold would, is left out and
+    logged), times those left at each of ``WIDE_CAPACITIES`` (a, b, ..., b, a; the clock
+    a stand-in here: no GPU), keeps the least total, then times the wide form in that
+    shape against the whole form as before and checks the folded ropes again in it;
+    ``attend_cached`` then launches one stream's wide form in that shape (its warps a
+    block, its keys in flight). Without the setting none of this is timed."""
+    from gmlx.engine.kernels import one_token
+
+    model = _tuned_model()
+    key = (4, 2, 64, str(mx.float16))
+    shapes = cached_attention_cuda.wide_shapes(64)
+    timed: list[tuple] = []
+    checked: list[tuple] = []
+    refolded: list = []
+    fastest = (16, 4)
+
+    def check(heads, kv_heads, d, scale, dtype, capacity, n, hsplit=1, layout="warp", rope=None, **shape):
+        checked.append((capacity, layout, shape.get("warps"), shape.get("in_flight")))
+        if (shape.get("warps"), shape.get("in_flight")) == shapes[-1]:
+            raise RuntimeError("too many resources requested for launch")
+
+    def call_time(args, n, layout, hsplit, **shape):
+        timed.append((args[3].shape[2], n, layout, shape.get("warps"), shape.get("in_flight")))
+        if n > 1:
+            return 15e-6
+        wide = layout == "wide"
+        taken = cached_attention_cuda._wide_shapes.get(key)
+        ran = (shape["warps"], shape["in_flight"]) if shape else taken
+        return (6e-6 if ran == fastest else 9e-6) if wide else 20e-6
+
+    _no_choices(monkeypatch, wide_agrees={key: True})
+    monkeypatch.setattr(cached_attention_cuda, "_wide_shapes", {})
+    monkeypatch.setattr(cached_attention_load, "_call_time", call_time)
+    monkeypatch.setattr(cached_attention_load, "_check", check)
+    monkeypatch.setattr(cached_attention_load, "check_folds", lambda m: refolded.append(m))
+    try:
+        (line,) = cached_attention_load.tune_splits(model)
+        assert not checked and cached_attention_cuda._wide_shapes == {} and not refolded  # not asked
+        assert timed[:2] == [(256, 1, None, None, None), (256, 1, "wide", None, None)]
+        monkeypatch.setenv(cached_attention_cuda.WIDE_SHAPES_ENV, "1")
+        timed.clear()
+        (line,) = cached_attention_load.tune_splits(model)
+        assert checked == [(c, "wide", w, u) for w, u in shapes[1:] for c in (32, 512)][:-1]  # the last's first check failed
+        kept = shapes[:-1]
+        order = [*kept, *reversed(kept)]
+        assert timed[:2 * len(order)] == [(c, 1, "wide", w, u) for w, u in order for c in (256, 1024)]
+        assert cached_attention_cuda._wide_shapes == {key: fastest}
+        assert "the wide form 16 warps a block, 4 key(s) in flight (32x1: 18.0, 32x2: 18.0, 16x4: 12.0" in line
+        assert "one stream's whole form wide (256: 20.0 / 6.0 wide us" in line and cached_attention_cuda._wide[key]
+        assert refolded == [model]
+        launched: list = []
+        monkeypatch.setattr(cached_attention_cuda, "_kernel", lambda *a, **kw: (a[5], a[8], kw.get("warps")))
+        monkeypatch.setattr(attention_cuda, "in_blocks",
+                            lambda kernel, inputs, q, n, blocks, out_shape, threads: launched.append(
+                                (*kernel(False), blocks, threads)))
+        k = mx.zeros((1, 2, 128, 64), mx.float16)
+        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :],
+                                            k, k, mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125)
+        assert launched == [("wide", 4, 16, 4, 16 * 32)]
     finally:
         one_token.detach(model)
 
