@@ -35,6 +35,7 @@
 #   the rounded products deeper, by ncu:        GMLX_Q8_DEPTH=1 bash benchmarks/gpu/lease.sh ncu-times (~100 s, no models)
 #   K split between warps, x rounded, by ncu:  bash benchmarks/gpu/lease.sh ncu-split (~350 s, no models)
 #   bytes in flight both ways, in process:     bash benchmarks/gpu/lease.sh inflight  (~500 s, no models; start with LLAMA=0)
+#   the wide attention's shapes, the argmax:   bash benchmarks/gpu/lease.sh wide      (~450-550 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -335,6 +336,21 @@ PY
       --rounds "${ROUNDS:-1}" --widths "${WIDTHS:-1}" --timeout 280 --keep "$OUT/inflight" > "$OUT/inflight.txt" 2>&1
     cat "$OUT/inflight.txt"
     grep -h -E "^served:|cut off|Traceback|Error" "$OUT"/inflight/*.txt | cut -c1-900 | head -20
+    ;;
+  wide)
+    # no models needed (after `install`, or after `gmlx`, whose GMLX_HOME tuning it reuses):
+    # the wide attention's launch shapes (cached_attention_cuda.wide_shapes) chained beside its
+    # one shape at 38 and 1,000 keys (attention_check --fixed, its agreement lines at the end),
+    # then the synthetic 8B's served one-stream step traced, a process each (step_variants):
+    # the defaults (the argmax kernel on) against gmlx-wideshapes (the load times the shapes:
+    # its log line says which it kept) and gmlx-noargmax (MLX's argmax)
+    with_env
+    timeout 150 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -30 "$OUT/fixed.txt" | cut -c1-600
+    GMLX_HOME=/tmp/gmlx-home timeout 420 python3 $GPU/step_variants.py synthetic:llama3-8b \
+      --variants "${VARIANTS:-gmlx,gmlx-wideshapes,gmlx-noargmax}" --rounds "${ROUNDS:-1}" --widths "${WIDTHS:-1}" \
+      --timeout 280 --keep "$OUT/wide" > "$OUT/wide.txt" 2>&1
+    cat "$OUT/wide.txt"
+    grep -h -E "wide form|argmax|cut off|Traceback|Error" "$OUT"/wide/*.txt | cut -c1-900 | head -20
     ;;
   ncu-split)
     # no models needed (after `install`; ~350 s): K split between a block's warps with x rounded
