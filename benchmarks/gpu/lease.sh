@@ -36,6 +36,7 @@
 #   K split between warps, x rounded, by ncu:  bash benchmarks/gpu/lease.sh ncu-split (~350 s, no models)
 #   bytes in flight both ways, in process:     bash benchmarks/gpu/lease.sh inflight  (~500 s, no models; start with LLAMA=0)
 #   the wide attention's shapes, the argmax:   bash benchmarks/gpu/lease.sh wide      (~450-550 s, no models)
+#   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -351,6 +352,14 @@ PY
       --timeout 280 --keep "$OUT/wide" > "$OUT/wide.txt" 2>&1
     cat "$OUT/wide.txt"
     grep -h -E "wide form|argmax|cut off|Traceback|Error" "$OUT"/wide/*.txt | cut -c1-900 | head -20
+    ;;
+  barrier)
+    # no models needed (after `install`): 32 products of 4096x4096 (4-bit) a launch each, against
+    # one launch with a grid barrier between them, with the next product's rows copied before
+    # it, and without (barrier_check.py: whether a layer in one kernel is worth building)
+    with_env
+    timeout 150 python3 $GPU/barrier_check.py > "$OUT/barrier.txt" 2>&1; cat "$OUT/barrier.txt" | cut -c1-400 | tail -20
+    timeout 100 python3 $GPU/barrier_check.py --layers 64 2>&1 | tail -8  # (a longer chain: the same per product?)
     ;;
   ncu-split)
     # no models needed (after `install`; ~350 s): K split between a block's warps with x rounded
