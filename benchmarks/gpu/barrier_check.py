@@ -66,15 +66,16 @@ auto fetch = [&](int l) {
     for (int i = threadIdx.x; i < ROWS * K / 32; i += blockDim.x) {
         const int r = i / (K / 32), c = i % (K / 32);
         const uint32_t* src = w + ((size_t)l * N + row0 + r) * (K / 8) + c * 4;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::
-                     "r"((unsigned)__cvta_generic_to_shared(&wsh[r][c * 4])), "l"(src));
+        unsigned dst;
+        asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(dst) : "l"(&wsh[r][c * 4]));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
     }
     for (int i = threadIdx.x; i < ROWS * K / GROUP; i += blockDim.x) {
         const int r = i / (K / GROUP), g = i % (K / GROUP);
         const size_t at = ((size_t)l * N + row0 + r) * (K / GROUP) + g;
         sbsh[r][g] = __halves2half2(scales[at], biases[at]);
     }
-    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.commit_group;" ::: "memory");
 };
 auto barrier = [&]() {
     __syncthreads();
@@ -95,7 +96,7 @@ for (int l = first; l < last; ++l) {
     const __half* in = MODE == 0 || l == 0 ? x : out + (size_t)(l - 1) * N;
     for (int i = threadIdx.x; i < K / 8; i += blockDim.x)  // x read through L2: another block wrote it
         reinterpret_cast<uint4*>(xsh)[i] = __ldcg(reinterpret_cast<const uint4*>(in) + i);
-    asm volatile("cp.async.wait_all;");
+    asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
     #pragma unroll
     for (int rr = 0; rr < RPW; ++rr) {

@@ -50,7 +50,7 @@ auto better = [](float v, uint32_t i, float w, uint32_t j) -> bool {
 };
 float best = 0.0f;
 uint32_t at = 0xffffffffu;
-const bool wide = n % VPT == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+const bool wide = n % VPT == 0 && (reinterpret_cast<unsigned long long>(x) & 15) == 0;
 if (wide) {
     const int vecs = n / VPT;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
