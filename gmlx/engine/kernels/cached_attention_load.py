@@ -145,9 +145,9 @@ def tune_splits(model: Any) -> list[str]:
     GPU (:func:`tune_split`). Where a wide form took a launch shape of its own
     (:func:`_tune_wide_shape`), each rope folded into it is checked again in that shape
     (:func:`check_folds`). Returns one line a shape for the load's log."""
-    lines = [tune_split(heads, kv_heads, d, scale, dtype)
-             for heads, kv_heads, d, scale, dtype in _supported(_in_place_shapes(model))]
-    if any(shape != cac.wide_shapes(key[2])[0] for key, shape in cac._wide_shapes.items()):
+    shapes = _supported(_in_place_shapes(model))
+    lines = [tune_split(heads, kv_heads, d, scale, dtype) for heads, kv_heads, d, scale, dtype in shapes]
+    if any((heads, kv_heads, d, str(dtype)) in cac._wide_shapes for heads, kv_heads, d, _, dtype in shapes):
         check_folds(model)
     return lines
 
@@ -234,7 +234,7 @@ def _tune_wide_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any
     each shape that launches here and agrees with MLX (:func:`_check`: one whose registers a
     block cannot hold fails its launch) timed over ``calls`` (one stream's, at each of
     :data:`WIDE_CAPACITIES`), in the order a, b, ..., b, a, and the least total kept for
-    :func:`cached_attention_cuda.attend_cached`. Returns what it timed and took, for the load's line."""
+    :func:`cached_attention_cuda.attend_cached` (where it is not the form's own shape). Returns what it timed and took, for the load's line."""
     key = (heads, kv_heads, d, str(dtype))
     shapes = [cac.wide_shapes(d)[0]]
     for warps, in_flight in cac.wide_shapes(d)[1:]:
@@ -249,7 +249,8 @@ def _tune_wide_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any
     for shape in (*shapes, *reversed(shapes)):
         totals[shape] += sum(_call_time(args, 1, cac.WIDE, None, warps=shape[0], in_flight=shape[1]) for args in calls)
     best = min(shapes, key=totals.__getitem__)
-    cac._wide_shapes[key] = best
+    if best != shapes[0]:  # (its own shape is the kernel built without these constants)
+        cac._wide_shapes[key] = best
     return (f"the wide form {best[0]} warps a block, {best[1]} key(s) in flight ("
             + ", ".join(f"{w}x{u}: {totals[(w, u)] / 2 * 1e6:.1f}" for w, u in shapes)
             + f" us over {' + '.join(f'{c:,}' for c in WIDE_CAPACITIES)} positions)")
