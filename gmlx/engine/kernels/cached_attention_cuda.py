@@ -65,7 +65,9 @@ query head a block of 32 warps (16 for heads of 256), each warp a key at a time,
 one-query kernel lays its blocks out, with the in-place write. The load checks it
 against MLX and times it against the whole form chosen so far at 256 and 1,024 positions
 (:func:`cached_attention_load.tune_split`), and one stream takes it only where it won at
-both. Not yet run on a GPU.
+both. With ``GMLX_ATTENTION_WIDE_SHAPES=1`` the load first times it at several launch
+shapes (fewer warps a block, more keys in flight a warp: :func:`wide_shapes`) and keeps
+the fastest; not yet run on a GPU.
 
 Unless ``GMLX_ROPE_ATTENTION=0`` (:func:`folded_rope`) the kernel also takes the layer's
 rope: handed the step's queries and key as the projections made them, each stream's
