@@ -18,6 +18,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from gmlx.server.shutdown import KEEP_ALIVE_S
+
 
 @dataclass
 class LiveServer:
@@ -34,7 +36,8 @@ class LiveServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                               timeout_keep_alive=KEEP_ALIVE_S))  # as `gmlx serve` runs it
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + timeout

@@ -30,6 +30,12 @@ from gmlx.server.errors import error_response, protocol_for
 log = logging.getLogger("gmlx.server")
 
 CUT_WAIT_S = 5.0  # after the cut: how long the cut responses get to send their error
+# How long an idle keep-alive connection stays open: longer than clients keep theirs in
+# their pools (httpx, under the OpenAI and Anthropic SDKs: 5 s; Node's fetch: 4 s), so the
+# client closes first. At uvicorn's default of 5 s the two expire together, and a request
+# sent on a connection as the server closes it fails with "Server disconnected without
+# sending a response" (the SDKs retry it; a client with no retries does not).
+KEEP_ALIVE_S = 75
 
 
 class Drain:
@@ -142,7 +148,7 @@ def serve(app: Any, host: str, port: int, shutdown_timeout: float) -> bool:
     (False: the address could not be bound)."""
     drain = Drain(app)
     config = uvicorn.Config(drain, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=CUT_WAIT_S)
+                            timeout_graceful_shutdown=CUT_WAIT_S, timeout_keep_alive=KEEP_ALIVE_S)
     server = GracefulServer(config, drain, app.state.registry.workers, shutdown_timeout)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C before the server took the signal
         server.run()
