@@ -27,6 +27,7 @@ __all__ = [
     "prefill_lengths",
     "route_attention",
     "route_clear_cache",
+    "route_greedy",
     "set_kv_used",
     "use_generation_batch",
 ]
@@ -89,14 +90,14 @@ def _decode_batch() -> type:
     A step whose rows all sample greedily, none asking for log-probabilities, takes the
     argmax of the logits and computes no log-probabilities (its rows' are None): two
     graph operations over the vocabulary and a view a row fewer (``_needs_logprobs``);
-    on CUDA that argmax is gmlx's kernel (:mod:`~gmlx.engine.kernels.argmax_cuda`).
+    that argmax is ``mx.argmax`` unless a load routed it elsewhere (:func:`route_greedy`:
+    on CUDA, gmlx's kernel).
     A prompt's first token is still sampled by mlx-lm's own step, as it joins."""
     import time
 
     import mlx.core as mx
     from mlx_lm.generate import GenerationBatch
 
-    from gmlx.engine.kernels import argmax_cuda
     from gmlx.engine.sampling import BatchBias, LogitBias, greedy_logprobs_sampler, greedy_sampler
 
     class DecodeBatch(GenerationBatch):
@@ -128,7 +129,7 @@ def _decode_batch() -> type:
                 self._next_logprobs = [None] * len(samplers)
                 wanted = []
             if samplers and samplers[0] is greedy_sampler and all(s is greedy_sampler for s in samplers):
-                sampled = argmax_cuda.greedy(scores)  # one launch a step on CUDA, else mx.argmax
+                sampled = _greedy[0](scores)  # mx.argmax, or a kernel's (route_greedy)
             elif not samplers or all(s is samplers[0] for s in samplers):
                 sampled = (samplers[0] if samplers else self.fallback_sampler)(scores)
             else:
@@ -294,6 +295,25 @@ def _view(module: Any, **changed: Any) -> Any:
     view.__dict__.update(vars(module))
     view.__dict__.update(changed)
     return view
+
+
+# -- a greedy step's argmax --------------------------------------------------------------
+
+def _mlx_argmax(logits: Any) -> Any:
+    import mlx.core as mx
+
+    return mx.argmax(logits, axis=-1)
+
+
+_greedy: list[Callable[[Any], Any]] = [_mlx_argmax]  # what an all-greedy decode step takes its tokens with
+
+
+def route_greedy(argmax: Callable[[Any], Any]) -> None:
+    """Make the decode steps whose rows all sample greedily (none asking for
+    log-probabilities) take their tokens with ``argmax(logits)`` (``(rows, vocabulary)``
+    -> ``uint32`` ``(rows,)``, ``mx.argmax``'s index) instead of ``mx.argmax``: what a
+    load does on CUDA once gmlx's kernel agreed (:func:`gmlx.engine.kernels.prepare_layers`)."""
+    _greedy[0] = argmax
 
 
 # -- the models' attention ---------------------------------------------------------------

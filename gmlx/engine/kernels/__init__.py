@@ -82,6 +82,8 @@ def prepare_layers(model: Any) -> list[str]:
     compiled_blocks.retrace(model)  # the paths and kernels the tuners left in place
     if (line := argmax_cuda.check()) is not None:  # once a process, before a greedy step takes it
         log.info("%s", line)
+    if argmax_cuda.agrees():
+        mlxlm.route_greedy(argmax_cuda.greedy)
     return notes
 
 

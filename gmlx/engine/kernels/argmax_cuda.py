@@ -11,7 +11,8 @@ share of a 256 KB row in flight in two rounds needs a few microseconds.
 The same index as ``mx.argmax`` for every row (:func:`argmax`'s check in the tests): the
 first of the row's largest values, a NaN larger than any number (the first NaN where
 there is one), index 0 for a row of ``-inf``. Used where it is built (CUDA) and not
-turned off (``GMLX_ARGMAX_KERNEL=0``); elsewhere ``mx.argmax``. The tests run the source
+turned off (``GMLX_ARGMAX_KERNEL=0``), routed to the decode steps by a load
+(:func:`gmlx.engine.mlxlm.route_greedy`); elsewhere ``mx.argmax``. The tests run the source
 on the CPU, each block as host threads, against ``mx.argmax``, and compile it for sm_90;
 a load on CUDA checks it against ``mx.argmax`` before greedy steps take it (:func:`check`)."""
 
@@ -163,11 +164,16 @@ def check() -> str | None:
     return "cuda: a greedy step's argmax in one launch a row"
 
 
+def agrees() -> bool:
+    """Whether greedy steps may take :func:`argmax`: on, and agreed at the load's :func:`check`."""
+    return bool(_agrees) and enabled()
+
+
 def greedy(logits: Any) -> Any:
     """A greedy step's tokens: :func:`argmax` where it is on, agreed at the load's
     :func:`check` and takes ``logits``, else ``mx.argmax`` (mlx-lm's ``greedy_sampler``)."""
     import mlx.core as mx
 
-    if _agrees and enabled() and supports(logits):
+    if agrees() and supports(logits):
         return argmax(logits)
     return mx.argmax(logits, axis=-1)

@@ -102,8 +102,8 @@ def test_off_where_mlx_has_no_cuda_and_when_asked(monkeypatch: pytest.MonkeyPatc
 
 
 def test_greedy_steps_take_it_and_decode_the_same_tokens(demo_model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode step's wiring: with the kernel on (``mx.argmax`` standing in for it: it
-    cannot run here), every all-greedy decode step after a stream's first token hands
+    """The decode step's wiring: with the kernel routed to the decode steps and on
+    (``mx.argmax`` standing in for it: it cannot run here), every all-greedy decode step after a stream's first token hands
     its logits to it, and the streams' tokens are those of the steps without it; a
     step with a sampling stream in it does not (a greedy stream decoding before the
     other has joined may)."""
@@ -133,7 +133,9 @@ def test_greedy_steps_take_it_and_decode_the_same_tokens(demo_model, monkeypatch
 
     monkeypatch.setattr(argmax_cuda, "_on_cuda", lambda: True)
     monkeypatch.setattr(argmax_cuda, "argmax", stand_in)
-    monkeypatch.setattr(argmax_cuda, "_agrees", False)  # as after a load whose check failed: MLX's
+    monkeypatch.setattr(mlxlm, "_greedy", list(mlxlm._greedy))  # (the route restored after the test)
+    mlxlm.route_greedy(argmax_cuda.greedy)  # as a load on CUDA routes it once the kernel agreed
+    monkeypatch.setattr(argmax_cuda, "_agrees", False)  # a check that failed: MLX's
     assert decode(greedy) == plain and not calls
     monkeypatch.setattr(argmax_cuda, "_agrees", True)
     assert decode(greedy) == plain
@@ -173,3 +175,22 @@ def test_a_load_checks_it_once_before_greedy_steps_take_it(monkeypatch: pytest.M
     seen.clear()
     assert argmax_cuda.greedy(logits).tolist() == [1 + (kernel == "off by one" and agrees)]
     assert bool(seen) is agrees
+
+
+def test_a_load_routes_greedy_steps_to_it_only_where_it_agreed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare_layers`` (a model's load) routes the decode steps' argmax to the kernel
+    where its check agreed; here (MLX on the CPU) it checks nothing and routes nothing."""
+    from gmlx.engine import mlxlm
+    from gmlx.engine.kernels import prepare_layers
+    from tests.engine.kernels.models import tiny
+
+    monkeypatch.setattr(mlxlm, "_greedy", list(mlxlm._greedy))
+    before = mlxlm._greedy[0]
+    monkeypatch.setattr(argmax_cuda, "_agrees", None)
+    prepare_layers(tiny("llama", 2))
+    assert mlxlm._greedy[0] is before and argmax_cuda._agrees is None
+    monkeypatch.setattr(argmax_cuda, "_on_cuda", lambda: True)
+    monkeypatch.setattr(argmax_cuda, "argmax", lambda logits: mx.argmax(logits, axis=-1))  # (a stand-in)
+    monkeypatch.setattr(argmax_cuda, "_agrees", True)  # as after an earlier load's check
+    prepare_layers(tiny("llama", 2))
+    assert mlxlm._greedy[0] is argmax_cuda.greedy
