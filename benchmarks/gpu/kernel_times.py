@@ -82,6 +82,7 @@ def child(args: argparse.Namespace) -> None:
     from benchmarks.gpu.pipeline_check import _primed
     from benchmarks.gpu.served_step import attention, layered, load, pipelined
     from gmlx.engine.kernels import cuda_source, fast_linear, glu_cuda, qkv_cuda
+    from gmlx.engine.mlxlm import greedy_argmax
 
     loaded = load(args.model, args.dtype)
     served = "served" in args.loops.split(",")
@@ -117,7 +118,7 @@ def child(args: argparse.Namespace) -> None:
                 cache, current = _primed(loaded.model, width, 128, "gmlx cache")
 
                 def step(tokens, cache=cache):
-                    return mx.argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+                    return greedy_argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :])  # as served
 
                 for _ in range(4):  # compiles and allocations
                     current = step(current)

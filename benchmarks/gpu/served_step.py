@@ -84,13 +84,14 @@ def pipelined_step(model, rows: int, context: int = 128, steps: int = 64) -> flo
     what the worker's loop would take if its own work cost nothing."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from gmlx.engine.mlxlm import greedy_argmax
     from gmlx.engine.prompt_cache import batch_cache
 
     cache = batch_cache(model, rows) or make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
 
     def step(tokens):
-        return mx.argmax(model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+        return greedy_argmax(model(tokens[:, None], cache=cache)[:, -1, :])  # as served (the load's route)
 
     current = mx.zeros((rows,), mx.int32)
     for _ in range(4):

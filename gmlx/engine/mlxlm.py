@@ -20,6 +20,7 @@ __all__ = [
     "FirstToken",
     "batch_generator",
     "first_token",
+    "greedy_argmax",
     "infer_tool_parser",
     "kv_used",
     "model_classes",
@@ -129,7 +130,7 @@ def _decode_batch() -> type:
                 self._next_logprobs = [None] * len(samplers)
                 wanted = []
             if samplers and samplers[0] is greedy_sampler and all(s is greedy_sampler for s in samplers):
-                sampled = _greedy[0](scores)  # mx.argmax, or a kernel's (route_greedy)
+                sampled = greedy_argmax(scores)  # mx.argmax, or a kernel's (route_greedy)
             elif not samplers or all(s is samplers[0] for s in samplers):
                 sampled = (samplers[0] if samplers else self.fallback_sampler)(scores)
             else:
@@ -306,6 +307,12 @@ def _mlx_argmax(logits: Any) -> Any:
 
 
 _greedy: list[Callable[[Any], Any]] = [_mlx_argmax]  # what an all-greedy decode step takes its tokens with
+
+
+def greedy_argmax(logits: Any) -> Any:
+    """An all-greedy decode step's tokens from its logits (``(rows, vocabulary)`` ->
+    ``uint32`` ``(rows,)``): ``mx.argmax``, or what a load routed (:func:`route_greedy`)."""
+    return _greedy[0](logits)
 
 
 def route_greedy(argmax: Callable[[Any], Any]) -> None:
