@@ -185,8 +185,8 @@ GMLX_VARIANTS = {
     "gmlx-noargmax": {"GMLX_ARGMAX_KERNEL": "0"},
     # one stream's wide attention in the launch shape its load times fastest (fewer warps a
     # block, more keys in flight a warp: cached_attention_cuda.wide_shapes), not its one shape
-    # of 32 warps walking their keys a load at a time (12.3-12.5 us a layer at ~130-260
-    # positions on the H100 for ~0.5 MB read)
+    # of 32 warps walking their keys a load at a time; on the H100 (12-07) none beat that
+    # one at 1,000 keys (25.1 us against 29.1-58.4 chained): off by default
     "gmlx-wideshapes": {"GMLX_ATTENTION_WIDE_SHAPES": "1"},
     # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
     # between warps, both default since 12-07 evening, and the weights streamed, not), each

@@ -35,7 +35,8 @@
 #   the rounded products deeper, by ncu:        GMLX_Q8_DEPTH=1 bash benchmarks/gpu/lease.sh ncu-times (~100 s, no models)
 #   K split between warps, x rounded, by ncu:  bash benchmarks/gpu/lease.sh ncu-split (~350 s, no models)
 #   bytes in flight both ways, in process:     bash benchmarks/gpu/lease.sh inflight  (~500 s, no models; start with LLAMA=0)
-#   the wide attention's shapes, the argmax:   bash benchmarks/gpu/lease.sh wide      (~450-550 s, no models)
+#   the attention's call taken apart:          bash benchmarks/gpu/lease.sh wide      (~60 s, no models)
+#   the greedy argmax kernel in the step:       bash benchmarks/gpu/lease.sh argmax    (~450 s, no models)
 #   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
@@ -339,19 +340,23 @@ PY
     grep -h -E "^served:|cut off|Traceback|Error" "$OUT"/inflight/*.txt | cut -c1-900 | head -20
     ;;
   wide)
-    # no models needed (after `install`, or after `gmlx`, whose GMLX_HOME tuning it reuses):
-    # the wide attention's launch shapes (cached_attention_cuda.wide_shapes) chained beside its
-    # one shape at 38 and 1,000 keys (attention_check --fixed, its agreement lines at the end),
-    # then the synthetic 8B's served one-stream step traced, a process each (step_variants):
-    # the defaults (the argmax kernel on) against gmlx-wideshapes (the load times the shapes:
-    # its log line says which it kept) and gmlx-noargmax (MLX's argmax)
+    # no models needed (after `install`): the in-place attention's call taken apart, the wide
+    # form's launch shapes among it (attention_check --fixed, ~60 s; 12-07 15:20 H100: they lose)
     with_env
     timeout 150 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -30 "$OUT/fixed.txt" | cut -c1-600
-    GMLX_HOME=/tmp/gmlx-home timeout 420 python3 $GPU/step_variants.py synthetic:llama3-8b \
-      --variants "${VARIANTS:-gmlx,gmlx-wideshapes,gmlx-noargmax}" --rounds "${ROUNDS:-1}" --widths "${WIDTHS:-1}" \
-      --timeout 280 --keep "$OUT/wide" > "$OUT/wide.txt" 2>&1
-    cat "$OUT/wide.txt"
-    grep -h -E "wide form|argmax|cut off|Traceback|Error" "$OUT"/wide/*.txt | cut -c1-900 | head -20
+    ;;
+  argmax)
+    # no models needed (after `install`, or after `gmlx`, whose GMLX_HOME tuning it reuses;
+    # ~400-450 s, a first load that tunes every product ~300-350 s of it): the synthetic 8B's
+    # served one-stream step traced, a process each (step_variants): gmlx-noargmax (MLX's
+    # argmax) then the defaults (the argmax kernel, where the load's check passed: its
+    # kernel in the trace's table is gmlx_argmax_*, MLX's is arg_reduce_general)
+    with_env
+    GMLX_HOME=/tmp/gmlx-home timeout 560 python3 $GPU/step_variants.py synthetic:llama3-8b \
+      --variants "${VARIANTS:-gmlx-noargmax,gmlx}" --rounds "${ROUNDS:-1}" --widths "${WIDTHS:-1}" \
+      --timeout 400 --keep "$OUT/argmax" > "$OUT/argmax.txt" 2>&1
+    cat "$OUT/argmax.txt"
+    grep -h -E "argmax|arg_reduce|cut off|Traceback|Error" "$OUT"/argmax/*.txt | cut -c1-300 | head -12
     ;;
   barrier)
     # no models needed (after `install`): 32 products of 4096x4096 (4-bit) a launch each, against

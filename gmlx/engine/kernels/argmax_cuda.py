@@ -14,7 +14,9 @@ there is one), index 0 for a row of ``-inf``. Used where it is built (CUDA) and 
 turned off (``GMLX_ARGMAX_KERNEL=0``), routed to the decode steps by a load
 (:func:`gmlx.engine.mlxlm.route_greedy`); elsewhere ``mx.argmax``. The tests run the source
 on the CPU, each block as host threads, against ``mx.argmax``, and compile it for sm_90;
-a load on CUDA checks it against ``mx.argmax`` before greedy steps take it (:func:`check`)."""
+a load on CUDA checks it against ``mx.argmax`` before greedy steps take it (:func:`check`).
+Not yet timed in a GPU's step (12-07: the lease's trace loops called ``mx.argmax``
+themselves; they take the decode step's route now, ``mlxlm.greedy_argmax``)."""
 
 from __future__ import annotations
 
