@@ -234,7 +234,8 @@ def _tune_wide_shape(heads: int, kv_heads: int, d: int, scale: float, dtype: Any
     each shape that launches here and agrees with MLX (:func:`_check`: one whose registers a
     block cannot hold fails its launch) timed over ``calls`` (one stream's, at each of
     :data:`WIDE_CAPACITIES`), in the order a, b, ..., b, a, and the least total kept for
-    :func:`cached_attention_cuda.attend_cached` (where it is not the form's own shape). Returns what it timed and took, for the load's line."""
+    :func:`cached_attention_cuda.attend_cached` (where it is not the form's own shape).
+    Returns what it timed and took, for the load's line."""
     key = (heads, kv_heads, d, str(dtype))
     shapes = [cac.wide_shapes(d)[0]]
     for warps, in_flight in cac.wide_shapes(d)[1:]:
