@@ -267,6 +267,10 @@ def check_fixed(reps: int = 100) -> None:
         agreed.append(f"{at + 1} keys: largest difference {err:.4f}, the cache {'as' if written else 'NOT as'} written")
         err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="wide")
         agreed.append(f"wide at {at + 1} keys: {err:.4f}, the cache {'as' if written else 'NOT as'} written")
+        err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="wide",
+                                                       rope=(rope, inv, "half"), rope_lanes=True)
+        agreed.append(f"wide, each lane's rope, at {at + 1} keys: {err:.4f}, "
+                      f"the cache {'as' if written else 'NOT as'} written")
 
         def cached(padding, layout, in_flight=0, dense=False, position=position, **kw):
             return lambda x: cached_attention_cuda.attend_cached(x, k_new, v_new, k, v, padding, position, scale, n=1,
@@ -280,6 +284,10 @@ def check_fixed(reps: int = 100) -> None:
         forms["whole, a key a warp, the rope folded in"] = cached(live, "warp", rope=folded)
         forms["whole, wide (a query head a block of 32 warps, a key a warp)"] = cached(live, "wide")
         forms["whole, wide, the rope folded in"] = cached(live, "wide", rope=folded)
+        forms["whole, wide, dense, the rope folded in (the served form)"] = cached(live, "wide", 0, True, rope=folded)
+        forms["whole, wide, dense, the rope in each lane's registers (GMLX_ROPE_LANES)"] = cached(
+            live, "wide", 0, True, rope=folded, rope_lanes=True)
+        forms["whole, wide, dense, no rope"] = cached(live, "wide", 0, True)
         # the launch shapes GMLX_ATTENTION_WIDE_SHAPES=1 has the load time, as served (dense rows, the rope folded in)
         for warps, in_flight in cached_attention_cuda.wide_shapes(d):
             forms[f"whole, wide, {warps} warps a block, {in_flight} key(s) in flight, dense, the rope folded in"] = (

@@ -188,6 +188,10 @@ GMLX_VARIANTS = {
     # of 32 warps walking their keys a load at a time; on the H100 (12-07) none beat that
     # one at 1,000 keys (25.1 us against 29.1-58.4 chained): off by default
     "gmlx-wideshapes": {"GMLX_ATTENTION_WIDE_SHAPES": "1"},
+    # the rope folded into the in-place attention (a key a warp, wide or not) in each lane's
+    # registers, not through shared memory behind a barrier (the rope cost the wide form ~4 us
+    # a call on the H100, 12-07: 10.2 against 14.0 us at 38 keys, chained)
+    "gmlx-ropelanes": {"GMLX_ROPE_LANES": "1"},
     # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
     # between warps, both default since 12-07 evening, and the weights streamed, not), each
     # shape timed by the device's part alone: the load log says which won where

@@ -37,7 +37,7 @@
 #   bytes in flight both ways, in process:     bash benchmarks/gpu/lease.sh inflight  (~500 s, no models; start with LLAMA=0)
 #   the attention's call taken apart:          bash benchmarks/gpu/lease.sh wide      (~60 s, no models)
 #   the greedy argmax kernel in the step:       bash benchmarks/gpu/lease.sh argmax    (~450 s, no models)
-#   the wide attention's rope under ncu:       bash benchmarks/gpu/lease.sh ncu-wide  (~120 s, no models)
+#   the wide attention's rope under ncu:       bash benchmarks/gpu/lease.sh ncu-wide  (~200-300 s, no models)
 #   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
@@ -347,18 +347,22 @@ PY
     timeout 150 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -30 "$OUT/fixed.txt" | cut -c1-600
     ;;
   ncu-wide)
-    # no models needed (after `install`; ~120 s): why the rope folded into the wide attention
+    # no models needed (after `install`; ~200-300 s): why the rope folded into the wide attention
     # costs ~4 us a call (12-07 H100, chained: 10.2 against 14.0 us at 38 keys) and the form
-    # ~9 us over an empty launch: its launches with and without the rope under ncu's sections
-    # (the warps' stall reasons, the instructions, the SMs' and memory's speed of light)
+    # ~9 us over an empty launch: the served form (1), the rope in each lane's registers
+    # (GMLX_ROPE_LANES, 2) and no rope (3) under ncu's sections (the warps' stall reasons, the
+    # instructions, the SMs' and memory's speed of light), two launches each
     with_env
-    for form in wide_rope_half wide_dense; do
+    i=0
+    for form in "wide_rope_half_dense_[0-9a-f]{12}" "wide_rope_half_dense_rl" "wide_dense_[0-9a-f]{12}"; do
+      i=$((i + 1))
       MLX_USE_CUDA_GRAPHS=0 timeout 100 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" \
         --kernel-name "regex:attend_cached.*${form}" --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section LaunchStats --section InstructionStats \
-        python3 $GPU/attention_check.py --fixed --reps 5 > "$OUT/ncu-$form.txt" 2>&1
-      echo "== $form"; grep -E "attend_cached|Duration|Stall|Warp Cycles|Registers|Executed Ipc|Instructions|Throughput|==PROF==|==ERROR==" \
-        "$OUT/ncu-$form.txt" | cut -c1-160 | head -30
+        python3 $GPU/attention_check.py --fixed --reps 5 > "$OUT/ncu-wide-$i.txt" 2>&1
+      echo "== $i: $form"
+      grep -E "attend_cached|Duration|Stall|Warp Cycles|Registers|Executed Ipc|Instructions|Throughput|==PROF==|==ERROR==" \
+        "$OUT/ncu-wide-$i.txt" | cut -c1-160 | head -30
     done
     ;;
   argmax)

@@ -75,8 +75,11 @@ position and the rope's inverse frequencies, it rotates them as it reads them (t
 also as it writes it into the cache), in float32, rounded as MLX's rope rounds: two of
 MLX's operations a layer fewer (64 of an 8B's ~370 a step), in a step whose host hands
 MLX each operation and whose GPU runs each as a launch of its own. The load checks each
-folded rope against the layer's own and MLX's attention (:func:`cached_attention_load.check_folds`). Off
-until a GPU lease measures it.
+folded rope against the layer's own and MLX's attention
+(:func:`cached_attention_load.check_folds`). With ``GMLX_ROPE_LANES=1`` a key-a-warp form
+(wide or not) has each lane rotate its own dimensions in registers, not the block
+through shared memory behind a barrier (:func:`rope_lanes_enabled`; on the H100, 12-07,
+the rope through shared memory cost the wide form ~4 us a call); off until a GPU times it.
 
 Used only where built (CUDA), where the step allows it (:func:`supports_cached`) and
 ``GMLX_CACHE_ATTENTION`` is not ``0`` (:func:`cached_enabled`). Its CUDA sources are
@@ -120,6 +123,7 @@ _wide: dict[tuple, bool] = {}  # the load's measure: whether one stream's whole 
 # likewise, with GMLX_ATTENTION_WIDE_SHAPES=1: the wide form's (warps a block, keys in flight a warp)
 _wide_shapes: dict[tuple, tuple[int, int]] = {}
 WIDE_SHAPES_ENV = "GMLX_ATTENTION_WIDE_SHAPES"
+ROPE_LANES_ENV = "GMLX_ROPE_LANES"
 
 
 def cached_enabled() -> bool:
@@ -196,7 +200,8 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp",
-            hsplit: int = 1, rope: str = "", in_flight: int = 0, dense: bool = False, warps: int = 0) -> Any:
+            hsplit: int = 1, rope: str = "", in_flight: int = 0, dense: bool = False, warps: int = 0,
+            rope_lanes: bool = False) -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
     share of the keys, for the combine), a key a warp or a key a lane (``layout``), each
     block ``group // hsplit`` of the key-value head's ``group`` query heads (the head
@@ -207,7 +212,8 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     strides: four kernels a head split, rope, unroll and build per float type, head size,
     scale and group, whatever the cache's length. ``layout`` :data:`WIDE`: a key a warp in
     blocks of :func:`wide_threads`, or of ``warps`` warps where given (``hsplit`` then the
-    whole group: a query head a block)."""
+    whole group: a query head a block). ``rope_lanes``: a key a warp (or wide) with the
+    rope, each lane rotating its own dimensions (:data:`cached_attention_source.STEP_ROPE_LANES`)."""
     head = (attention_cuda.kernel_head(dtype, head_dim, scale, warps * 32 or block_threads(layout, head_dim))
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
@@ -217,8 +223,8 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
             f"{f'_h{hsplit}' if hsplit > 1 else ''}{f'_{layout}' if layout != 'warp' else ''}{'_split' if split else ''}"
             f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}"
-            f"{f'_w{warps}' if warps else ''}")
-    return build(name, head, body("warp" if layout == WIDE else layout, bool(rope)),
+            f"{f'_w{warps}' if warps else ''}{'_rl' if rope_lanes else ''}")
+    return build(name, head, body("warp" if layout == WIDE else layout, bool(rope), rope_lanes),
                  ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
@@ -254,6 +260,14 @@ def wide_threads(d: int) -> int:
     the in-place write: a query head a block, its warps each a key at a time, so a short
     cache's keys are one or two a warp and a long one's spread over 32 blocks x 32 warps."""
     return 1024 if d <= 128 else 512
+
+
+def rope_lanes_enabled() -> bool:
+    """Whether a key-a-warp form (wide or not) with the rope folded in has each lane rotate
+    its own dimensions, in registers, not the block through shared memory behind a barrier
+    (``GMLX_ROPE_LANES=1``; :data:`cached_attention_source.STEP_ROPE_LANES` says why). The
+    same arithmetic; off until a GPU times it (``gmlx-ropelanes``)."""
+    return os.environ.get(ROPE_LANES_ENV, "0") == "1"
 
 
 def wide_shapes_enabled() -> bool:
@@ -344,7 +358,7 @@ def _shape(q: Any, keys: Any) -> tuple:
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
                   scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None,
                   rope: tuple[Any, Any, str] | None = None, in_flight: int | None = None,
-                  dense: bool | None = None, warps: int | None = None) -> Any:
+                  dense: bool | None = None, warps: int | None = None, rope_lanes: bool | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -365,7 +379,9 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     (the kernel's keys in flight a warp; 0: its layout's own) and ``dense`` (a build for
     dense rows alone) where None, as :func:`compact` says; the wide form in the launch
     shape the load took for it (:func:`wide_shapes`), else ``warps`` warps a block
-    where given, else :func:`wide_threads`.
+    where given, else :func:`wide_threads`; ``rope_lanes`` (a key a warp, the rope
+    folded in: each lane rotating its own dimensions) where None as
+    :func:`rope_lanes_enabled` says.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -395,8 +411,10 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     in_flight = default_in_flight if in_flight is None else in_flight
     dense = default_dense if dense is None else dense
     shaped = {"warps": warps} if layout == WIDE and warps else {}
+    lanes = rope_lanes_enabled() if rope_lanes is None else rope_lanes
+    options = shaped | ({"rope_lanes": True} if pairs and layout != "lane" and lanes else {})
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
-                                                          hsplit, pairs, in_flight, dense, **shaped),
+                                                          hsplit, pairs, in_flight, dense, **options),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
                                     q, n, b * kv_heads * hsplit, (b, 1, heads * d),
                                     32 * shaped["warps"] if shaped else block_threads(layout, d))

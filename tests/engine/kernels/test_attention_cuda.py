@@ -26,6 +26,7 @@ from gmlx.engine.kernels import (
     attention_cuda,
     cached_attention_cuda,
     cached_attention_load,
+    cached_attention_source,
     cuda_source,
     rope_cuda,
 )
@@ -440,6 +441,50 @@ def test_the_wide_form_writes_the_step_in_place_and_attends_as_mlx_does(
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
+@pytest.mark.parametrize("layout,traditional", [(cached_attention_cuda.WIDE, False), ("warp", False),
+                                                (cached_attention_cuda.WIDE, True)])
+@pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
+                                                         (mx.float16, 64, 64, 20, [0, 3, 20])])
+def test_each_lane_rotating_its_own_dimensions_attends_as_mlx_does(
+        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int], layout: str,
+        traditional: bool) -> None:
+    """With ``GMLX_ROPE_LANES`` a key-a-warp form (wide or not) takes the rope in each
+    lane's registers, not through shared memory: MLX's attention over the queries and
+    key rotated by the layer's rope (half pairs and traditional ones), the key written
+    rotated, the cache written once a (stream, key-value head); and the key it writes is
+    the shared-memory rotation's, bit for bit (the same arithmetic)."""
+    rope = (nn.RoPE(d, traditional=traditional, base=10000.0), mx.array([at - p for p in padding], dtype=mx.int32))
+    state = (3, 4, 2, capacity, at, d, padding, dtype)
+    _, lanes = _cached_matches_mlx(tmp_path, state, 1, layout, rope=rope, build=(0, True, 0, True))
+    _, shared = _cached_matches_mlx(tmp_path, state, 1, layout, rope=rope, build=(0, True))
+    assert mx.array_equal(lanes, shared).item()  # the key written, bit for bit
+
+
+def test_the_lanes_rope_is_asked_for_and_a_key_a_warps_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attend_cached`` builds the lanes' rope only with ``GMLX_ROPE_LANES=1``, only with
+    the rope folded in, and never for a key a lane (whose queries are shared anyway)."""
+    made: list[dict] = []
+    monkeypatch.setattr(cached_attention_cuda, "_kernel", lambda *a, **kw: made.append((a[5], a[7], kw)) or a)
+    monkeypatch.setattr(attention_cuda, "in_blocks", lambda kernel, *rest, **kw: kernel(False))
+    k = mx.zeros((1, 2, 64, 64), mx.float16)
+    rope = (mx.zeros((1,), mx.int32), mx.ones((32,), mx.float32), "half")
+
+    def call(layout, with_rope=True):
+        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :], k, k,
+                                            mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125, n=1,
+                                            layout=layout, rope=rope if with_rope else None)
+
+    call("wide")
+    monkeypatch.setenv(cached_attention_cuda.ROPE_LANES_ENV, "1")
+    for layout in ("wide", "warp", "lane"):
+        call(layout)
+    call("warp", with_rope=False)
+    assert [kw.get("rope_lanes", False) for *_, kw in made] == [False, True, True, False, False]
+    with pytest.raises(ValueError, match="a key is a warp's"):
+        cached_attention_source.body("lane", rope=True, lanes=True)
+
+
+@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
 @pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 512, 300, [0, 17, 290]),
                                                          (mx.float16, 256, 512, 270, [0, 9, 261])])
 def test_the_wide_forms_other_launch_shapes_attend_as_mlx_does(
@@ -524,8 +569,8 @@ def _cached_kernels(monkeypatch: pytest.MonkeyPatch, builds: list[tuple]) -> lis
     factory.cache_clear()
     kernels = []
     try:
-        for dtype, d, group, split, layout, hsplit, rope in builds:
-            factory(dtype, d, d ** -0.5, group, split, layout, hsplit, rope, 0, True)
+        for dtype, d, group, split, layout, hsplit, rope, *lanes in builds:  # (lanes: each lane's own rope)
+            factory(dtype, d, d ** -0.5, group, split, layout, hsplit, rope, 0, True, 0, bool(lanes and lanes[0]))
             kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32, *([mx.int32, mx.float32] if rope else [])],
                             [mx.float32] * 3 if split else None))
     finally:
@@ -553,11 +598,12 @@ def test_the_head_split_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch
 def test_the_wide_forms_registers_fit_its_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The wide form's blocks are large (1,024 threads for heads of up to 128, 512 for
     heads of 256): a launch fails where a thread's registers times the block's threads
-    pass the SM's 65,536. Each head size and float type, with the rope folded in or not,
-    assembled for sm_90 as MLX compiles it, within that (ptxas's count; the driver
+    pass the SM's 65,536. Each head size and float type, with the rope folded in or not
+    (through shared memory or each lane's own), assembled for sm_90 as MLX compiles it, within that (ptxas's count; the driver
     assembles MLX's PTX with the same allocator)."""
-    kernels = _cached_kernels(monkeypatch, [(dtype, d, 4, False, "wide", 4, rope) for dtype in (mx.float16, mx.bfloat16)
-                                            for d in attention_cuda.HEAD_DIMS for rope in ("", "half")])
+    kernels = _cached_kernels(monkeypatch, [(dtype, d, 4, False, "wide", 4, rope, lanes)
+                                            for dtype in (mx.float16, mx.bfloat16) for d in attention_cuda.HEAD_DIMS
+                                            for rope, lanes in (("", False), ("half", False), ("half", True))])
     used: dict[str, int] = {}
     entry = None
     for line in _assembled(tmp_path, kernels, "-Xptxas", "-v").splitlines():

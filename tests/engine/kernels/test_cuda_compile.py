@@ -196,6 +196,11 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
                         cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, pairs == "half", layout, 1, pairs)
                         kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32, mx.int32, mx.float32],
                                         [mx.float32] * 3 if pairs == "half" else None))
+                for layout, hsplit in (("warp", 1), (cached_attention_cuda.WIDE, 4)):  # each lane's own rope
+                    for pairs in cached_attention_cuda.ROPES:
+                        cached_attention_cuda._kernel(dtype, d, d ** -0.5, 4, False, layout, hsplit, pairs, 0, True, 0,
+                                                      True)
+                        kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32, mx.int32, mx.float32]))
                 # the largest group each layout is built for (its shared memory within the limit)
                 for layout in cached_attention_cuda.LAYOUTS:
                     group = max(g for g in range(1, 64) if cached_attention_cuda.fits(g, d, layout))
