@@ -99,26 +99,36 @@ auto k_lane = [&](int e) -> T { return k_at(lane * VEC + e); };
 # 1)``, in float32 and rounded to ``T`` as MLX's rope rounds its output (the same
 # arithmetic as :mod:`rope_cuda`'s). The block's threads rotate its queries and the key
 # once, into shared memory, in a loop not unrolled (one ``sincosf`` in the code: a
-# kernel's code is fetched at its launch, and each inlined ``sincosf`` is long).
-STEP_ROPE = """
+# kernel's code is fetched at its launch, and each inlined ``sincosf`` is long). Both
+# forms of the rope share its arithmetic (:data:`ROPE_MATH`: an element's angle and its
+# rotation).
+ROPE_MATH = """
+const float rope_p = static_cast<float>(rope_off[b * rope_off_strides[0]]);
+auto rope_angle = [&](int e, float& sn, float& cs) {  // element e's angle: its pair's
+    const bool first = TRAD ? (e & 1) == 0 : e < D / 2;
+    sincosf(rope_p * rope_inv[TRAD ? e >> 1 : (first ? e : e - D / 2)], &sn, &cs);
+};
+auto rotate = [&](const T* x, int64_t step, int e, float cs, float sn) -> T {  // element e of x, rotated
+    const bool first = TRAD ? (e & 1) == 0 : e < D / 2;
+    const int o = TRAD ? (e ^ 1) : (first ? e + D / 2 : e - D / 2);
+    const float a = static_cast<float>(x[e * step]);
+    const float other = static_cast<float>(x[o * step]);
+    return static_cast<T>(first ? a * cs - other * sn : other * sn + a * cs);
+};
+"""
+STEP_ROPE = ROPE_MATH + """
 __shared__ float rope_q[GROUP][D];
 __shared__ T rope_k[D];
 {
-    const float p = static_cast<float>(rope_off[b * rope_off_strides[0]]);
     #pragma unroll 1
     for (int i = t; i < (GROUP + 1) * D; i += THREADS) {
         const int g = i / D;
         const int e = i % D;
         const T* x = g < GROUP ? q + b * q_strides[0] + (h0 + g) * q_strides[1] : kn;
         const int64_t step = g < GROUP ? q_strides[3] : k_new_strides[3];
-        const bool first = TRAD ? (e & 1) == 0 : e < D / 2;
-        const int f = TRAD ? e >> 1 : (first ? e : e - D / 2);
-        const int o = TRAD ? (e ^ 1) : (first ? e + D / 2 : e - D / 2);
         float sn, cs;
-        sincosf(p * rope_inv[f], &sn, &cs);
-        const float a = static_cast<float>(x[e * step]);
-        const float other = static_cast<float>(x[o * step]);
-        const T r = static_cast<T>(first ? a * cs - other * sn : other * sn + a * cs);
+        rope_angle(e, sn, cs);
+        const T r = rotate(x, step, e, cs, sn);
         if (g < GROUP) rope_q[g][e] = static_cast<float>(r); else rope_k[e] = r;
     }
     __syncthreads();
@@ -136,29 +146,10 @@ auto k_lane = [&](int e) -> T { return k_at(lane * VEC + e); };
 # folded in through shared memory, the rope cost the wide form ~4 us a call on the H100
 # (12-07: 10.2 against 14.0 us at 38 keys), its block's loads of the keys waiting behind
 # the rotation's loads, its sincosf and a barrier.
-STEP_ROPE_LANES = """
-const float rope_p = static_cast<float>(rope_off[b * rope_off_strides[0]]);
-auto rope_pair = [&](int e, int& f, int& o, bool& first) {
-    first = TRAD ? (e & 1) == 0 : e < D / 2;
-    f = TRAD ? e >> 1 : (first ? e : e - D / 2);
-    o = TRAD ? (e ^ 1) : (first ? e + D / 2 : e - D / 2);
-};
-auto rotate = [&](const T* x, int64_t step, int e, float cs, float sn) -> T {
-    int f, o;
-    bool first;
-    rope_pair(e, f, o, first);
-    const float a = static_cast<float>(x[e * step]);
-    const float other = static_cast<float>(x[o * step]);
-    return static_cast<T>(first ? a * cs - other * sn : other * sn + a * cs);
-};
+STEP_ROPE_LANES = ROPE_MATH + """
 float rope_cs[VEC], rope_sn[VEC];
 #pragma unroll
-for (int e = 0; e < VEC; ++e) {
-    int f, o;
-    bool first;
-    rope_pair(lane * VEC + e, f, o, first);
-    sincosf(rope_p * rope_inv[f], &rope_sn[e], &rope_cs[e]);
-}
+for (int e = 0; e < VEC; ++e) rope_angle(lane * VEC + e, rope_sn[e], rope_cs[e]);
 auto q_lane = [&](int g, int e) -> float {
     return static_cast<float>(rotate(q + b * q_strides[0] + (h0 + g) * q_strides[1], q_strides[3], lane * VEC + e,
                                      rope_cs[e], rope_sn[e]));
@@ -168,11 +159,8 @@ T rope_k_own[VEC];  // (rotated here, so the angles' registers are free before t
 for (int e = 0; e < VEC; ++e) rope_k_own[e] = rotate(kn, k_new_strides[3], lane * VEC + e, rope_cs[e], rope_sn[e]);
 auto k_lane = [&](int e) -> T { return rope_k_own[e]; };
 auto k_at = [&](int e) -> T {
-    int f, o;
-    bool first;
-    rope_pair(e, f, o, first);
     float sn, cs;
-    sincosf(rope_p * rope_inv[f], &sn, &cs);
+    rope_angle(e, sn, cs);
     return rotate(kn, k_new_strides[3], e, cs, sn);
 };
 """
