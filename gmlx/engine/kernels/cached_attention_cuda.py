@@ -214,7 +214,7 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     blocks of :func:`wide_threads`, or of ``warps`` warps where given (``hsplit`` then the
     whole group: a query head a block). ``rope_lanes``: a key a warp (or wide) with the
     rope, each lane rotating its own dimensions (:data:`cached_attention_source.STEP_ROPE_LANES`)."""
-    head = (attention_cuda.kernel_head(dtype, head_dim, scale, warps * 32 or block_threads(layout, head_dim))
+    head = (attention_cuda.kernel_head(dtype, head_dim, scale, block_threads(layout, head_dim, warps))
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
             + f"constexpr bool DENSE = {'true' if dense else 'false'};\n"
@@ -298,10 +298,12 @@ def wide_shapes(d: int) -> tuple[tuple[int, int], ...]:
     return (wide_threads(d) // 32, 1), (16, 2), (8, 4)
 
 
-def block_threads(layout: str, d: int) -> int:
-    """A block's threads in ``layout``: :func:`wide_threads` in the wide form, else the
-    one-query kernels' own."""
-    return wide_threads(d) if layout == WIDE else attention_cuda.THREADS
+def block_threads(layout: str, d: int, warps: int = 0) -> int:
+    """A block's threads in ``layout``: ``warps`` warps in the wide form where given, else
+    :func:`wide_threads` there, else the one-query kernels' own."""
+    if layout == WIDE:
+        return 32 * warps or wide_threads(d)
+    return attention_cuda.THREADS
 
 
 def fits(group: int, d: int, layout: str = "warp", rope: bool = False) -> bool:
@@ -417,4 +419,4 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
                                                           hsplit, pairs, in_flight, dense, **options),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],
                                     q, n, b * kv_heads * hsplit, (b, 1, heads * d),
-                                    32 * shaped["warps"] if shaped else block_threads(layout, d))
+                                    block_threads(layout, d, shaped.get("warps", 0)))
