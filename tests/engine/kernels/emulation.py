@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 GXX = shutil.which("g++")
 CUDA_INCLUDE = next((p for p in ("/usr/local/cuda/include",) if Path(p, "cuda_bf16.h").exists()), None)
@@ -134,6 +135,24 @@ def function(made: dict, input_types: list[str], output_type: str | list[str], d
     params += [f"{HOST_TYPES[t]}* {name}" for name, t in zip(made["output_names"], outputs, strict=True)]
     head = f"__global__ void {made['name']}(" if device else "void kernel("
     return head + ", ".join(params) + ") {\n" + source + "\n}\n"
+
+
+def made(factory: Any, *args: Any) -> list[dict]:
+    """What ``factory(*args)`` (a kernel module's cached ``_kernel``) handed
+    ``mx.fast.cuda_kernel`` (its source, names), made afresh through a stand-in (no CUDA
+    here) and forgotten after."""
+    import mlx.core as mx
+    import pytest
+
+    kernels: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: kernels.append(kw) or kw)
+        factory.cache_clear()
+        try:
+            factory(*args)
+        finally:
+            factory.cache_clear()
+    return kernels
 
 
 def parameters(function: str) -> list[str]:

@@ -36,14 +36,7 @@ _ELEMENTS = {mx.float16: ("__half", mx.uint16), mx.bfloat16: ("__nv_bfloat16", m
 
 
 def _source(dtype) -> str:
-    made: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-        argmax_cuda._kernel.cache_clear()
-        try:
-            argmax_cuda._kernel(dtype)
-        finally:
-            argmax_cuda._kernel.cache_clear()
+    made = emulation.made(argmax_cuda._kernel, dtype)
     assert made[0]["input_names"] == ["logits"] and made[0]["output_names"] == ["out"]
     return made[0]["source"]
 

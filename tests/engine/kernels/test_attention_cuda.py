@@ -158,20 +158,6 @@ def test_a_load_routes_only_on_cuda_unless_turned_off(demo_model, monkeypatch: p
 # -- the kernel's own source, run on the CPU --------------------------------------------------
 
 # The kernel's signature as MLX writes it, its body, and a main that runs its blocks.
-def _made(factory, *args) -> list[dict]:
-    """What ``factory(*args)`` handed ``mx.fast.cuda_kernel`` (its source, names), made
-    afresh through a stand-in (no CUDA here) and forgotten after."""
-    made: list[dict] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-        factory.cache_clear()
-        try:
-            factory(*args)
-        finally:
-            factory.cache_clear()
-    return made
-
-
 def _emulated(factory, q, scale: float, input_types: list[str], args: str, splits: int,
               group: int | None = None, layout: str = "warp", hsplit: int = 1, rope: str = "",
               build: tuple[int, bool] = (0, False)) -> tuple[str, str]:
@@ -184,13 +170,13 @@ def _emulated(factory, q, scale: float, input_types: list[str], args: str, split
     ``build`` its keys in flight and dense-only build."""
     d = q.shape[-1]
     dtype = str(q.dtype).removeprefix("mlx.core.")
-    made = _made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1,
+    made = emulation.made(factory, q.dtype, d, scale, *([] if group is None else [group]), splits > 1,
                  *([] if group is None else [layout, hsplit, rope, *build]))
     blocks = "B * H" if group is None else f"B * HK * {hsplit}"
     source = emulation.function(made[0], input_types, dtype if splits == 1 else ["float32"] * 3)
     if splits == 1:
         return source, f"run_blocks({blocks}, THREADS_, [&] {{ kernel({args}, out.data()); }});"
-    combine = _made(attention_cuda._combine_kernel, q.dtype, d)
+    combine = emulation.made(attention_cuda._combine_kernel, q.dtype, d)
     source += emulation.function(combine[0], ["float32"] * 3, dtype).replace("void kernel(", "void combine(", 1)
     return source, (
         "std::vector<float> pacc((size_t)B * H * S * D), pm((size_t)B * H * S), pl((size_t)B * H * S);\n"
