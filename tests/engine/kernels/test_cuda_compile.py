@@ -58,11 +58,15 @@ def _wrapped(made: dict, input_types: list, output_types: list | None = None) ->
     return emulation.function(made, names, outputs, device=True)
 
 
+# the modules whose cached kernel factories the test makes its kernels through
+_MODULES = (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda,
+            argmax_cuda)
+
+
 def _capture(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda,
-                   argmax_cuda):
+    for module in _MODULES:
         module._kernel.cache_clear()  # made again here, through the stand-in
     attention_cuda._combine_kernel.cache_clear()
     return made
@@ -221,8 +225,7 @@ def test_every_kernel_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, tmp_pat
         argmax_cuda._kernel(mx.float32)
         kernels.append((made[-1], [mx.float32], [mx.uint32]))
     finally:
-        for module in (qgemv_cuda, qkv_mixed, qmmw_cuda, attention_cuda, cached_attention_cuda, add_norm_cuda, rope_cuda,
-                       argmax_cuda):
+        for module in _MODULES:
             module._kernel.cache_clear()
         attention_cuda._combine_kernel.cache_clear()
     names = [kernel[0]["name"] for kernel in kernels]
