@@ -129,7 +129,7 @@ def _decode_batch() -> type:
                 scores = logits
                 self._next_logprobs = [None] * len(samplers)
                 wanted = []
-            if samplers and samplers[0] is greedy_sampler and all(s is greedy_sampler for s in samplers):
+            if samplers and all(s is greedy_sampler for s in samplers):
                 sampled = greedy_argmax(scores)  # mx.argmax, or a kernel's (route_greedy)
             elif not samplers or all(s is samplers[0] for s in samplers):
                 sampled = (samplers[0] if samplers else self.fallback_sampler)(scores)
