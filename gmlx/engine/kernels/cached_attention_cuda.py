@@ -213,7 +213,7 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     scale and group, whatever the cache's length. ``layout`` :data:`WIDE`: a key a warp in
     blocks of :func:`wide_threads`, or of ``warps`` warps where given (``hsplit`` then the
     whole group: a query head a block). ``rope_lanes``: a key a warp (or wide) with the
-    rope, each lane rotating its own dimensions (:data:`cached_attention_source.STEP_ROPE_LANES`)."""
+    rope, each lane rotating its own dimensions (:data:`cached_attention_rope.STEP_ROPE_LANES`)."""
     head = (attention_cuda.kernel_head(dtype, head_dim, scale, block_threads(layout, head_dim, warps))
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
@@ -265,7 +265,7 @@ def wide_threads(d: int) -> int:
 def rope_lanes_enabled() -> bool:
     """Whether a key-a-warp form (wide or not) with the rope folded in has each lane rotate
     its own dimensions, in registers, not the block through shared memory behind a barrier
-    (``GMLX_ROPE_LANES=1``; :data:`cached_attention_source.STEP_ROPE_LANES` says why). The
+    (``GMLX_ROPE_LANES=1``; :data:`cached_attention_rope.STEP_ROPE_LANES` says why). The
     same arithmetic; off until a GPU times it (``gmlx-ropelanes``)."""
     return os.environ.get(ROPE_LANES_ENV, "0") == "1"
 
