@@ -96,7 +96,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     read from memory as a step reads them; a call's time the slope between chains of
     ``reps`` and four times as many, :func:`timing.per_call`), where its first call
     ``agrees``; the first shape timed again last (a GPU still speeding up favours what it
-    meets later); then the close contenders again, in turn (:func:`runoff`). A
+    meets later); then the close contenders again, in turn (:func:`timing.runoff`). A
     shape that does not build or launch is no shape. ``GMLX_STEP_SHAPES=device`` times
     each chain behind a lead product
     (:func:`timing.device_chain_time`: the device's part alone, where a small kernel's
@@ -109,7 +109,7 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     import mlx.core as mx
 
     from gmlx.engine.kernels import qgemv_prepared, qgemv_q8
-    from gmlx.engine.kernels.timing import chain_call_time, device_chain_time, fed
+    from gmlx.engine.kernels.timing import chain_call_time, device_chain_time, fed, runoff
     from gmlx.engine.kernels.tuning import Tuning
 
     mode = os.environ.get("GMLX_STEP_SHAPES", "1")
@@ -167,26 +167,6 @@ def one_row_shape(key: str, shapes: Sequence[tuple[int, ...]], calls: Callable[[
     tuning.save()
     said = ", ".join(f"{'x'.join(map(str, s))}: {t * 1e6:.1f}" for s, t in times.items()) + " us"
     return best, said + (", the device's part" if device else "")
-
-
-# shapes timed within this fraction of the fastest are timed again (:func:`runoff`), in turn
-RUNOFF_MARGIN = 0.15
-RUNOFF_ROUNDS = 2
-
-
-def runoff(times: dict[tuple[int, ...], float]) -> list[tuple[int, ...]]:
-    """The shapes to time again after each was timed once: those within
-    :data:`RUNOFF_MARGIN` of the fastest, when more than one is, in turn
-    :data:`RUNOFF_ROUNDS` times (each keeps the least of its times). Why: one timing a
-    shape picks between close shapes by noise. On an H100 (12-07) two loads of the same
-    8B took the gate-up-swiglu at 4x2 depth 4 (29.0 us in the step) and at 4x2 (32.1
-    us), ~0.1 ms a step apart; the close contenders timed again in turn choose by more
-    than one sample each, for a few chains more at load (the shapes are built already)."""
-    if not times:
-        return []
-    fastest = min(times.values())
-    close = [shape for shape, took in times.items() if took <= fastest * (1 + RUNOFF_MARGIN)]
-    return close * RUNOFF_ROUNDS if len(close) > 1 else []
 
 
 def tried(run: Callable[[Any, int], Any], k: int, dtype: Any, rows: tuple[int, ...] = (1, 3)) -> list | None:

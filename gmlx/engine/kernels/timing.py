@@ -306,3 +306,28 @@ def queue_time(call: Callable[[], Any], reps: int) -> float:
     start = time.perf_counter()
     mx.eval(outs)
     return time.perf_counter() - start
+
+
+# candidates timed within this fraction of the fastest are timed again (:func:`runoff`), in turn
+RUNOFF_MARGIN = 0.15
+RUNOFF_ROUNDS = 2
+
+
+def runoff(times: dict[Any, float]) -> list[Any]:
+    """What to time again after each of ``times`` (a candidate's seconds: a launch shape,
+    a product's path; the default or reference first) was timed once: those within
+    :data:`RUNOFF_MARGIN` of the fastest, when more than one is, in turn
+    :data:`RUNOFF_ROUNDS` times, forward then back (each keeping the least of its
+    times), so the first of them is also timed last: a GPU still speeding up favours
+    what it meets later, and the default is what must be beaten. Why: one timing each
+    picks between close candidates by noise. On an H100 (12-07) two loads of the same 8B
+    took the gate-up-swiglu at 4x2 depth 4 (29.0 us in the step) and at 4x2 (32.1 us),
+    ~0.1 ms a step apart; the close contenders timed again are chosen by more than one
+    sample each, for a few chains more at load (their kernels are built already)."""
+    if not times:
+        return []
+    fastest = min(times.values())
+    close = [name for name, took in times.items() if took <= fastest * (1 + RUNOFF_MARGIN)]
+    if len(close) < 2:
+        return []
+    return [name for turn in range(RUNOFF_ROUNDS) for name in (close if turn % 2 == 0 else close[::-1])]

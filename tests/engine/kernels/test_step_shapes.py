@@ -99,18 +99,20 @@ def test_a_shape_is_timed_by_its_calls_not_by_its_runs_own_cost(tmp_path, monkey
 def test_close_shapes_are_timed_again_in_turn_and_far_ones_are_not(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After each shape is timed once (the first again last), those within
     ``RUNOFF_MARGIN`` of the fastest are timed again in turn, ``RUNOFF_ROUNDS`` times,
-    each keeping its least: here the second shape's first timing (5.5) was noise above
+    forward then back (the first also last), each keeping its least: here the second
+    shape's first timing (5.5) was noise above
     the first's 5.0, its later ones find 4.5, so it is kept; the third (9.0) is far and
     timed once."""
     monkeypatch.setenv("GMLX_HOME", str(tmp_path))
     monkeypatch.delenv("GMLX_STEP_SHAPES", raising=False)
     three = SHAPES[:3]
     order = _clock(monkeypatch, {three[0]: [5.0, 5.1, 5.2, 5.3], three[1]: [5.5, 4.5, 5.6], three[2]: [9.0]})
+    assert timing.runoff({"a": 1.0, "b": 9.0, "c": 1.1}) == ["a", "c", "c", "a"]
     shape, said = step_tuning.one_row_shape("k:runoff", three, _calls, lambda call: True, 64, 4, mx.bfloat16)
-    assert order == [three[0], three[1], three[2], three[0], three[0], three[1], three[0], three[1]]
+    assert order == [three[0], three[1], three[2], three[0], three[0], three[1], three[1], three[0]]
     assert (shape, said) == (three[1], "4x4x1: 5000000.0, 8x4x1x1x1: 4500000.0, 4x2x1: 9000000.0 us")
-    assert step_tuning.runoff({three[0]: 1.0}) == []  # one shape: nothing to decide
-    assert step_tuning.runoff({}) == []
+    assert timing.runoff({three[0]: 1.0}) == []  # one shape: nothing to decide
+    assert timing.runoff({}) == []
 
 
 def test_a_call_is_the_slope_between_a_short_and_a_long_run() -> None:
