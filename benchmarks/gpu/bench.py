@@ -217,6 +217,11 @@ GMLX_VARIANTS = {
     # the defaults, the worker logging its decode steps' phases every 128 steps (the run log:
     # build, hand over, wait, read, between; gmlx.engine.step_times)
     "gmlx-steptimes": {"GMLX_STEP_TIMES": "128"},
+    # the defaults with a decode batch of 32 whatever the widths run (DECODE_BATCHES), phases
+    # logged: a server started for widths 1, 8 and 32 served one stream 18% slower on the
+    # H100 (12-07 evening: 254.8 against 309.0 tok/s, the second from the first's tuning
+    # and at a decode batch of 1) and 7% on the H200 (12-07 morning, the same pair)
+    "gmlx-batch32-steptimes": {"GMLX_STEP_TIMES": "128"},
     # the norm before each MLP left to MLX's kernel (12-06 evening's fold off: one kernel a layer more)
     "gmlx-nofold": {"GMLX_NORM_FOLD": "0"},
     # fewer kernels a step (the q-k-v product at one row: -48; the rope in the attention:
@@ -336,13 +341,17 @@ def find_llama_server() -> str | None:
     return shutil.which("llama-server")
 
 
+# a server's decode batch where it is not the widest width run (``--decode-batch``)
+DECODE_BATCHES = {"gmlx-batch32-steptimes": 32}
+
+
 def make_server(kind: str, model: Path, workdir: Path, args: argparse.Namespace) -> tp.Server:
     home = args.gmlx_home or workdir / f"gmlx-home-{kind}"
     home.mkdir(parents=True, exist_ok=True)
     env = {**LAUNCH_ENV, "GMLX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     # the working tree's gmlx first, whatever is installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    slots = max(args.widths)
+    slots = DECODE_BATCHES.get(kind, max(args.widths))
     log = workdir / f"{kind}.log"
     env.update(GMLX_VARIANTS.get(kind, {}) | PEER_VARIANTS.get(kind, {}))
     if kind.startswith("gmlx"):

@@ -39,6 +39,7 @@
 #   the greedy argmax kernel in the step:       bash benchmarks/gpu/lease.sh argmax    (~450 s, no models)
 #   the wide attention's rope under ncu:       bash benchmarks/gpu/lease.sh ncu-wide  (~200-300 s, no models)
 #   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
+#   one stream at a decode batch of 32 and 1:  bash benchmarks/gpu/lease.sh batch     (~400 s, after gmlx)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -470,6 +471,17 @@ PY
       --widths "${WIDTHS:-1,8}" --rounds 2 --prefix-reps 0 --out "$OUT/$1.md" > "$OUT/$1.txt" 2>&1
     grep -E "decode-sized paths|launch shape|tok/s \(" "$OUT/$1.txt" | cut -c1-700 | head -30
     tail -8 "$OUT/$1.md"
+    ;;
+  batch)
+    # (after `gmlx`, from its tuning and kernels; ~400 s) one stream served by a server whose
+    # decode batch is 32 (as point 3's table starts it, for widths 1, 8, 32) against one whose
+    # decode batch is 1, alternating, phases logged: on the H100 (12-07 evening) the first
+    # served one stream at 254.8 tok/s, a second process from its tuning at batch 1 309.0
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-batch --servers "${SERVERS:-gmlx-batch32-steptimes,gmlx-steptimes,gmlx-batch32-steptimes,gmlx-steptimes}" \
+      --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/batch.md" > "$OUT/batch.txt" 2>&1
+    grep -E "decode steps of 1 .*the last 12|tok/s \(|ready in|warmed up" "$OUT/batch.txt" | cut -c1-300 | head -40
+    tail -8 "$OUT/batch.md"
     ;;
   h200host)
     # one stream's host time on the H200: MLX's graph commits none (each kernel launched as
