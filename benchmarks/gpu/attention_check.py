@@ -26,7 +26,10 @@ largest logit difference, the greedy tokens and the caches, over a growth of the
 shape, one stream, chained, us a call): the whole form over 38 keys, over none (every
 position padding: its start and end alone, the cache still written), with the rope
 folded in; a kernel of the same launch that only reads the positions and writes the
-output (the launch's floor in a chain); MLX's one-query attention.
+output (the launch's floor in a chain); MLX's one-query attention; the served form with
+each warp's first rows asked of L2 ahead (``GMLX_ATTENTION_PREFETCH``). With ``--device``
+each call is the device's part alone (each chain behind a lead product:
+``timing.device_chain_time``), where the chain's clock is the host's for a short cache.
 
 Each row: streams, keys (the cache's arrays are longer: the keys are a view, as the
 cache hands them over), the largest difference from the float32 attention for the kernel
@@ -46,7 +49,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.gemv_check import calls_a_product, per_product
+from benchmarks.gpu.gemv_check import CLOCK, calls_a_product, per_product
 from benchmarks.gpu.kernel_times import kernel_table, marker
 from gmlx.engine.kernels import (
     attention_cuda,
@@ -54,6 +57,7 @@ from gmlx.engine.kernels import (
     cached_attention_load,
     cuda_source,
 )
+from gmlx.engine.kernels.timing import device_chain_time
 
 
 def inputs(batch: int, keys: int, heads: int, kv_heads: int, d: int, dtype, capacity: int):
@@ -254,11 +258,12 @@ def check_fixed(reps: int = 100) -> None:
     mx.eval(q, k_new, v_new, k, v, inv)
     builds = [("warp", 0, False), ("warp", 2, False), ("warp", 1, False), ("warp", 0, True), ("warp", 1, True),
               ("lane", 0, False), ("lane", 8, False), ("lane", 4, False), ("lane", 0, True), ("lane", 4, True)]
-    print("| the call (8B shape, one stream, bf16, chained) | us at 38 keys | us at 1,000 keys |")
-    print("|---|---:|---:|")
+    clock = "the device's part" if CLOCK[0] is device_chain_time else "chained"
+    print(f"| the call (8B shape, one stream, bf16, {clock}) | us at 38 keys | us at 200 keys | us at 1,000 keys |")
+    print("|---|---:|---:|---:|")
     rows: dict[str, list[str]] = {}
     agreed = []
-    for at in (37, 999):
+    for at in (37, 199, 999):
         position = mx.array([at], dtype=mx.int32)
         empty = mx.array([at + 1], dtype=mx.int32)
         folded = (mx.array([at], dtype=mx.int32), inv, "half")
@@ -288,6 +293,13 @@ def check_fixed(reps: int = 100) -> None:
         forms["whole, wide, dense, the rope in each lane's registers (GMLX_ROPE_LANES)"] = cached(
             live, "wide", 0, True, rope=folded, rope_lanes=True)
         forms["whole, wide, dense, no rope"] = cached(live, "wide", 0, True)
+        forms["whole, wide, dense, the rope folded in, rows asked of L2 ahead (GMLX_ATTENTION_PREFETCH)"] = cached(
+            live, "wide", 0, True, rope=folded, prefetch=True)
+        forms["whole, wide, dense, no rope, rows asked of L2 ahead"] = cached(live, "wide", 0, True, prefetch=True)
+        err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="wide",
+                                                       rope=(rope, inv, "half"), prefetch=True)
+        agreed.append(f"wide, rows asked ahead, at {at + 1} keys: {err:.4f}, "
+                      f"the cache {'as' if written else 'NOT as'} written")
         # the launch shapes GMLX_ATTENTION_WIDE_SHAPES=1 has the load time, as served (dense rows, the rope folded in)
         for warps, in_flight in cached_attention_cuda.wide_shapes(d):
             forms[f"whole, wide, {warps} warps a block, {in_flight} key(s) in flight, dense, the rope folded in"] = (
@@ -320,6 +332,8 @@ def main() -> None:
     if not cuda_source.available():
         sys.exit("the kernel is built only on CUDA")
     print(f"device {mx.default_device()}")
+    if "--device" in sys.argv:  # the device's part alone (each chain behind a lead product), not the chain's clock
+        CLOCK[0] = device_chain_time
     if "--fixed" in sys.argv:
         check_fixed(int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 100)
         return

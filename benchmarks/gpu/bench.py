@@ -192,6 +192,10 @@ GMLX_VARIANTS = {
     # registers, not through shared memory behind a barrier (the rope cost the wide form ~4 us
     # a call on the H100, 12-07: 10.2 against 14.0 us at 38 keys, chained)
     "gmlx-ropelanes": {"GMLX_ROPE_LANES": "1"},
+    # the in-place attention's warps asking L2 for their first 32 keys' rows before they read
+    # the step's own query and key (cached_attention_source.PREFETCH: a warp of the wide form
+    # walks its keys a load at a time, each a round trip to memory; off until timed)
+    "gmlx-prefetchkv": {"GMLX_ATTENTION_PREFETCH": "1"},
     # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
     # between warps, both default since 12-07 evening, and the weights streamed, not), each
     # shape timed by the device's part alone: the load log says which won where
@@ -438,7 +442,7 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
             result["load_log"] = log_lines(s.log)
             print("\n".join(f"    | {line}" for line in result["load_log"]), flush=True)
         out = args.profile / f"{variant.replace(':', '-')}-{kind}.json" if args.profile else None
-        spy = start_profile(s, out)
+        spy = start_profile(s, out, gil=args.profile_gil)
         try:
             asyncio.run(asyncio.wait_for(drive(s, prompts, args, result), args.server_timeout))
         finally:
@@ -463,15 +467,18 @@ def bench_one(variant: str, kind: str, model: Path, prompts: tp.Prompts, args: a
     return result
 
 
-def start_profile(s: tp.Server, out: Path | None, rate: int = 500, native: bool = True) -> subprocess.Popen | None:
+def start_profile(s: tp.Server, out: Path | None, rate: int = 500, native: bool = True,
+                  gil: bool = False) -> subprocess.Popen | None:
     """py-spy recording the server from now until ``stop_profile`` (every thread, idle
-    samples included: where each thread's wall time goes), as speedscope JSON in ``out``;
-    None without a path or py-spy."""
+    samples included: where each thread's wall time goes; with ``gil``, only the thread
+    holding the interpreter at each sample: which thread's Python a step waits behind), as
+    speedscope JSON in ``out``; None without a path or py-spy."""
     if out is None or s.proc is None or not shutil.which("py-spy"):
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", str(rate), "--threads",
-                            "--idle", *(["--native"] if native else []), "--format", "speedscope", "-o", str(out)],
+                            "--gil" if gil else "--idle", *(["--native"] if native else []),
+                            "--format", "speedscope", "-o", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     time.sleep(1.0)  # py-spy attached before the first request
     return spy
@@ -666,6 +673,8 @@ def main() -> None:
     p.add_argument("--peer-args", type=lambda s: s.split(), default=[], help="extra mlx_lm.server flags")
     p.add_argument("--profile", type=Path,
                    help="a folder: each server recorded by py-spy while it is driven (speedscope JSON)")
+    p.add_argument("--profile-gil", action="store_true",
+                   help="with --profile: only the thread holding the interpreter at each sample (py-spy --gil)")
     p.add_argument("--llama-args", type=lambda s: s.split(), default=[], help="extra llama-server flags")
     p.add_argument("--results", type=Path, default=Path("/tmp/gpu-results"),
                    help="where per-server JSON results accumulate across calls")

@@ -35,11 +35,12 @@
 #   the rounded products deeper, by ncu:        GMLX_Q8_DEPTH=1 bash benchmarks/gpu/lease.sh ncu-times (~100 s, no models)
 #   K split between warps, x rounded, by ncu:  bash benchmarks/gpu/lease.sh ncu-split (~350 s, no models)
 #   bytes in flight both ways, in process:     bash benchmarks/gpu/lease.sh inflight  (~500 s, no models; start with LLAMA=0)
-#   the attention's call taken apart:          bash benchmarks/gpu/lease.sh wide      (~60 s, no models)
+#   the attention's call taken apart:          bash benchmarks/gpu/lease.sh wide      (~250 s, no models)
 #   the greedy argmax kernel in the step:       bash benchmarks/gpu/lease.sh argmax    (~450 s, no models)
 #   the wide attention's rope under ncu:       bash benchmarks/gpu/lease.sh ncu-wide  (~200-300 s, no models)
 #   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
 #   one stream at a decode batch of 32 and 1:  bash benchmarks/gpu/lease.sh batch     (~400 s, after gmlx)
+#   who holds the interpreter, one stream:      bash benchmarks/gpu/lease.sh gil       (~200 s, after gmlx)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -345,7 +346,11 @@ PY
     # no models needed (after `install`): the in-place attention's call taken apart, the wide
     # form's launch shapes among it (attention_check --fixed, ~60 s; 12-07 15:20 H100: they lose)
     with_env
-    timeout 150 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -30 "$OUT/fixed.txt" | cut -c1-600
+    # then the same by the device's part alone (each chain behind a lead product): at a short cache
+    # the chain's clock is the host's; the rows asked of L2 ahead (GMLX_ATTENTION_PREFETCH) among them
+    timeout 200 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -32 "$OUT/fixed.txt" | cut -c1-600
+    timeout 250 python3 $GPU/attention_check.py --fixed --device > "$OUT/fixed-device.txt" 2>&1
+    tail -32 "$OUT/fixed-device.txt" | cut -c1-600
     ;;
   ncu-wide)
     # no models needed (after `install`; ~200-300 s): why the rope folded into the wide attention
@@ -482,6 +487,19 @@ PY
       --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/batch.md" > "$OUT/batch.txt" 2>&1
     grep -E "decode steps of 1 .*the last 12|tok/s \(|ready in|warmed up" "$OUT/batch.txt" | cut -c1-300 | head -40
     tail -8 "$OUT/batch.md"
+    ;;
+  gil)
+    # (after `gmlx`, from its tuning; ~150 s) which thread holds the interpreter while one stream
+    # is served (py-spy --gil, every thread, native frames), then each thread's wall time
+    # (--idle): the served step built in 0.86 ms where the worker in process built it in 0.52
+    # and handed it over in 2.16 against 1.70 (H100, 12-07 evening)
+    with_env
+    for mode in gil wall; do
+      "${BENCH[@]}" --results /tmp/gpu-results-gil --servers gmlx-steptimes --widths 1 --rounds 1 --prefix-reps 0 \
+        --profile "$OUT/spy-$mode" $([ $mode = gil ] && echo --profile-gil) --out "$OUT/gil-$mode.md" > "$OUT/gil-$mode.txt" 2>&1
+      grep -E "decode steps of 1 .*the last 12|tok/s \(" "$OUT/gil-$mode.txt" | cut -c1-300 | head -6
+      python3 $GPU/profile_summary.py "$OUT"/spy-$mode/*.json --top 10 | cut -c1-200 | head -60
+    done
     ;;
   h200host)
     # one stream's host time on the H200: MLX's graph commits none (each kernel launched as
