@@ -41,6 +41,7 @@ from gmlx.engine.kernels.timing import device_chain_time, exact_product
 
 GROUP = 32
 WARPS = 8  # a block's warps (256 threads)
+PAGE = 4096  # uint32s: a counter's array of 16 KB, one of the CUDA allocator's pages
 SPIN_LIMIT = 1 << 22  # a barrier's polls (~0.1 s with its pauses) before it gives up
 
 # A block's rows (RPW a warp) of a product are copied into shared memory (``cp.async``, 16
@@ -158,8 +159,12 @@ def main() -> None:
     scales = (mx.random.uniform(0.5, 1.5, (layers * n, n // GROUP)) / (4.6 * n ** 0.5)).astype(mx.float16)
     biases = (-7.5 * scales.astype(mx.float32)).astype(mx.float16)
     x = mx.random.normal((1, n)).astype(mx.float16)
-    failed = mx.zeros((1,), mx.uint32)
-    counters = {mode: mx.zeros((1,), mx.uint32) for mode in range(4)}  # one a kernel: never shared
+    # the counters and the flag a page each (element 0 used): MLX's CUDA allocator puts arrays
+    # of 8 bytes or less in a small pool of managed memory advised read-mostly, where every
+    # write invalidates the other processors' copies; the first run's (12-07 16:49) 4-byte
+    # counters took ~0.8 ms a barrier
+    failed = mx.zeros((PAGE,), mx.uint32)
+    counters = {mode: mx.zeros((PAGE,), mx.uint32) for mode in range(4)}  # one a kernel: never shared
     indices = [mx.array([i], mx.int32) for i in range(layers)]
     mx.eval(w, scales, biases, x, failed, *counters.values(), *indices)
     launch = {"grid": (blocks * WARPS * 32, 1, 1), "threadgroup": (WARPS * 32, 1, 1),
@@ -190,7 +195,7 @@ def main() -> None:
         print(f"{name}: largest difference from the float32 products {err:.3g} (of {scale:.3g})"
               + ("" if name == "launches" else f"; {'the same bits as' if same else 'NOT the same as'} the launches'"))
     mx.eval(failed)
-    print(f"a barrier gave up waiting: {'yes (the grid is not all resident)' if failed.item() else 'no'}")
+    print(f"a barrier gave up waiting: {'yes (the grid is not all resident)' if failed[0].item() else 'no'}")
     mb = (n * n // 2 + 2 * 2 * n * n // GROUP) / 1e6
     print(f"\n{layers} products of {n}x{n}, 4-bit ({mb:.1f} MB each), {blocks} blocks of {WARPS * 32}, "
           f"{rpw} row(s) a warp; us a product, the device's clock")

@@ -39,6 +39,7 @@
 #   the greedy argmax kernel in the step:       bash benchmarks/gpu/lease.sh argmax    (~450 s, no models)
 #   the wide attention's rope under ncu:       bash benchmarks/gpu/lease.sh ncu-wide  (~200-300 s, no models)
 #   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
+#   a step's few-byte arrays, host and GPU:    bash benchmarks/gpu/lease.sh scalars   (~30 s, no models)
 #   one stream at a decode batch of 32 and 1:  bash benchmarks/gpu/lease.sh batch     (~400 s, after gmlx)
 #   who holds the interpreter, one stream:      bash benchmarks/gpu/lease.sh gil       (~200 s, after gmlx)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
@@ -383,6 +384,13 @@ PY
       --timeout 400 --keep "$OUT/argmax" > "$OUT/argmax.txt" 2>&1
     cat "$OUT/argmax.txt"
     grep -h -E "argmax|arg_reduce|cut off|Traceback|Error" "$OUT"/argmax/*.txt | cut -c1-300 | head -12
+    ;;
+  scalars)
+    # no models needed (after `install`; ~30 s): what a step's few-byte arrays cost when the
+    # host and the GPU take turns at them (MLX's small pool of read-mostly managed memory: the
+    # token read on the host, the write position made there), scalar_check.py
+    with_env
+    timeout 120 python3 $GPU/scalar_check.py > "$OUT/scalars.txt" 2>&1; tail -12 "$OUT/scalars.txt" | cut -c1-300
     ;;
   barrier)
     # no models needed (after `install`): 32 products of 4096x4096 (4-bit) a launch each, against
