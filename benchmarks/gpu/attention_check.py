@@ -26,8 +26,7 @@ largest logit difference, the greedy tokens and the caches, over a growth of the
 shape, one stream, chained, us a call): the whole form over 38 keys, over none (every
 position padding: its start and end alone, the cache still written), with the rope
 folded in; a kernel of the same launch that only reads the positions and writes the
-output (the launch's floor in a chain); MLX's one-query attention; the served form with
-each warp's first rows asked of L2 ahead (``GMLX_ATTENTION_PREFETCH``). With ``--device``
+output (the launch's floor in a chain); MLX's one-query attention. With ``--device``
 each call is the device's part alone (each chain behind a lead product:
 ``timing.device_chain_time``), where the chain's clock is the host's for a short cache.
 
@@ -293,13 +292,6 @@ def check_fixed(reps: int = 100) -> None:
         forms["whole, wide, dense, the rope in each lane's registers (GMLX_ROPE_LANES)"] = cached(
             live, "wide", 0, True, rope=folded, rope_lanes=True)
         forms["whole, wide, dense, no rope"] = cached(live, "wide", 0, True)
-        forms["whole, wide, dense, the rope folded in, rows asked of L2 ahead (GMLX_ATTENTION_PREFETCH)"] = cached(
-            live, "wide", 0, True, rope=folded, prefetch=True)
-        forms["whole, wide, dense, no rope, rows asked of L2 ahead"] = cached(live, "wide", 0, True, prefetch=True)
-        err, written = cached_attention_load.agreement(q, k_new, v_new, k, v, live, at, scale, n=1, layout="wide",
-                                                       rope=(rope, inv, "half"), prefetch=True)
-        agreed.append(f"wide, rows asked ahead, at {at + 1} keys: {err:.4f}, "
-                      f"the cache {'as' if written else 'NOT as'} written")
         # the launch shapes GMLX_ATTENTION_WIDE_SHAPES=1 has the load time, as served (dense rows, the rope folded in)
         for warps, in_flight in cached_attention_cuda.wide_shapes(d):
             forms[f"whole, wide, {warps} warps a block, {in_flight} key(s) in flight, dense, the rope folded in"] = (

@@ -192,10 +192,6 @@ GMLX_VARIANTS = {
     # registers, not through shared memory behind a barrier (the rope cost the wide form ~4 us
     # a call on the H100, 12-07: 10.2 against 14.0 us at 38 keys, chained)
     "gmlx-ropelanes": {"GMLX_ROPE_LANES": "1"},
-    # the in-place attention's warps asking L2 for their first 32 keys' rows before they read
-    # the step's own query and key (cached_attention_source.PREFETCH: a warp of the wide form
-    # walks its keys a load at a time, each a round trip to memory; off until timed)
-    "gmlx-prefetchkv": {"GMLX_ATTENTION_PREFETCH": "1"},
     # every one-row form offered to the tuners at once (the 6-bit products rounded and K split
     # between warps, both default since 12-07 evening, and the weights streamed, not), each
     # shape timed by the device's part alone: the load log says which won where

@@ -348,7 +348,7 @@ PY
     # form's launch shapes among it (attention_check --fixed, ~60 s; 12-07 15:20 H100: they lose)
     with_env
     # then the same by the device's part alone (each chain behind a lead product): at a short cache
-    # the chain's clock is the host's; the rows asked of L2 ahead (GMLX_ATTENTION_PREFETCH) among them
+    # the chain's clock is the host's (12-07 evening, H100: the rows asked of L2 ahead lost; removed)
     timeout 200 python3 $GPU/attention_check.py --fixed > "$OUT/fixed.txt" 2>&1; tail -32 "$OUT/fixed.txt" | cut -c1-600
     timeout 250 python3 $GPU/attention_check.py --fixed --device > "$OUT/fixed-device.txt" 2>&1
     tail -32 "$OUT/fixed-device.txt" | cut -c1-600

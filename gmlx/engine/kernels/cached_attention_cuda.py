@@ -124,7 +124,6 @@ _wide: dict[tuple, bool] = {}  # the load's measure: whether one stream's whole 
 _wide_shapes: dict[tuple, tuple[int, int]] = {}
 WIDE_SHAPES_ENV = "GMLX_ATTENTION_WIDE_SHAPES"
 ROPE_LANES_ENV = "GMLX_ROPE_LANES"
-PREFETCH_ENV = "GMLX_ATTENTION_PREFETCH"
 
 
 def cached_enabled() -> bool:
@@ -202,7 +201,7 @@ def supports_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, mask
 @cache
 def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = False, layout: str = "warp",
             hsplit: int = 1, rope: str = "", in_flight: int = 0, dense: bool = False, warps: int = 0,
-            rope_lanes: bool = False, prefetch: bool = False) -> Any:
+            rope_lanes: bool = False) -> Any:
     """The kernel whole (a block a stream's key-value head) or ``split`` (a block its
     share of the keys, for the combine), a key a warp or a key a lane (``layout``), each
     block ``group // hsplit`` of the key-value head's ``group`` query heads (the head
@@ -214,9 +213,7 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     scale and group, whatever the cache's length. ``layout`` :data:`WIDE`: a key a warp in
     blocks of :func:`wide_threads`, or of ``warps`` warps where given (``hsplit`` then the
     whole group: a query head a block). ``rope_lanes``: a key a warp (or wide) with the
-    rope, each lane rotating its own dimensions (:data:`cached_attention_rope.STEP_ROPE_LANES`).
-    ``prefetch``: a key a warp (or wide), each warp's first rows asked of L2 before the
-    step's own are read (:data:`cached_attention_source.PREFETCH`)."""
+    rope, each lane rotating its own dimensions (:data:`cached_attention_rope.STEP_ROPE_LANES`)."""
     head = (attention_cuda.kernel_head(dtype, head_dim, scale, block_threads(layout, head_dim, warps))
             + f"constexpr int GROUP = {group // hsplit}; constexpr int HSPLIT = {hsplit}; "
             + f"constexpr int UNROLL = {unroll(layout, head_dim, in_flight)}; "
@@ -226,8 +223,8 @@ def _kernel(dtype: Any, head_dim: int, scale: float, group: int, split: bool = F
     name = (f"gmlx_attend_cached_{cuda_type(dtype).strip('_')}_{head_dim}_g{group}"
             f"{f'_h{hsplit}' if hsplit > 1 else ''}{f'_{layout}' if layout != 'warp' else ''}{'_split' if split else ''}"
             f"{f'_rope_{rope}' if rope else ''}{f'_u{in_flight}' if in_flight else ''}{'_dense' if dense else ''}"
-            f"{f'_w{warps}' if warps else ''}{'_rl' if rope_lanes else ''}{'_pf' if prefetch else ''}")
-    return build(name, head, body("warp" if layout == WIDE else layout, bool(rope), rope_lanes, prefetch),
+            f"{f'_w{warps}' if warps else ''}{'_rl' if rope_lanes else ''}")
+    return build(name, head, body("warp" if layout == WIDE else layout, bool(rope), rope_lanes),
                  ["q", "k_new", "v_new", "k", "v", "padding", "position", *(("rope_off", "rope_inv") if rope else ())],
                  outputs=("pacc", "pm", "pl") if split else ("out",), ensure_row_contiguous=False)
 
@@ -271,14 +268,6 @@ def rope_lanes_enabled() -> bool:
     (``GMLX_ROPE_LANES=1``; :data:`cached_attention_rope.STEP_ROPE_LANES` says why). The
     same arithmetic; off until a GPU times it (``gmlx-ropelanes``)."""
     return os.environ.get(ROPE_LANES_ENV, "0") == "1"
-
-
-def prefetch_enabled() -> bool:
-    """Whether a key-a-warp form (wide or not) asks L2 for each warp's first rows before
-    it reads the step's own query and key (``GMLX_ATTENTION_PREFETCH=1``;
-    :data:`cached_attention_source.PREFETCH` says why). The same arithmetic; off until a
-    GPU times it (``gmlx-prefetchkv``)."""
-    return os.environ.get(PREFETCH_ENV, "0") == "1"
 
 
 def wide_shapes_enabled() -> bool:
@@ -371,8 +360,7 @@ def _shape(q: Any, keys: Any) -> tuple:
 def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, padding: Any, position: Any,
                   scale: float, n: int | None = None, layout: str | None = None, hsplit: int | None = None,
                   rope: tuple[Any, Any, str] | None = None, in_flight: int | None = None,
-                  dense: bool | None = None, warps: int | None = None, rope_lanes: bool | None = None,
-                  prefetch: bool | None = None) -> Any:
+                  dense: bool | None = None, warps: int | None = None, rope_lanes: bool | None = None) -> Any:
     """A one-token step's attention over a batch cache in one launch: ``k_new`` and
     ``v_new`` (``(B, Hkv, 1, D)``) written **in place** into the cache's ``keys`` and
     ``values`` (``(B, Hkv, capacity, D)``) at ``position`` (an ``int32`` array of one: the
@@ -395,8 +383,7 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     shape the load took for it (:func:`wide_shapes`), else ``warps`` warps a block
     where given, else :func:`wide_threads`; ``rope_lanes`` (a key a warp, the rope
     folded in: each lane rotating its own dimensions) where None as
-    :func:`rope_lanes_enabled` says; ``prefetch`` (a key a warp: its first rows asked of
-    L2 first) where None as :func:`prefetch_enabled` says.
+    :func:`rope_lanes_enabled` says.
 
     Where mlx-lm's cache takes four operations and a view each for the same (two slice
     updates, two views of the keys so far, the attention, its reshape): each operation
@@ -428,8 +415,6 @@ def attend_cached(q: Any, k_new: Any, v_new: Any, keys: Any, values: Any, paddin
     shaped = {"warps": warps} if layout == WIDE and warps else {}
     lanes = rope_lanes_enabled() if rope_lanes is None else rope_lanes
     options = shaped | ({"rope_lanes": True} if pairs and layout != "lane" and lanes else {})
-    if layout != "lane" and (prefetch_enabled() if prefetch is None else prefetch):
-        options["prefetch"] = True
     return attention_cuda.in_blocks(lambda split: _kernel(q.dtype, d, float(scale), heads // kv_heads, split, layout,
                                                           hsplit, pairs, in_flight, dense, **options),
                                     [q, k_new, v_new, keys, values, padding, position, *(rope[:2] if rope else ())],

@@ -94,36 +94,6 @@ auto q_lane = [&](int g, int e) -> float { return q_at(g, lane * VEC + e); };
 auto k_lane = [&](int e) -> T { return k_at(lane * VEC + e); };
 """
 
-# With ``GMLX_ATTENTION_PREFETCH`` (a key a warp: :func:`body`'s ``prefetch``), each warp's
-# first PREFETCH_KEYS keys' and values' rows are asked of L2 before the step's own query
-# and key are read (and rotated: the rope's loads, its angles and its barrier), a lane a
-# 128-byte line, no register held: the warp's loads then find them in L2, not in memory,
-# where a warp of the wide form walks its keys one load at a time (each a round trip to
-# memory: at ~190 positions ~6 a warp; the H100's trace, 12-07 evening, took 13.5 us a
-# layer, 15% of one stream's step). Only a dense cache's rows (each row's lines adjacent);
-# on the host (the tests' emulation) it asks nothing.
-PREFETCH = """
-#ifndef GMLX_PREFETCH_L2
-#ifdef __CUDA_ARCH__
-#define GMLX_PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
-#else
-#define GMLX_PREFETCH_L2(p) ((void)(p))
-#endif
-#endif
-if (kdense && vdense) {
-    constexpr int PREFETCH_KEYS = 32;  // a warp's keys asked for at most
-    constexpr int LINES = (D * (int)sizeof(T) + 127) / 128;  // a row's 128-byte lines
-    constexpr int PER_LINE = 128 / (int)sizeof(T);
-    for (int i = lane; i < PREFETCH_KEYS * 2 * LINES; i += 32) {
-        const int j = start + warp + (i / (2 * LINES)) * WARPS;  // the warp's keys, as its loop takes them
-        if (j >= end) break;
-        const int line = i % LINES;
-        if (j != at) GMLX_PREFETCH_L2((i / LINES) % 2 ? vb + (int64_t)j * v_strides[2] + line * PER_LINE
-                                                      : kb + (int64_t)j * k_strides[2] + line * PER_LINE);
-    }
-}
-"""
-
 # A key a warp (the served form since 12-05): the WARPS warps take the split's keys in
 # turn, each lane VEC dimensions of the key and of its values. The warp's lanes hold the
 # query of every head of the group, so each key and value is read once for all of them; a
@@ -352,18 +322,14 @@ def unroll(layout: str, d: int, given: int = 0) -> int:
     return given or (1 if layout == "wide" else 4 if layout == "warp" else 8 if d // 32 == 8 else 16)
 
 
-def body(layout: str, rope: bool = False, lanes: bool = False, prefetch: bool = False) -> str:
+def body(layout: str, rope: bool = False, lanes: bool = False) -> str:
     """A kernel's body: a key a warp (``layout`` ``"warp"``) or a key a lane, the step's
     query and key rotated in it with ``rope`` (:data:`cached_attention_rope.STEP_ROPE`; a key
-    a warp with ``lanes``, each lane its own dimensions: :data:`cached_attention_rope.STEP_ROPE_LANES`),
-    a key a warp's first rows asked of L2 first with ``prefetch`` (:data:`PREFETCH`)."""
+    a warp with ``lanes``, each lane its own dimensions: :data:`cached_attention_rope.STEP_ROPE_LANES`)."""
     if lanes and (layout == "lane" or not rope):
         raise ValueError("each lane rotates its own dimensions only where a key is a warp's and the rope folded in")
-    if prefetch and layout == "lane":
-        raise ValueError("the rows are asked of L2 ahead only where a key is a warp's")
     step = (STEP_ROPE_LANES if lanes else STEP_ROPE) if rope else STEP
-    return compact(COMMON + (PREFETCH if prefetch else "") + step + (LANE_LOOP if layout == "lane" else WARP_LOOP)
-                   + MERGE)
+    return compact(COMMON + step + (LANE_LOOP if layout == "lane" else WARP_LOOP) + MERGE)
 
 # How a block ends: with a head's keys in one block, the output of each head of its
 # group (``out``, ``(B, 1, H * D)``); split, each head's share (the values' sum unscaled,

@@ -286,16 +286,14 @@ def _cached_reference(q, k_new, v_new, k, v, pad, at: int, scale: float):
 
 def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: float, splits: int = 1,
                        layout: str = "warp", hsplit: int = 1, rope: tuple | None = None,
-                       build: tuple[int, bool] = (0, False), cache_strides: str | None = None,
-                       before: str = "", after: str = ""):
+                       build: tuple[int, bool] = (0, False), cache_strides: str | None = None):
     """The cached kernel's own source in ``layout`` run here (emulated), ``hsplit`` blocks
     a key-value head; with ``splits``, the split form (each head's keys over that many
     blocks) and then the combine kernel's source over the shares it wrote; ``rope``
     (each stream's position, the inverse frequencies, the pairs) folds the rotation of
     ``q`` and ``k_new`` in; ``build`` (keys in flight, dense rows alone[, the wide form's
-    warps a block[, each lane's rope, rows asked of L2 ahead]]) picks the kernel's build and ``cache_strides``
-    replaces the strides the cache's arrays are handed with; ``before`` goes before the
-    kernel's source and ``after`` after its run, in ``main``. Each store
+    warps a block[, each lane's rope]]) picks the kernel's build and ``cache_strides``
+    replaces the strides the cache's arrays are handed with. Each store
     into the cache's keys is counted too, a count a (stream, key-value head): the fourth
     array returned."""
     dtype = str(q.dtype).removeprefix("mlx.core.")
@@ -310,7 +308,7 @@ def _run_cached_source(tmp: Path, q, k_new, v_new, k, v, pad, at: int, scale: fl
                             q.shape[1] // k.shape[1], layout, hsplit, rope[2] if rope else "", build)
     store = "kb[(int64_t)at * k_strides[2]"  # the key's store (as the value's, by the same threads)
     assert kernel.count(store) == 1
-    kernel = "static std::atomic<int> stores[1024];\n" + before + kernel.replace(
+    kernel = "static std::atomic<int> stores[1024];\n" + kernel.replace(
         store, "stores[b * kv_heads + kvh].fetch_add(1), " + store)
     main = r"""
 int main(int argc, char** argv) {
@@ -336,7 +334,7 @@ int main(int argc, char** argv) {
     save("stores.bin", counted);
 }
 """.replace("ELEMENT", emulation.HOST_TYPES[dtype])
-    main = main.replace("SPLIT_RUN", run + after).replace("ROPE ?", f"{'true' if rope else 'false'} ?")
+    main = main.replace("SPLIT_RUN", run).replace("ROPE ?", f"{'true' if rope else 'false'} ?")
     if cache_strides is not None:
         main = main.replace("kt{(int64_t)HK * C * D, (int64_t)C * D, D, 1}", f"kt{{{cache_strides}}}")
     if rope:
@@ -449,71 +447,6 @@ def test_each_lane_rotating_its_own_dimensions_attends_as_mlx_does(
     assert mx.array_equal(lanes, shared).item()  # the key written, bit for bit
 
 
-# each row asked of L2 ahead recorded (the prefetch's stand-in), then where it lies in the
-# cache's keys or values: (keys or values, stream, key-value head, position, line) a row of five
-_ASKED = r"""
-#include <mutex>
-static std::mutex asked_mutex;
-static std::vector<const void*> asked;
-#define GMLX_PREFETCH_L2(p) do { std::lock_guard<std::mutex> hold_(asked_mutex); asked.push_back(p); } while (0)
-"""
-_WHERE = r"""
-    {
-        std::vector<int64_t> where;
-        for (const void* p : asked) {
-            const bool in_k = p >= (const void*)k.data() && p < (const void*)(k.data() + k.size());
-            const E* base = in_k ? k.data() : v.data();
-            const int64_t at_ = (const E*)p - base;
-            const bool in_v = !in_k && at_ >= 0 && at_ < (int64_t)v.size();
-            where.insert(where.end(), {in_k ? 0 : in_v ? 1 : -1, at_ / ((int64_t)HK * C * D),
-                                       at_ / ((int64_t)C * D) % HK, at_ / D % C, at_ % D});
-        }
-        save("asked.bin", where);
-    }
-"""
-
-
-@pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize("layout,rope", [(cached_attention_cuda.WIDE, True), (cached_attention_cuda.WIDE, False),
-                                         ("warp", True)])
-@pytest.mark.parametrize("dtype,d,capacity,at,padding", [(mx.bfloat16, 128, 2048, 1300, [0, 17, 1290]),
-                                                         (mx.float16, 64, 64, 20, [0, 3, 20])])
-def test_rows_asked_of_l2_ahead_are_the_rows_each_warp_reads_first(
-        tmp_path: Path, dtype, d: int, capacity: int, at: int, padding: list[int], layout: str, rope: bool) -> None:
-    """With ``GMLX_ATTENTION_PREFETCH`` each warp of a key-a-warp form (wide or not) asks
-    L2 for the rows of its first 32 keys before it reads the step's own query and key:
-    the attention and the cache written are what they are without it, bit for bit, and
-    what was asked (recorded in the emulation) is each asking block's keys' and values'
-    rows, every 128-byte line of each, from its stream's padding to the position before
-    the step's, at most 32 keys a warp, nothing past them and nothing of the padding."""
-    state = (3, 4, 2, capacity, at, d, padding, dtype)
-    q, k_new, v_new, k, v, pad = _cached_state(*state)
-    scale = d ** -0.5
-    folded = None
-    if rope:
-        inv, _ = rope_cuda.inverse_frequencies(nn.RoPE(d, base=10000.0), d)
-        folded = (mx.array([at - p for p in padding], dtype=mx.int32), inv, "half")
-    runs = [_run_cached_source(tmp_path, q, k_new, v_new, k, v, pad, at, scale, 1, layout, 1, folded,
-                               (0, True, 0, False, prefetch), before=_ASKED if prefetch else "",
-                               after=_WHERE if prefetch else "")
-            for prefetch in (False, True)]
-    for plain, asked in zip(runs[0][:3], runs[1][:3], strict=True):
-        assert mx.array_equal(plain, asked).item()
-    where = np.frombuffer((tmp_path / "asked.bin").read_bytes(), dtype=np.int64).reshape(-1, 5)
-    wide = layout == cached_attention_cuda.WIDE
-    warps = (cached_attention_cuda.wide_threads(d) if wide else attention_cuda.THREADS) // 32
-    blocks = 2 if wide else 1  # the query heads of a key-value head that ask: each a block, or one block
-    line = 128 // 2
-    want = []
-    for b, first in enumerate(padding):
-        positions = [j for j in range(first, at) if j - first < 32 * warps]  # warp w's: first + w + m x warps
-        for head in range(2):
-            for j in positions:
-                for which in (0, 1):
-                    want += [(which, b, head, j, c) for c in range(0, d, line)] * blocks
-    assert sorted(map(tuple, where.tolist())) == sorted(want)
-
-
 def test_the_lanes_rope_is_asked_for_and_a_key_a_warps_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """``attend_cached`` builds the lanes' rope only with ``GMLX_ROPE_LANES=1``, only with
     the rope folded in, and never for a key a lane (whose queries are shared anyway)."""
@@ -536,34 +469,6 @@ def test_the_lanes_rope_is_asked_for_and_a_key_a_warps_alone(monkeypatch: pytest
     assert [kw.get("rope_lanes", False) for *_, kw in made] == [False, True, True, False, False]
     with pytest.raises(ValueError, match="a key is a warp's"):
         cached_attention_source.body("lane", rope=True, lanes=True)
-
-
-def test_rows_are_asked_of_l2_ahead_only_where_asked_and_a_key_a_warps_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``attend_cached`` builds the rows asked of L2 ahead only with
-    ``GMLX_ATTENTION_PREFETCH=1`` (or asked by its call), with or without the rope, and
-    never for a key a lane (each lane a key: no warp walks its keys one load at a time)."""
-    made: list[dict] = []
-    monkeypatch.setattr(cached_attention_cuda, "_kernel", lambda *a, **kw: made.append(kw) or a)
-    monkeypatch.setattr(attention_cuda, "in_blocks", lambda kernel, *rest, **kw: kernel(False))
-    k = mx.zeros((1, 2, 64, 64), mx.float16)
-    rope = (mx.zeros((1,), mx.int32), mx.ones((32,), mx.float32), "half")
-
-    def call(layout, with_rope=True, prefetch=None):
-        cached_attention_cuda.attend_cached(mx.zeros((1, 4, 1, 64), mx.float16), k[..., :1, :], k[..., :1, :], k, k,
-                                            mx.zeros((1,), mx.int32), mx.array([7], mx.int32), 0.125, n=1,
-                                            layout=layout, rope=rope if with_rope else None, prefetch=prefetch)
-
-    monkeypatch.delenv(cached_attention_cuda.PREFETCH_ENV, raising=False)
-    call("wide")
-    call("warp", prefetch=True)
-    monkeypatch.setenv(cached_attention_cuda.PREFETCH_ENV, "1")
-    for layout in ("wide", "warp", "lane"):
-        call(layout)
-    call("wide", with_rope=False)
-    call("wide", prefetch=False)
-    assert [kw.get("prefetch", False) for kw in made] == [False, True, True, True, False, True, False]
-    with pytest.raises(ValueError, match="a key is a warp's"):
-        cached_attention_source.body("lane", prefetch=True)
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
@@ -651,9 +556,8 @@ def _cached_kernels(monkeypatch: pytest.MonkeyPatch, builds: list[tuple]) -> lis
     factory.cache_clear()
     kernels = []
     try:
-        for dtype, d, group, split, layout, hsplit, rope, *more in builds:  # (each lane's own rope, rows asked ahead)
-            lanes, prefetch = (*more, False, False)[:2]
-            factory(dtype, d, d ** -0.5, group, split, layout, hsplit, rope, 0, True, 0, lanes, prefetch)
+        for dtype, d, group, split, layout, hsplit, rope, *lanes in builds:  # (each lane's own rope)
+            factory(dtype, d, d ** -0.5, group, split, layout, hsplit, rope, 0, True, 0, *lanes)
             kernels.append((made[-1], [dtype, *[dtype] * 4, mx.int32, mx.int32, *([mx.int32, mx.float32] if rope else [])],
                             [mx.float32] * 3 if split else None))
     finally:
@@ -682,14 +586,11 @@ def test_the_wide_forms_registers_fit_its_blocks(monkeypatch: pytest.MonkeyPatch
     """The wide form's blocks are large (1,024 threads for heads of up to 128, 512 for
     heads of 256): a launch fails where a thread's registers times the block's threads
     pass the SM's 65,536. Each head size and float type, with the rope folded in or not
-    (through shared memory or each lane's own) and the rows asked of L2 ahead or not,
-    assembled for sm_90 as MLX compiles it, within that (ptxas's count; the driver
+    (through shared memory or each lane's own), assembled for sm_90 as MLX compiles it, within that (ptxas's count; the driver
     assembles MLX's PTX with the same allocator)."""
-    kernels = _cached_kernels(monkeypatch, [(dtype, d, 4, False, "wide", 4, rope, lanes, prefetch)
+    kernels = _cached_kernels(monkeypatch, [(dtype, d, 4, False, "wide", 4, rope, lanes)
                                             for dtype in (mx.float16, mx.bfloat16) for d in attention_cuda.HEAD_DIMS
-                                            for rope, lanes, prefetch in (("", False, False), ("half", False, False),
-                                                                          ("half", True, False), ("half", False, True),
-                                                                          ("", False, True))])
+                                            for rope, lanes in (("", False), ("half", False), ("half", True))])
     used: dict[str, int] = {}
     entry = None
     for line in _assembled(tmp_path, kernels, "-Xptxas", "-v").splitlines():
