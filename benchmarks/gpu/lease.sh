@@ -40,6 +40,7 @@
 #   the wide attention's rope under ncu:       bash benchmarks/gpu/lease.sh ncu-wide  (~200-300 s, no models)
 #   a kernel boundary against a grid barrier:  bash benchmarks/gpu/lease.sh barrier   (~60 s, no models)
 #   a step's few-byte arrays, host and GPU:    bash benchmarks/gpu/lease.sh scalars   (~30 s, no models)
+#   a step's primitives, its hand-over native: bash benchmarks/gpu/lease.sh census    (~150-450 s, no models)
 #   one stream at a decode batch of 32 and 1:  bash benchmarks/gpu/lease.sh batch     (~400 s, after gmlx)
 #   who holds the interpreter, one stream:      bash benchmarks/gpu/lease.sh gil       (~200 s, after gmlx)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
@@ -384,6 +385,18 @@ PY
       --timeout 400 --keep "$OUT/argmax" > "$OUT/argmax.txt" 2>&1
     cat "$OUT/argmax.txt"
     grep -h -E "argmax|arg_reduce|cut off|Traceback|Error" "$OUT"/argmax/*.txt | cut -c1-300 | head -12
+    ;;
+  census)
+    # no models needed (after `install`, or after `gmlx`, whose GMLX_HOME tuning it reuses; ~150 s
+    # with it, ~450 s without): the synthetic 8B's served step counted by primitive (MLX's graph
+    # export) at 1 and 8 streams, its build and hand-over timed (step_census.py), then 20 s of one
+    # stream's pipelined steps under py-spy --native: where MLX's CUDA backend spends the
+    # hand-over (12-07, H100: 165 kernels in 1.70 ms, ~10 us a kernel; call_cost.py: ~3 a call)
+    with_env
+    GMLX_HOME=/tmp/gmlx-home timeout 560 python3 $GPU/step_census.py synthetic:llama3-8b --widths 1,8 \
+      --loop 20 --spy "$OUT/native.json" > "$OUT/census.txt" 2>&1
+    grep -v "^  |" "$OUT/census.txt" | head -90 | cut -c1-300
+    [ -f "$OUT/native.json" ] && python3 $GPU/profile_summary.py "$OUT/native.json" --native --top 30 | cut -c1-3000
     ;;
   scalars)
     # no models needed (after `install`; ~30 s): what a step's few-byte arrays cost when the

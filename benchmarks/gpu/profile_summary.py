@@ -1,8 +1,11 @@
 """Where each thread's time went, from py-spy's speedscope profiles (bench.py --profile,
-ttft_profile.py --profile): per thread its samples, the functions it was in last (self
-time) and the functions of the servers' own code it was inside (inclusive time).
+ttft_profile.py --profile, lease.sh census): per thread its samples, the functions it was
+in last (self time) and the functions of the servers' own code it was inside (inclusive
+time); with ``--native``, the compiled libraries' functions it was inside too (a profile
+taken with py-spy ``--native``: MLX's C++, the CUDA runtime), a library's unnamed
+addresses under the library's name.
 
-    python benchmarks/gpu/profile_summary.py PROFILE.json [PROFILE.json ...] [--top 12]
+    python benchmarks/gpu/profile_summary.py PROFILE.json [PROFILE.json ...] [--top 12] [--native]
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ def label(frame: dict) -> str:
     return f"{frame['name']} ({short}:{frame.get('line', '')})" if short else frame["name"]
 
 
-def summarize(path: Path, top: int) -> str:
+def native(frame: dict) -> str | None:
+    """A compiled library's frame by its function's name (its parameters dropped), or by
+    the library's where the address has no name; None for Python's frames."""
+    file = frame.get("file") or ""
+    if not file or file.endswith(".py") or file.startswith("<"):
+        return None
+    name = frame["name"]
+    return file.rsplit("/", 1)[-1] if name.startswith("0x") else name.split("(", 1)[0]
+
+
+def summarize(path: Path, top: int, natives: bool = False) -> str:
     data = json.loads(path.read_text())
     frames = data["shared"]["frames"]
     lines = [f"## {path.name}"]
@@ -34,15 +47,22 @@ def summarize(path: Path, top: int) -> str:
             continue
         leaf: Counter[str] = Counter()
         inside: Counter[str] = Counter()
+        inside_native: Counter[str] = Counter()
         for stack, w in zip(samples, weights, strict=True):
             if stack:
                 leaf[label(frames[stack[-1]])] += w
             seen = {label(frames[i]) for i in stack if any(o in (frames[i].get("file") or "") for o in OWN)}
             for name in seen:
                 inside[name] += w
+            if natives:
+                for name in {n for i in stack if (n := native(frames[i]))}:
+                    inside_native[name] += w
         lines.append(f"\n### thread {prof['name']}: {total:.2f} {prof.get('unit', 'samples')}")
         lines.append("self: " + "; ".join(f"{n} {c / total:.1%}" for n, c in leaf.most_common(top)))
         lines.append("inside: " + "; ".join(f"{n} {c / total:.1%}" for n, c in inside.most_common(top)))
+        if natives:
+            lines.append("inside, native: " + "; ".join(f"{n} {c / total:.1%}"
+                                                        for n, c in inside_native.most_common(top)))
     return "\n".join(lines)
 
 
@@ -50,8 +70,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("profiles", type=Path, nargs="+")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--native", action="store_true", help="also the compiled libraries' functions each thread was inside")
     args = p.parse_args()
-    print("\n\n".join(summarize(f, args.top) for f in args.profiles))
+    print("\n\n".join(summarize(f, args.top, args.native) for f in args.profiles))
 
 
 if __name__ == "__main__":
