@@ -54,7 +54,10 @@
 #   for, the Q4_K_M quantized, the F16 removed, llama-server served at widths 1, 8, 32.
 # gmlx: gmlx served the same way (its first load converts and tunes), then the kernel
 #   cache packed into $OUT/mlx-ptx.tar.gz (copy it into .gpu/ptx/ here, or over
-#   benchmarks/gpu/kernels/mlx-ptx.tar.gz to keep it for later checkouts).
+#   benchmarks/gpu/kernels/mlx-ptx.tar.gz to keep it for later checkouts) and the load's
+#   tuning into $OUT/mlx-*.json (copy it into benchmarks/gpu/kernels/tunings/: `install` and
+#   `prepare` put the one of the same card where the next lease's first load reads it;
+#   TUNING=0 leaves it out, for a first load that tunes everything).
 # trace: every kernel of the served step (the load's tuning from gmlx's run, the whole step
 #   over the in-place attention) at widths 1 and 8, traced by PyTorch's profiler; then one
 #   stream's kernels under ncu (each kind's DRAM and SM throughput in % of peak).
@@ -98,6 +101,14 @@ stage_kernels() {
   fi
 }
 
+take_tuning() {
+  # the load-time tuning an earlier lease kept for this card, MLX and format
+  # (benchmarks/gpu/kernels/tunings/, tunings.py): the first load then times nothing it
+  # timed before (~440 s of an H100 lease, 12-07). TUNING=0: a first load that tunes all.
+  with_env
+  [ "${TUNING:-1}" = 0 ] || python3 $GPU/tunings.py take /tmp/gmlx-home
+}
+
 with_env() {
   # shellcheck disable=SC1091
   . /tmp/gpu-env.sh
@@ -121,12 +132,13 @@ case ${1:-} in
     # in-process checks (gemv_check, attention_check) in a short lease
     bash $GPU/setup.sh stage .gpu/part3 && stage_kernels || exit 1
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
+    take_tuning
     ;;
   prepare)
     # the kernel cache of an earlier lease, where this checkout has one (else gmlx's first load compiles all)
     bash $GPU/setup.sh stage .gpu/part3 && stage_kernels || exit 1
     bash $GPU/setup.sh install > "$OUT/install.txt" 2>&1 || { tail -20 "$OUT/install.txt"; exit 1; }
-    with_env
+    take_tuning
     if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0 leaves them to the load's own timings (a short lease)
       timeout 120 python3 $GPU/attention_check.py --cached > "$OUT/attention.txt" 2>&1
       # the one-row products at every launch shape, x staged or not (each compiled here is one
@@ -153,6 +165,7 @@ case ${1:-} in
     # the load's attention timing (layouts, where a split pays), from the load's log in the results
     grep -o '"[^"]*in-place attention[^"]*"' "$OUT/bench.json" | head -8
     bash $GPU/setup.sh kernels "$OUT" | tail -1
+    python3 $GPU/tunings.py keep /tmp/gmlx-home "$OUT"  # (copy it into benchmarks/gpu/kernels/tunings/ here)
     tail -14 "$OUT/bench.md"
     ;;
   trace)
@@ -397,6 +410,7 @@ PY
       --loop 20 --spy "$OUT/native.json" > "$OUT/census.txt" 2>&1
     grep -v "^  |" "$OUT/census.txt" | head -90 | cut -c1-300
     [ -f "$OUT/native.json" ] && python3 $GPU/profile_summary.py "$OUT/native.json" --native --top 30 | cut -c1-3000
+    python3 $GPU/tunings.py keep /tmp/gmlx-home "$OUT"  # (where its load tuned: a short lease's)
     ;;
   scalars)
     # no models needed (after `install`; ~30 s): what a step's few-byte arrays cost when the

@@ -36,14 +36,18 @@ Paths = dict[int, tuple[str, tuple[int, ...]]]  # row bucket -> (path, launch sh
 
 
 def machine() -> str:
-    """The GPU and MLX this tuning is for."""
+    """The GPU and MLX this tuning is for: MLX's version, the architecture and the
+    device's name. Cards of one architecture differ in what is fastest (an H100 and an
+    H200 are both ``sm_90``, with 3.35 and 4.8 TB/s), so a tuning made on one is not
+    taken on the other."""
     import mlx.core as mx
 
     try:
-        arch = str(mx.device_info().get("architecture", "unknown"))
+        info = mx.device_info()
     except Exception:  # noqa: BLE001 - a backend without device information
-        arch = "unknown"
-    return f"mlx-{mx.__version__}/{arch}"
+        info = {}
+    name = info.get("device_name")
+    return f"mlx-{mx.__version__}/{info.get('architecture', 'unknown')}" + (f"/{name}" if name else "")
 
 
 def layer_key(dtype: Any, k: int, n: int, bits: int, group: int) -> str:

@@ -227,6 +227,24 @@ def test_a_damaged_tuning_file_is_tuned_again(monkeypatch) -> None:
     assert file.read_text().startswith("{") and f'"format": {tuning.FORMAT}' in file.read_text()
 
 
+def test_a_tuning_is_taken_only_on_the_card_it_was_made_on(monkeypatch) -> None:
+    """Two cards of one architecture (an H100 and an H200 are both sm_90) choose apart:
+    what one kept on disk is not taken on the other, and is taken on its own again."""
+    from gmlx.engine.kernels import tuning
+
+    card = {"architecture": "sm_90", "device_name": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(mx, "device_info", lambda: dict(card))
+    made = tuning.Tuning()
+    made.set_layer("k", {1: ("gemv", (4, 2))})
+    made.save()
+    card["device_name"] = "NVIDIA H200"
+    assert tuning.Tuning().layer("k") is None
+    card["device_name"] = "NVIDIA H100 80GB HBM3"
+    assert tuning.Tuning().layer("k") == {1: ("gemv", (4, 2))}
+    del card["device_name"]  # a backend that names no device: its architecture alone
+    assert tuning.machine() == f"mlx-{mx.__version__}/sm_90"
+
+
 def test_the_step_timer_runs_real_decode_steps_each_fed_the_last_ones_tokens() -> None:
     """As the worker runs them: one prompt, then one-token steps (two untimed), each fed
     the greedy pick of the step before, never the same zeros again."""
