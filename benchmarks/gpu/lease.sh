@@ -166,6 +166,9 @@ case ${1:-} in
     grep -o '"[^"]*in-place attention[^"]*"' "$OUT/bench.json" | head -8
     bash $GPU/setup.sh kernels "$OUT" | tail -1
     python3 $GPU/tunings.py keep /tmp/gmlx-home "$OUT"  # (copy it into benchmarks/gpu/kernels/tunings/ here)
+    # whether MLX keeps gmlx's own kernels on disk too (12-07: its cache held 65 files, none of
+    # them gmlx's, so every process compiles them again: part of each load's time)
+    echo "gmlx's kernels in MLX's cache: $(ls /tmp/mlx-ptx 2>/dev/null | grep -c '^custom_kernel') files"
     tail -14 "$OUT/bench.md"
     ;;
   trace)
