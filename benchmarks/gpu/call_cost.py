@@ -5,6 +5,10 @@ operations (an add, a 4-bit quantized product), a JIT custom kernel
 200 independent calls on tiny inputs (the GPU's work is nothing), microseconds per call
 to build (Python and MLX's graph) and to evaluate (encode and launch), best of 5.
 
+The rows also give a view (a reshape, which launches nothing) and a kernel of 11 inputs and 3
+outputs, as the step's q-k-v product is: whether a step's views and inputs, not only its
+kernels, cost the host its ~10 us a kernel (12-07, H100: 165 kernels handed over in 1.70 ms).
+
 Why: a decode step of one stream makes ~225 quantized products; a custom product that
 costs the host 30 us per call where MLX's own costs 10 loses ~5 ms a step whatever its
 GPU time (benchmarks/RESULTS.md, the tensor-core kernel).
@@ -63,7 +67,14 @@ def main() -> None:
     shaped = mx.fast.cuda_kernel(name="gmlx_copy_shaped", input_names=["x"], output_names=["out"],
                                  source="int i = blockIdx.x * blockDim.x + threadIdx.x; "
                                         "if (i < x_shape[0]) out[i] = x[i];")
+    many = [mx.random.normal((256,)) for _ in range(11)]
+    mx.eval(many)
+    wide = mx.fast.cuda_kernel(
+        name="gmlx_copy_wide", input_names=[f"x{i}" for i in range(11)], output_names=["q", "k", "v"],
+        source="int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 256) { q[i] = x0[i] + x10[i]; "
+               "k[i] = x1[i]; v[i] = x2[i]; }")
     kinds = {
+        "a view (reshape), no kernel": lambda: x.reshape(16, 16),
         "mx.add": lambda: x + 1.0,
         "quantized_matmul 1x256x256 4-bit": lambda: mx.quantized_matmul(row, w, s, b, transpose=True,
                                                                         group_size=32, bits=4),
@@ -72,6 +83,9 @@ def main() -> None:
         "cuda_kernel, shape argument": lambda: shaped(inputs=[x], output_shapes=[(256,)],
                                                       output_dtypes=[mx.float32], grid=(256, 1, 1),
                                                       threadgroup=(256, 1, 1))[0],
+        "cuda_kernel, 11 inputs and 3 outputs (as the q-k-v product's)": lambda: wide(
+            inputs=many, output_shapes=[(256,)] * 3, output_dtypes=[mx.float32] * 3, grid=(256, 1, 1),
+            threadgroup=(256, 1, 1))[0],
         "cuda_kernel, 9 template arguments": lambda: plain(
             inputs=[x], output_shapes=[(256,)], output_dtypes=[mx.float32], grid=(256, 1, 1),
             threadgroup=(256, 1, 1),

@@ -409,6 +409,8 @@ PY
     # stream's pipelined steps under py-spy --native: where MLX's CUDA backend spends the
     # hand-over (12-07, H100: 165 kernels in 1.70 ms, ~10 us a kernel; call_cost.py: ~3 a call)
     with_env
+    # first what one call of each kind costs the host (a view, a kernel of 11 inputs and 3 outputs)
+    timeout 90 python3 $GPU/call_cost.py > "$OUT/call_cost.txt" 2>&1; cat "$OUT/call_cost.txt"
     GMLX_HOME=/tmp/gmlx-home timeout 560 python3 $GPU/step_census.py synthetic:llama3-8b --widths 1,8 \
       --loop 20 --spy "$OUT/native.json" > "$OUT/census.txt" 2>&1
     grep -v "^  |" "$OUT/census.txt" | head -90 | cut -c1-300
