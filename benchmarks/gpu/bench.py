@@ -86,6 +86,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 import openai
 import throughput as tp
 
+from benchmarks.gpu import profile_summary
 from gmlx.engine import MLX_CUDA_DEFAULTS
 
 PEERS = ("mlx_lm", "mlx_lm-gmlxenv", "llama")
@@ -468,26 +469,13 @@ def start_profile(s: tp.Server, out: Path | None, rate: int = 500, native: bool 
     """py-spy recording the server from now until ``stop_profile`` (every thread, idle
     samples included: where each thread's wall time goes; with ``gil``, only the thread
     holding the interpreter at each sample: which thread's Python a step waits behind), as
-    speedscope JSON in ``out``; None without a path or py-spy."""
-    if out is None or s.proc is None or not shutil.which("py-spy"):
+    speedscope JSON in ``out``; None without a path, a process or py-spy."""
+    if s.proc is None:
         return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(s.proc.pid), "--rate", str(rate), "--threads",
-                            "--gil" if gil else "--idle", *(["--native"] if native else []),
-                            "--format", "speedscope", "-o", str(out)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    time.sleep(1.0)  # py-spy attached before the first request
-    return spy
+    return profile_summary.record(s.proc.pid, out, rate, native, gil)
 
 
-def stop_profile(spy: subprocess.Popen | None, timeout: float = 60.0) -> None:
-    if spy is None:
-        return
-    spy.send_signal(signal.SIGINT)  # py-spy writes the profile and exits
-    try:
-        spy.wait(timeout)
-    except subprocess.TimeoutExpired:
-        spy.kill()
+stop_profile = profile_summary.stop
 
 
 def log_lines(log: Path, limit: int = 60) -> list[str]:

@@ -3,7 +3,8 @@ ttft_profile.py --profile, lease.sh census): per thread its samples, the functio
 in last (self time) and the functions of the servers' own code it was inside (inclusive
 time); with ``--native``, the compiled libraries' functions it was inside too (a profile
 taken with py-spy ``--native``: MLX's C++, the CUDA runtime), a library's unnamed
-addresses under the library's name.
+addresses under the library's name. :func:`record` and :func:`stop` take such a profile
+of a running process (bench.py's servers, step_census.py's own loop).
 
     python benchmarks/gpu/profile_summary.py PROFILE.json [PROFILE.json ...] [--top 12] [--native]
 """
@@ -12,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
+import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +27,35 @@ def label(frame: dict) -> str:
     file = frame.get("file") or ""
     short = "/".join(file.split("/")[-2:]) if file else ""
     return f"{frame['name']} ({short}:{frame.get('line', '')})" if short else frame["name"]
+
+
+def record(pid: int, out: Path | None, rate: int = 500, native: bool = True, gil: bool = False,
+           idle: bool = True) -> subprocess.Popen | None:
+    """py-spy recording process ``pid`` from now until :func:`stop`, every thread, as
+    speedscope JSON in ``out``: with ``gil`` only the thread holding the interpreter at
+    each sample (which thread's Python a step waits behind), else with ``idle`` the idle
+    samples too (where each thread's wall time goes); ``native``: the compiled libraries'
+    frames too. None without a path or py-spy."""
+    if out is None or not shutil.which("py-spy"):
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    which = ["--gil"] if gil else ["--idle"] if idle else []
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", str(rate), "--threads", *which,
+                            *(["--native"] if native else []), "--format", "speedscope", "-o", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    time.sleep(1.0)  # attached before what is to be recorded starts
+    return spy
+
+
+def stop(spy: subprocess.Popen | None, timeout: float = 60.0) -> None:
+    """End a :func:`record`: py-spy writes the profile and exits (killed past ``timeout``)."""
+    if spy is None:
+        return
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout)
+    except subprocess.TimeoutExpired:
+        spy.kill()
 
 
 def native(frame: dict) -> str | None:

@@ -78,10 +78,10 @@ def bare_step(model, rows: int, context: int = 128, steps: int = 16) -> tuple[fl
     return (time.perf_counter() - start) / steps, build / steps, launch / steps
 
 
-def pipelined_step(model, rows: int, context: int = 128, steps: int = 64) -> float:
-    """Seconds per decode step of ``rows`` streams pipelined as a server's loop is (the
-    next step built and handed over before the current one's tokens are read), greedy:
-    what the worker's loop would take if its own work cost nothing."""
+def greedy_step(model, rows: int, context: int = 128):
+    """The worker's greedy one-token step over its batch cache after a ``context``-token
+    prompt: a function of the current tokens (``(rows,)``) to the next, its argmax the one
+    a load routed (as served)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from gmlx.engine.mlxlm import greedy_argmax
@@ -91,8 +91,16 @@ def pipelined_step(model, rows: int, context: int = 128, steps: int = 64) -> flo
     mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
 
     def step(tokens):
-        return greedy_argmax(model(tokens[:, None], cache=cache)[:, -1, :])  # as served (the load's route)
+        return greedy_argmax(model(tokens[:, None], cache=cache)[:, -1, :])
 
+    return step
+
+
+def pipelined_step(model, rows: int, context: int = 128, steps: int = 64) -> float:
+    """Seconds per decode step of ``rows`` streams pipelined as a server's loop is (the
+    next step built and handed over before the current one's tokens are read), greedy:
+    what the worker's loop would take if its own work cost nothing."""
+    step = greedy_step(model, rows, context)
     current = mx.zeros((rows,), mx.int32)
     for _ in range(4):
         current = step(current)

@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,23 +46,6 @@ def census(*outputs: mx.array) -> Counter[str]:
         mx.export_to_dot(str(dot), *outputs)
         labels = re.findall(r'label ="([^"]+)"', dot.read_text())
     return Counter("Compiled" if name.startswith("Compiled") else name for name in labels)
-
-
-def served_step(model, rows: int, context: int):
-    """The worker's greedy one-token step over its batch cache after a ``context``-token
-    prompt: a function of the current tokens (``(rows,)``) to the next."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from gmlx.engine.mlxlm import greedy_argmax
-    from gmlx.engine.prompt_cache import batch_cache
-
-    cache = batch_cache(model, rows) or make_prompt_cache(model)
-    mx.eval(model(mx.zeros((rows, context), mx.int32), cache=cache))
-
-    def step(tokens: mx.array) -> mx.array:
-        return greedy_argmax(model(tokens[:, None], cache=cache)[:, -1, :])
-
-    return step
 
 
 def timed(step, rows: int, steps: int) -> tuple[Counter[str], float, float]:
@@ -92,37 +72,18 @@ def timed(step, rows: int, steps: int) -> tuple[Counter[str], float, float]:
     return counted, statistics.median(builds), statistics.median(handovers)
 
 
-def loop(step, rows: int, seconds: float) -> int:
-    """The step pipelined as the worker runs it (the next handed over before this one's
-    tokens are read) for ``seconds``; the steps run."""
-    current = step(mx.zeros((rows,), mx.int32))
-    mx.eval(current)
+def loop(step, rows: int, seconds: float, chunk: int = 64) -> int:
+    """The step pipelined as the worker runs it (:func:`served_step.pipelined`: the next
+    handed over before this one's tokens are read) in runs of ``chunk`` steps until
+    ``seconds`` have passed; the steps run."""
+    from benchmarks.gpu.served_step import pipelined
+
+    current = mx.zeros((rows,), mx.int32)
     n, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
-        nxt = step(current)
-        mx.async_eval(nxt)
-        current.tolist()
-        current, n = nxt, n + 1
-    mx.eval(current)
+        pipelined(step, current, chunk)
+        n += chunk
     return n
-
-
-def spied(path: Path | None) -> subprocess.Popen | None:
-    """py-spy recording this process (native frames, every thread) until :func:`unspied`;
-    None without a path or py-spy."""
-    if path is None or not shutil.which("py-spy"):
-        return None
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--rate", "500", "--threads", "--native",
-                            "--format", "speedscope", "--output", str(path)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # attached before the loop's first step
-    return spy
-
-
-def unspied(spy: subprocess.Popen | None) -> None:
-    if spy is not None:
-        spy.send_signal(signal.SIGINT)  # py-spy writes the profile and exits
-        spy.wait(timeout=120)
 
 
 def report(width: int, counted: Counter[str], build: float, handover: float) -> str:
@@ -146,7 +107,8 @@ def main() -> None:
     p.add_argument("--spy", type=Path, help="with --loop: the loop recorded by py-spy --native into this file")
     args = p.parse_args()
 
-    from benchmarks.gpu.served_step import load
+    from benchmarks.gpu.profile_summary import record, stop
+    from benchmarks.gpu.served_step import greedy_step, load
     from gmlx.engine.kernels import prepare_layers
 
     loaded = load(args.model, args.dtype)
@@ -154,16 +116,16 @@ def main() -> None:
     print(f"device: {mx.default_device()}  model: {args.model}; {len(notes)} load note(s)", flush=True)
     widths = [int(w) for w in args.widths.split(",")]
     for width in widths:
-        step = served_step(loaded.model, width, args.context)
+        step = greedy_step(loaded.model, width, args.context)
         print(report(width, *timed(step, width, args.steps)), flush=True)
     if args.loop:
-        step = served_step(loaded.model, widths[0], args.context)
-        spy = spied(args.spy)
+        step = greedy_step(loaded.model, widths[0], args.context)
+        spy = record(os.getpid(), args.spy, idle=False)
         t = time.perf_counter()
         n = loop(step, widths[0], args.loop)
         print(f"loop: {n} steps of {widths[0]} in {time.perf_counter() - t:.1f} s"
               f"{f', recorded into {args.spy}' if spy else ''}", flush=True)
-        unspied(spy)
+        stop(spy)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ KEPT = Path(__file__).resolve().parent / "kernels" / "tunings"
 
 
 def _file(home: Path) -> Path:
-    return home / "cache" / "kernels" / "tuning.json"
+    from gmlx.engine.kernels.tuning import file_in
+
+    return file_in(home / "cache")  # (GMLX_HOME's cache folder: gmlx.paths.cache_dir)
 
 
 def _read(path: Path) -> dict | None:
@@ -56,15 +58,14 @@ def keep(home: Path, out: Path) -> str:
 def take(home: Path, kept: Path = KEPT) -> str:
     """The kept tuning made on this machine put where ``home``'s loads read it, unless
     ``home`` has a tuning of this machine already."""
-    from gmlx.engine.kernels.tuning import FORMAT, machine
+    from gmlx.engine.kernels.tuning import FORMAT, machine, made_for
 
     here = machine()
-    current = _read(_file(home))
-    if current is not None and current.get("machine") == here and current.get("format") == FORMAT:
+    if made_for(_read(_file(home)), here):
         return f"{home} has a tuning of {here} already"
     for path in sorted(kept.glob("*.json")):
         data = _read(path)
-        if data is not None and data.get("machine") == here and data.get("format") == FORMAT:
+        if made_for(data, here):
             _file(home).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, _file(home))
             return f"took the tuning of {here} ({len(data.get('entries', {}))} entries) from {path.name}"

@@ -62,17 +62,28 @@ def model_key(layer_keys: Iterable[str], form: str = "") -> str:
     return "model:" + hashlib.sha256(text.encode()).hexdigest()[:16] + (f":{form}" if form else "")
 
 
+def file_in(cache: Path) -> Path:
+    """Where a cache folder (:func:`gmlx.paths.cache_dir`) keeps the tuning."""
+    return cache / "kernels" / "tuning.json"
+
+
+def made_for(data: Any, here: str) -> bool:
+    """Whether a tuning file's contents are of this format and of the machine ``here``
+    (:func:`machine`)."""
+    return isinstance(data, dict) and data.get("format") == FORMAT and data.get("machine") == here
+
+
 class Tuning:
     """The tuner's decisions for this machine: read once, written back when they grew."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or paths.cache_dir() / "kernels" / "tuning.json"
+        self.path = path or file_in(paths.cache_dir())
         self.machine = machine()
         self._data: dict[str, Any] = {}
         self._dirty = False
         with contextlib.suppress(OSError, ValueError):
             data = json.loads(self.path.read_text())
-            if data.get("format") == FORMAT and data.get("machine") == self.machine:
+            if made_for(data, self.machine):
                 self._data = data.get("entries", {})
 
     def layer(self, key: str) -> Paths | None:
