@@ -7,6 +7,7 @@
 #   call 1, carry [".gpu/part1"]:              bash benchmarks/gpu/lease.sh start
 #   call 2, carry [".gpu/part2"]:              bash benchmarks/gpu/lease.sh part2
 #   call 3, carry [".gpu/part3", ".gpu/ptx"]:  bash benchmarks/gpu/lease.sh prepare   (~320 s)
+#   or gmlx alone (LLAMA=0 at start):          DIRECT=1 CHECKS=0 bash benchmarks/gpu/lease.sh prepare (~60 s)
 #   or, no models (a short lease):             bash benchmarks/gpu/lease.sh install && bash benchmarks/gpu/lease.sh asynccheck
 #   call 4:                                    bash benchmarks/gpu/lease.sh gmlx      (~140-400 s)
 #   call 5:                                    bash benchmarks/gpu/lease.sh trace     (~300 s)
@@ -145,6 +146,13 @@ case ${1:-} in
       # the load finds in the kernel cache): the plain products, the gated and the q-k-v ones
       { timeout 150 python3 $GPU/gemv_check.py --reps 30; timeout 60 python3 $GPU/gemv_check.py --gated --reps 30
         timeout 60 python3 $GPU/gemv_check.py --qkv --reps 30; } > "$OUT/gemv.txt" 2>&1
+    fi
+    if [ "${DIRECT:-0}" = 1 ]; then
+      # DIRECT=1 (with LLAMA=0 at start): the Q4_K_M written straight from random blocks in
+      # llama-quantize's layout (models.py --direct, ~20 s), no llama.cpp build and no
+      # llama-server: a lease for gmlx's own numbers (one stream's share of the floor)
+      python3 $GPU/models.py --shape llama3-8b --only gguf-q4_k_m --direct 2>&1 | tail -3
+      exit 0
     fi
     python3 $GPU/models.py --shape llama3-8b --only gguf-f16 2>&1 | tail -2
     bash $GPU/setup.sh llama --wait 2>&1 | tail -2
