@@ -61,12 +61,6 @@ SHAPES = {
 }
 
 
-def _more_bits(i: int, layers: int) -> bool:
-    """Whether llama-quantize's Q4_K_M gives layer ``i``'s attn_v and ffn_down Q6_K
-    (the first and last eighth of the layers and every third between)."""
-    return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-
-
 def _write_real_vocab_gguf(path: Path, vocab: str, shape: str = "tiny", layers: int | None = None) -> Path:
     """A Q4_K_M-like GGUF carrying the real ``vocab`` tokenizer from
     ../shared/fixtures/vocab: Q4_K everywhere but the output layer and the attn_v and
@@ -81,6 +75,7 @@ def _write_real_vocab_gguf(path: Path, vocab: str, shape: str = "tiny", layers: 
     from gguf import GGUFReader, GGUFWriter
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.gpu.models import more_bits
     from tests.engine.loading.conftest import random_blocks
 
     source = Path(vocab)  # a vocabulary GGUF's path, or its name in ../shared/fixtures/vocab
@@ -120,7 +115,7 @@ def _write_real_vocab_gguf(path: Path, vocab: str, shape: str = "tiny", layers: 
     head = hidden // heads
     matrices = [("token_embd.weight", len(tokens), hidden, Q.Q4_K), ("output.weight", len(tokens), hidden, Q.Q6_K)]
     for i in range(layers):
-        more = Q.Q6_K if shape == "tiny" or _more_bits(i, layers) else Q.Q4_K
+        more = Q.Q6_K if shape == "tiny" or more_bits(i, layers) else Q.Q4_K
         matrices += [(f"blk.{i}.attn_q.weight", hidden, hidden, Q.Q4_K),
                      (f"blk.{i}.attn_k.weight", kv_heads * head, hidden, Q.Q4_K),
                      (f"blk.{i}.attn_v.weight", kv_heads * head, hidden, more),

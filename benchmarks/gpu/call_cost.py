@@ -5,7 +5,9 @@ operations (an add, a 4-bit quantized product), a JIT custom kernel
 200 independent calls on tiny inputs (the GPU's work is nothing), microseconds per call
 to build (Python and MLX's graph) and to evaluate (encode and launch), best of 5.
 
-The rows also give a view (a reshape, which launches nothing) and a kernel of 11 inputs and 3
+Two rows give a kernel of ~8 KB of source (as gmlx's one-row products are), whole and
+through an ``#include`` of a file holding it (``GMLX_KERNEL_INCLUDE=1``): MLX hashes the
+source it holds at every evaluation. The rows also give a view (a reshape, which launches nothing) and a kernel of 11 inputs and 3
 outputs, as the step's q-k-v product is: whether a step's views and inputs, not only its
 kernels, cost the host its ~10 us a kernel (12-07, H100: 165 kernels handed over in 1.70 ms).
 
@@ -73,6 +75,23 @@ def main() -> None:
         name="gmlx_copy_wide", input_names=[f"x{i}" for i in range(11)], output_names=["q", "k", "v"],
         source="int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 256) { q[i] = x0[i] + x10[i]; "
                "k[i] = x1[i]; v[i] = x2[i]; }")
+    # a body of ~8 KB (the size of gmlx's one-row products': MLX hashes a kernel's whole
+    # source at each evaluation), given whole and through an #include of a file holding it
+    # (GMLX_KERNEL_INCLUDE=1's form): what the hash costs a call, and whether NVRTC takes
+    # the include there
+    copy = "int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 256) out[i] = x[i];\n"
+    long_body = "".join(f"// {'filler of the kind a long kernel carries ' * 2}{n}\n" for n in range(90)) + copy
+    body_dir = Path(tempfile.mkdtemp(prefix="gmlx-call-cost-"))
+    (body_dir / "body.cuh").write_text(long_body)
+    long_kernel = mx.fast.cuda_kernel(name="gmlx_copy_long", input_names=["x"], output_names=["out"],
+                                      source=long_body)
+    included = mx.fast.cuda_kernel(name="gmlx_copy_included", input_names=["x"], output_names=["out"],
+                                   source=f'#include "{body_dir / "body.cuh"}"\n')
+
+    def one(kernel):
+        return lambda: kernel(inputs=[x], output_shapes=[(256,)], output_dtypes=[mx.float32], grid=(256, 1, 1),
+                              threadgroup=(256, 1, 1))[0]
+
     kinds = {
         "a view (reshape), no kernel": lambda: x.reshape(16, 16),
         "mx.add": lambda: x + 1.0,
@@ -86,6 +105,8 @@ def main() -> None:
         "cuda_kernel, 11 inputs and 3 outputs (as the q-k-v product's)": lambda: wide(
             inputs=many, output_shapes=[(256,)] * 3, output_dtypes=[mx.float32] * 3, grid=(256, 1, 1),
             threadgroup=(256, 1, 1))[0],
+        f"cuda_kernel, {len(long_body) / 1024:.1f} KB of source": one(long_kernel),
+        "cuda_kernel, the same through an #include": one(included),
         "cuda_kernel, 9 template arguments": lambda: plain(
             inputs=[x], output_shapes=[(256,)], output_dtypes=[mx.float32], grid=(256, 1, 1),
             threadgroup=(256, 1, 1),

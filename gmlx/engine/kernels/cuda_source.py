@@ -9,12 +9,29 @@ shape instead, their constants in a short head and their body without comments.
 MLX keeps compiled kernels on disk across processes under the kernel's name alone
 (``MLX_PTX_CACHE_DIR``; gmlx points it into its cache folder), so a name must change
 whenever its source does, or a gmlx with a changed kernel would run the old one
-(:func:`kernel_name`)."""
+(:func:`kernel_name`).
+
+MLX's CUDA back-end also hashes a custom kernel's whole generated source at every
+evaluation (the key of its compiled module: the kernel's name and that hash), and gmlx's
+one-row products carry 5-9 KB of it: on the H100's host (12-07) the hashing was 9% of the
+one-stream step's hand-over thread, ~1-2 us for each of its ~160 kernels. With
+``GMLX_KERNEL_INCLUDE=1`` a kernel's body goes to a file named by its digest
+(:func:`body_file`, under the cache folder) and the source MLX keeps is its constants and
+an ``#include`` of that file: NVRTC reads the same text in the same place, so the code is
+the same (PTX compared byte for byte, here with NVRTC 13.5), and the hash covers ~100
+bytes. Off by default until a lease has measured it; where the folder cannot be written
+(or its path cannot be written in an ``#include``), the body stays inline.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+from pathlib import Path
 from typing import Any
+
+ENV_INCLUDE = "GMLX_KERNEL_INCLUDE"
 
 _CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
@@ -43,16 +60,51 @@ def kernel_name(prefix: str, source: str) -> str:
     return f"{prefix}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
 
 
+def body_file(body: str) -> Path | None:
+    """``body`` written (once) to a file named by its digest under the cache folder, for an
+    ``#include``; None where it cannot be (a folder not writable, a path with a quote, a
+    backslash or a line break in it, which an ``#include "..."`` cannot name)."""
+    from gmlx import paths
+
+    folder = paths.cache_dir() / "kernels" / "sources"
+    path = folder / f"{hashlib.sha1(body.encode()).hexdigest()}.cuh"
+    if not path.is_absolute() or any(c in str(path) for c in '"\\\n'):
+        return None
+    try:
+        if not path.is_file() or path.read_text() != body:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(body)
+            tmp.replace(path)  # whole or not at all: another process may read it meanwhile
+    except OSError:
+        return None
+    return path
+
+
+def kernel_source(head: str, body: str, inputs: list[str]) -> str:
+    """The source MLX is given for a kernel: ``head + body``, or with ``GMLX_KERNEL_INCLUDE=1``
+    ``head`` and an ``#include`` of the body's file (:func:`body_file`) where it could be
+    written. The preprocessor puts the file's text where the line stands, inside the kernel's
+    function, so NVRTC compiles the same code. MLX gives a kernel an input's shape, strides
+    or rank only where its source names them (``x_shape``, ``x_strides``, ``x_ndim``): the
+    ones the body names are named again in a comment beside the ``#include``."""
+    if os.environ.get(ENV_INCLUDE) != "1" or (path := body_file(body)) is None:
+        return head + body
+    named = sorted({m for m in re.findall(r"\b(\w+_(?:shape|strides|ndim))\b", body)
+                    if m.rsplit("_", 1)[0] in inputs})
+    return f'{head.rstrip()}\n#include "{path}"\n' + (f"// {' '.join(named)}\n" if named else "")
+
+
 def build(prefix: str, head: str, body: str, inputs: list[str], outputs: tuple[str, ...] = ("out",),
           **options: Any) -> Any:
     """The custom kernel of source ``head + body`` (its constants, then its code) with
-    ``inputs`` and ``outputs``, named by :func:`kernel_name`; ``options`` go to
-    ``mx.fast.cuda_kernel`` (``ensure_row_contiguous``)."""
+    ``inputs`` and ``outputs``, named by :func:`kernel_name` (of the whole text, whichever
+    way MLX is given it: :func:`kernel_source`); ``options`` go to ``mx.fast.cuda_kernel``
+    (``ensure_row_contiguous``)."""
     import mlx.core as mx
 
-    source = head + body
-    return mx.fast.cuda_kernel(name=kernel_name(prefix, source), input_names=inputs, output_names=list(outputs),
-                               source=source, **options)
+    return mx.fast.cuda_kernel(name=kernel_name(prefix, head + body), input_names=inputs, output_names=list(outputs),
+                               source=kernel_source(head, body, inputs), **options)
 
 
 # An MLP's swiglu of a gate and an up product, rounded as MLX's products and mlx-lm's

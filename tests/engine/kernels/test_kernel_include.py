@@ -1,0 +1,81 @@
+"""``GMLX_KERNEL_INCLUDE=1``: a custom kernel's body goes to a file named by its digest and
+MLX is given its constants and an ``#include`` of it (MLX's CUDA back-end hashes the
+source it holds at every evaluation). The files and the text here are real; the kernel
+is recorded where ``mx.fast.cuda_kernel`` would make it (no CUDA back-end on this CPU)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from gmlx.engine.kernels import cuda_source
+
+HEAD = "using T = __half; constexpr int N = 4;\n"
+BODY = "const int i = threadIdx.x;\nif (i < x_shape[0] && i < N) out[i] = x[i];\n"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_inline_unless_asked(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cuda_source.ENV_INCLUDE, raising=False)
+    assert cuda_source.kernel_source(HEAD, BODY, ["x"]) == HEAD + BODY
+    assert not (cache / "kernels" / "sources").exists()
+
+
+def test_the_body_is_included_from_its_digests_file(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
+    source = cuda_source.kernel_source(HEAD, BODY, ["x"])
+    path = cache / "kernels" / "sources" / f"{hashlib.sha1(BODY.encode()).hexdigest()}.cuh"
+    assert path.read_text() == BODY
+    # the constants inline, then the body's file where the body stood; x_shape named again
+    # so MLX still gives the kernel x's shape
+    assert source == f'{HEAD.rstrip()}\n#include "{path}"\n// x_shape\n'
+    assert len(source) < len(HEAD) + len(str(path)) + 40
+
+
+def test_a_damaged_file_is_written_again(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
+    path = cuda_source.body_file(BODY)
+    assert path is not None
+    path.write_text(BODY[:10])  # (a writer cut off: the file's name no longer matches its text)
+    assert cuda_source.body_file(BODY) == path and path.read_text() == BODY
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_inline_where_the_folder_cannot_be_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(blocker / "cache"))  # under a file: no folder can be made
+    monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
+    assert cuda_source.kernel_source(HEAD, BODY, ["x"]) == HEAD + BODY
+
+
+def test_inline_where_an_include_cannot_name_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / 'say "cache"'))
+    monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
+    assert cuda_source.kernel_source(HEAD, BODY, ["x"]) == HEAD + BODY
+
+
+def test_only_inputs_shapes_are_named(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
+    body = "int a = q_strides[1] + k_ndim + out_shape_like + v_shape[2];\n"
+    source = cuda_source.kernel_source("", body, ["q", "k"])
+    assert source.endswith("// k_ndim q_strides\n")
+
+
+def test_the_kernels_name_is_the_same_either_way(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw))
+    monkeypatch.delenv(cuda_source.ENV_INCLUDE, raising=False)
+    cuda_source.build("gmlx_t", HEAD, BODY, ["x"])
+    monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
+    cuda_source.build("gmlx_t", HEAD, BODY, ["x"])
+    assert made[0]["name"] == made[1]["name"] == cuda_source.kernel_name("gmlx_t", HEAD + BODY)
+    assert made[0]["source"] == HEAD + BODY and "#include" in made[1]["source"]
