@@ -219,7 +219,7 @@ GMLX_VARIANTS = {
     # build, hand over, wait, read, between; gmlx.engine.step_times)
     "gmlx-steptimes": {"GMLX_STEP_TIMES": "128"},
     # each kernel's body through an #include of a file (cuda_source.kernel_source): MLX hashes
-    # the source it holds at every evaluation, ~7.8 KB a one-row product whole, ~0.7 included
+    # the source it holds at every evaluation, ~7.8 KB a one-row product whole, ~0.1 included
     # (the same PTX, include_check.py); the hashing was 9% of the H100's one-stream hand-over
     # thread (12-07 night, step_census's native profile)
     "gmlx-include-steptimes": {"GMLX_KERNEL_INCLUDE": "1", "GMLX_STEP_TIMES": "128"},

@@ -114,6 +114,8 @@ def main() -> None:
     loaded = load(args.model, args.dtype)
     notes = prepare_layers(loaded.model)
     print(f"device: {mx.default_device()}  model: {args.model}; {len(notes)} load note(s)", flush=True)
+    for note in notes:  # (which folds the load took: a census of more kernels than a trace's says why)
+        print(f"  note: {note}", flush=True)
     widths = [int(w) for w in args.widths.split(",")]
     for width in widths:
         step = greedy_step(loaded.model, width, args.context)

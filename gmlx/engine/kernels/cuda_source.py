@@ -15,11 +15,11 @@ MLX's CUDA back-end also hashes a custom kernel's whole generated source at ever
 evaluation (the key of its compiled module: the kernel's name and that hash), and gmlx's
 one-row products carry 5-9 KB of it: on the H100's host (12-07) the hashing was 9% of the
 one-stream step's hand-over thread, ~1-2 us for each of its ~160 kernels. With
-``GMLX_KERNEL_INCLUDE=1`` a kernel's body goes to a file named by its digest
-(:func:`body_file`, under the cache folder) and the source MLX keeps is its constants and
-an ``#include`` of that file: NVRTC reads the same text in the same place, so the code is
-the same (PTX compared byte for byte, here with NVRTC 13.5), and the hash covers ~100
-bytes. Off by default until a lease has measured it; where the folder cannot be written
+``GMLX_KERNEL_INCLUDE=1`` a kernel's source (its constants and its code) goes to a file
+named by its digest (:func:`body_file`, under the cache folder) and the source MLX keeps
+is an ``#include`` of that file: NVRTC reads the same text in the same place, so the code
+is the same (PTX compared byte for byte, ``benchmarks/gpu/include_check.py``), and the
+hash covers ~100 bytes. Off by default until a lease has measured it; where the folder cannot be written
 (or its path cannot be written in an ``#include``), the body stays inline.
 """
 
@@ -61,7 +61,7 @@ def kernel_name(prefix: str, source: str) -> str:
 
 
 def body_file(body: str) -> Path | None:
-    """``body`` written (once) to a file named by its digest under the cache folder, for an
+    """A kernel's ``body`` written (once) to a file named by its digest under the cache folder, for an
     ``#include``; None where it cannot be (a folder not writable, a path with a quote, a
     backslash or a line break in it, which an ``#include "..."`` cannot name)."""
     from gmlx import paths
@@ -81,18 +81,18 @@ def body_file(body: str) -> Path | None:
     return path
 
 
-def kernel_source(head: str, body: str, inputs: list[str]) -> str:
-    """The source MLX is given for a kernel: ``head + body``, or with ``GMLX_KERNEL_INCLUDE=1``
-    ``head`` and an ``#include`` of the body's file (:func:`body_file`) where it could be
-    written. The preprocessor puts the file's text where the line stands, inside the kernel's
-    function, so NVRTC compiles the same code. MLX gives a kernel an input's shape, strides
-    or rank only where its source names them (``x_shape``, ``x_strides``, ``x_ndim``): the
-    ones the body names are named again in a comment beside the ``#include``."""
-    if os.environ.get(ENV_INCLUDE) != "1" or (path := body_file(body)) is None:
-        return head + body
-    named = sorted({m for m in re.findall(r"\b(\w+_(?:shape|strides|ndim))\b", body)
+def kernel_source(source: str, inputs: list[str]) -> str:
+    """The source MLX is given for a kernel: ``source``, or with ``GMLX_KERNEL_INCLUDE=1`` an
+    ``#include`` of its file (:func:`body_file`) where it could be written. The preprocessor
+    puts the file's text where the line stands, inside the kernel's function, so NVRTC
+    compiles the same code. MLX gives a kernel an input's shape, strides or rank only where
+    its source names them (``x_shape``, ``x_strides``, ``x_ndim``): the ones ``source``
+    names are named again in a comment beside the ``#include``."""
+    if os.environ.get(ENV_INCLUDE) != "1" or (path := body_file(source)) is None:
+        return source
+    named = sorted({m for m in re.findall(r"\b(\w+_(?:shape|strides|ndim))\b", source)
                     if m.rsplit("_", 1)[0] in inputs})
-    return f'{head.rstrip()}\n#include "{path}"\n' + (f"// {' '.join(named)}\n" if named else "")
+    return f'#include "{path}"\n' + (f"// {' '.join(named)}\n" if named else "")
 
 
 def build(prefix: str, head: str, body: str, inputs: list[str], outputs: tuple[str, ...] = ("out",),
@@ -103,8 +103,9 @@ def build(prefix: str, head: str, body: str, inputs: list[str], outputs: tuple[s
     (``ensure_row_contiguous``)."""
     import mlx.core as mx
 
-    return mx.fast.cuda_kernel(name=kernel_name(prefix, head + body), input_names=inputs, output_names=list(outputs),
-                               source=kernel_source(head, body, inputs), **options)
+    source = head + body
+    return mx.fast.cuda_kernel(name=kernel_name(prefix, source), input_names=inputs, output_names=list(outputs),
+                               source=kernel_source(source, inputs), **options)
 
 
 # An MLP's swiglu of a gate and an up product, rounded as MLX's products and mlx-lm's

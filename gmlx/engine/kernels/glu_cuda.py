@@ -16,7 +16,9 @@ without biases. Whether a step of 1, 2, 4, ... 64 streams takes it is measured a
 (:func:`tune`, after the quantized layers' own paths): the kernel must agree with MLX's
 products and swiglu as closely as they agree with float32 ones, and a whole decode step
 of that many streams must get faster with it, or the bucket keeps the three kernels;
-the answer is kept with the tuner's (:mod:`tuning`). ``GMLX_GLU_KERNEL=0`` turns it
+the answer is kept with the tuner's (:mod:`tuning`). At one stream the norm before the
+MLP folded into the kernel (:func:`fold_norms`) takes it whatever that timing said (a
+host-paced step times within its noise there). ``GMLX_GLU_KERNEL=0`` turns it
 off, ``=1`` takes it at every bucket untimed (to measure it). The tests run the kernel's
 own source on the CPU against MLX's products and swiglu
 (``tests/engine/kernels/test_qgemv_cuda.py``), and the wiring and the tuning through
@@ -145,9 +147,9 @@ def tune(model: Any) -> str | None:
         _time_shapes(mlps, keys)
     note = step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
                             agrees, lambda buckets: use(model, buckets))
-    if not mlps[0]._buckets:
+    if not mlps[0]._buckets and os.environ.get(NORM_ENV, "1") == "0":
         detach(model)  # taken nowhere: the model's own MLPs, without the check a call
-    return note
+    return note  # (else fold_norms may still take one stream, and detaches where it does not)
 
 
 def _key(mlp: Any) -> str:
@@ -255,23 +257,27 @@ def normed_plus(mlp: Any, norm: Any, h: Any) -> Any:
 
 
 def fold_norms(model: Any) -> str | None:
-    """Give each block whose MLP takes the gated product at one stream on the CUDA-core
-    source (:func:`tune` decided it) that kernel with the block's RMSNorm before it
-    folded in (:data:`qgemv_source.NORMED_BODY`), for :func:`normed_plus`: one kernel a
-    layer fewer at one stream (on the H100, 12-06 evening, the norms were 65 kernels of
-    ~3.2 us in a 3.27 ms step, each one more for the host to hand over). Each MLP shape's
-    first block is checked: the kernel must be as close to a float32 norm, products and
-    swiglu as MLX's norm, products and swiglu are, or no block of that shape takes it.
-    ``GMLX_NORM_FOLD=0`` leaves the norms as they are. Returns the log line (None: no
-    block could take it)."""
+    """Give each block whose MLP's gate and up the CUDA-core source takes at one row that
+    gated kernel with the block's RMSNorm before it folded in
+    (:data:`qgemv_source.NORMED_BODY`), for :func:`normed_plus`, and the gated product at
+    one stream with it: at one stream the norm, gate, up and swiglu in one launch where
+    MLX's path takes four (the norm, the two products, the swiglu), and the residual in the
+    down product's (on the H100, 12-06 evening, the norms alone were 65 kernels of ~3.2 us
+    in a 3.27 ms step, each one more for the host to hand over). Untimed, as the q-k-v
+    product's fold (:func:`qkv_cuda.fold_norms`): the load's whole-step timing of the
+    gated product alone at one stream is the host's and within its noise (12-07 night,
+    H100: 1.02x, just under :func:`step_tuning.decide`'s bar, so one stream ran nine
+    kernels a layer where it runs five). Each MLP shape's first block is checked: the
+    kernel must be as close to a float32 norm, products and swiglu as MLX's norm, products
+    and swiglu are, or no block of that shape takes it. ``GMLX_NORM_FOLD=0`` leaves the
+    norms as they are. Returns the log line (None: no block could take it)."""
     if os.environ.get(NORM_ENV, "1") == "0":
         return None
 
     def bind(norm: Any, mlp: Any, weight: Any) -> list[tuple[str, Callable[[Any], Any]]]:
         gate = mlp.gate_proj
-        if (1 not in mlp._buckets or step_tuning.tensor_cores(gate, 1)
-                or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,)):
-            return []  # one stream keeps MLX's products (or the tensor cores'), or an odd norm
+        if step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,):
+            return []  # one stream keeps the tensor cores' products, or an odd norm
         group_size, bits = layout(mlp)
         key = _key(mlp)
         shape = qgemv_cuda.unstaged(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
@@ -279,8 +285,16 @@ def fold_norms(model: Any) -> str | None:
                                        up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
                                        norm=(weight, norm.eps)))]
 
-    return step_tuning.fold_norms(model, "post_attention_layernorm", "mlp", "glu", "_normed", bind, _normed_agrees,
-                                  "the MLP's gate, up and swiglu")
+    try:
+        line = step_tuning.fold_norms(model, "post_attention_layernorm", "mlp", "glu", "_normed", bind,
+                                      _normed_agrees, "the MLP's gate, up and swiglu")
+        for mlp in fused(model):  # a folded MLP takes its gated product at one stream, whatever tune() timed there
+            if getattr(mlp, "_normed", None) is not None:
+                object.__setattr__(mlp, "_buckets", frozenset(mlp._buckets) | {1})
+    finally:
+        if not any(mlp._buckets for mlp in fused(model)):
+            detach(model)  # taken nowhere, folded nowhere: the model's own MLPs, without the check a call
+    return line
 
 
 def _normed_agrees(mlp: Any, norm: Any, run: Callable[[Any], Any]) -> bool:

@@ -308,6 +308,59 @@ def test_a_norm_fold_that_disagrees_is_not_taken(monkeypatch: pytest.MonkeyPatch
     glu_cuda.detach(model)
 
 
+def _folding_bind(folded: list[tuple[int, ...]], disagree: bool = False):
+    """``qgemv_cuda.bound`` standing in with MLX's norm, products and swiglu (CUDA cannot
+    run here); ``disagree``: the norm's scale left out."""
+    from mlx_lm.models.activations import swiglu
+
+    def bind(w, scales, biases, group_size, bits, config, up=None, residual=False, norm=None):
+        def product(x, layer):
+            return mx.quantized_matmul(x, *layer, transpose=True, group_size=group_size, bits=bits)
+
+        def run(x, *r):
+            if norm is not None:
+                folded.append(x.shape)
+                n = x * norm[0] if disagree else mx.fast.rms_norm(x, norm[0], norm[1])
+                return swiglu(product(n, (w, scales, biases)), product(n, up))
+            y = product(x, (w, scales, biases))
+            return r[0] + y if residual else y
+        return run
+    return bind
+
+
+def test_the_fold_takes_one_stream_where_the_loads_timing_did_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load's whole-step timing of the gated product alone at one stream is the host's
+    and within its noise (12-07 night, H100: 1.02x, not taken), so the norm's fold takes the
+    gated product at one stream itself, as the q-k-v fold does: every block folded, one
+    stream through the folded kernel (the same logits bit for bit where it computes what
+    MLX does), the buckets the timing took kept. Where no block can fold either, the MLPs
+    are their own again."""
+    from gmlx.engine.kernels import fast_linear, glu_cuda, qgemv_cuda
+
+    folded: list[tuple[int, ...]] = []
+    monkeypatch.setattr(qgemv_cuda, "bound", _folding_bind(folded))
+    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
+    want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = fast_linear.FastQuantizedLinear
+            m.set_paths({1: (fast_linear.GEMV, (4, 2))})
+    assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=(4,)) == LAYERS  # tune() took 4 rows, not one
+    assert glu_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
+    assert all(m._buckets == {1, 4} for m in glu_cuda.fused(model))
+    assert compiled_blocks.attach(model) == LAYERS
+    got = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
+    assert folded == [(1, 1, model.args.hidden_size)] * (1 + LAYERS)  # the check, then each layer traced once
+    glu_cuda.detach(model)
+    compiled_blocks.detach(model)
+
+    monkeypatch.setattr(qgemv_cuda, "bound", _folding_bind([], disagree=True))
+    assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=()) == LAYERS
+    assert glu_cuda.fold_norms(model).endswith(f"in 0 of {LAYERS} block(s)")
+    assert glu_cuda.fused(model) == []  # taken nowhere, folded nowhere
+
+
 @pytest.mark.parametrize(("mixed", "one_launch"), [(False, True), (True, True), (True, False), (True, "disagrees")],
                          ids=["one-layout", "values-8-bit", "values-8-bit-two-launches", "values-8-bit-one-disagrees"])
 def test_the_norm_before_the_attention_rides_in_its_projections(monkeypatch: pytest.MonkeyPatch, mixed: bool,

@@ -151,7 +151,7 @@ def test_a_machine_warming_up_while_it_is_timed_does_not_make_a_kernel_look_fast
     glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=())
     _timed(monkeypatch, {}, drift=0.03)
     assert "none faster" in glu_cuda.tune(model)
-    assert glu_cuda.fused(model) == []
+    assert all(not m._buckets for m in glu_cuda.fused(model))  # (the norm's fold may still take one stream)
 
 
 def test_a_kernel_that_disagrees_is_never_taken(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,7 +168,7 @@ def test_a_kernel_that_disagrees_is_never_taken(tmp_path, monkeypatch: pytest.Mo
     glu_cuda.attach(model, wrong, buckets=())
     timed = _timed(monkeypatch, {1: 0.5})
     assert "none faster" in glu_cuda.tune(model)
-    assert timed == [] and glu_cuda.fused(model) == []
+    assert timed == [] and all(not m._buckets for m in glu_cuda.fused(model))
 
 
 def test_set_to_1_it_takes_every_bucket_untimed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

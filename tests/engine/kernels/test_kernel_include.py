@@ -1,5 +1,5 @@
-"""``GMLX_KERNEL_INCLUDE=1``: a custom kernel's body goes to a file named by its digest and
-MLX is given its constants and an ``#include`` of it (MLX's CUDA back-end hashes the
+"""``GMLX_KERNEL_INCLUDE=1``: a custom kernel's source goes to a file named by its digest and
+MLX is given an ``#include`` of it (MLX's CUDA back-end hashes the
 source it holds at every evaluation). The files and the text here are real; the kernel
 is recorded where ``mx.fast.cuda_kernel`` would make it (no CUDA back-end on this CPU)."""
 
@@ -25,19 +25,18 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_inline_unless_asked(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cuda_source.ENV_INCLUDE, raising=False)
-    assert cuda_source.kernel_source(HEAD, BODY, ["x"]) == HEAD + BODY
+    assert cuda_source.kernel_source(HEAD + BODY, ["x"]) == HEAD + BODY
     assert not (cache / "kernels" / "sources").exists()
 
 
 def test_the_body_is_included_from_its_digests_file(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
-    source = cuda_source.kernel_source(HEAD, BODY, ["x"])
-    path = cache / "kernels" / "sources" / f"{hashlib.sha1(BODY.encode()).hexdigest()}.cuh"
-    assert path.read_text() == BODY
-    # the constants inline, then the body's file where the body stood; x_shape named again
-    # so MLX still gives the kernel x's shape
-    assert source == f'{HEAD.rstrip()}\n#include "{path}"\n// x_shape\n'
-    assert len(source) < len(HEAD) + len(str(path)) + 40
+    source = cuda_source.kernel_source(HEAD + BODY, ["x"])
+    path = cache / "kernels" / "sources" / f"{hashlib.sha1((HEAD + BODY).encode()).hexdigest()}.cuh"
+    assert path.read_text() == HEAD + BODY
+    # the file where the source stood; x_shape named again so MLX still gives the kernel x's shape
+    assert source == f'#include "{path}"\n// x_shape\n'
+
 
 
 def test_a_damaged_file_is_written_again(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,19 +53,19 @@ def test_inline_where_the_folder_cannot_be_written(tmp_path: Path, monkeypatch: 
     blocker.write_text("")
     monkeypatch.setenv("GMLX_CACHE_DIR", str(blocker / "cache"))  # under a file: no folder can be made
     monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
-    assert cuda_source.kernel_source(HEAD, BODY, ["x"]) == HEAD + BODY
+    assert cuda_source.kernel_source(HEAD + BODY, ["x"]) == HEAD + BODY
 
 
 def test_inline_where_an_include_cannot_name_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / 'say "cache"'))
     monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
-    assert cuda_source.kernel_source(HEAD, BODY, ["x"]) == HEAD + BODY
+    assert cuda_source.kernel_source(HEAD + BODY, ["x"]) == HEAD + BODY
 
 
 def test_only_inputs_shapes_are_named(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
     body = "int a = q_strides[1] + k_ndim + out_shape_like + v_shape[2];\n"
-    source = cuda_source.kernel_source("", body, ["q", "k"])
+    source = cuda_source.kernel_source(body, ["q", "k"])
     assert source.endswith("// k_ndim q_strides\n")
 
 
