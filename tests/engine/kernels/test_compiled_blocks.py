@@ -204,7 +204,7 @@ def test_a_blocks_residual_adds_ride_in_its_one_row_products(monkeypatch: pytest
     own code, two residual launches a layer. (``qgemv_cuda.bound`` stands in with MLX's
     product, plus the residual where asked: CUDA cannot run here; the kernel's own
     source is checked in test_qgemv_cuda.)"""
-    from gmlx.engine.kernels import fast_linear, glu_cuda, qgemv_cuda
+    from gmlx.engine.kernels import glu_cuda, qgemv_cuda
 
     residuals: list[tuple[int, ...]] = []
 
@@ -219,10 +219,7 @@ def test_a_blocks_residual_adds_ride_in_its_one_row_products(monkeypatch: pytest
     monkeypatch.setattr(qgemv_cuda, "bound", bind)
     model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = fast_linear.FastQuantizedLinear
-            m.set_paths({1: (fast_linear.GEMV, (4, 2))})
+    _one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
     assert compiled_blocks.attach(model) == LAYERS
     got = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
@@ -236,76 +233,15 @@ def test_a_blocks_residual_adds_ride_in_its_one_row_products(monkeypatch: pytest
     compiled_blocks.detach(model)
 
 
-def test_the_norm_before_the_mlp_rides_in_its_gated_product_at_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a block's MLP takes its gated product at one stream on the CUDA-core source,
-    the load gives it that kernel with the block's RMSNorm folded in (``fold_norms``,
-    checked against MLX's norm, products and swiglu) and the compiled block hands it the
-    hidden state itself: one launch a layer fewer, the same logits bit for bit where the
-    kernel computes what MLX does (``qgemv_cuda.bound`` stands in with MLX's norm,
-    products and swiglu: CUDA cannot run here; the kernel's own source is checked against
-    them in test_qgemv_cuda). Two streams keep the norm; GMLX_NORM_FOLD=0 folds none."""
-    from mlx_lm.models.activations import swiglu
+def _one_row_kernels(model) -> None:
+    """Every quantized layer of ``model`` on the one-row kernel's path at one row (as a
+    CUDA load's tuner leaves an 8B's)."""
+    from gmlx.engine.kernels import fast_linear
 
-    from gmlx.engine.kernels import fast_linear, glu_cuda, qgemv_cuda
-
-    folded: list[tuple[int, ...]] = []
-
-    def bind(w, scales, biases, group_size, bits, config, up=None, residual=False, norm=None):
-        def product(x, layer):
-            return mx.quantized_matmul(x, *layer, transpose=True, group_size=group_size, bits=bits)
-
-        def run(x, *r):
-            if norm is not None:
-                folded.append(x.shape)
-                n = mx.fast.rms_norm(x, norm[0], norm[1])
-                return swiglu(product(n, (w, scales, biases)), product(n, up))
-            y = product(x, (w, scales, biases))
-            return r[0] + y if residual else y
-        return run
-
-    monkeypatch.setattr(qgemv_cuda, "bound", bind)
-    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
-    want = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
     for _, m in model.named_modules():
         if type(m) is nn.QuantizedLinear:
             m.__class__ = fast_linear.FastQuantizedLinear
             m.set_paths({1: (fast_linear.GEMV, (4, 2))})
-    assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
-    monkeypatch.setenv(glu_cuda.NORM_ENV, "0")
-    assert glu_cuda.fold_norms(model) is None
-    monkeypatch.delenv(glu_cuda.NORM_ENV)
-    assert glu_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
-    assert compiled_blocks.attach(model) == LAYERS
-    got = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
-    for rows, (w, g) in enumerate(zip(want, got, strict=True), start=1):
-        for step, (a, b) in enumerate(zip(w, g, strict=True)):
-            assert mx.array_equal(a, b).item(), f"{rows} row(s), step {step} differs"
-    # one check a shape at load, then each layer's kernel traced once at one stream, never at two
-    assert folded == [(1, 1, model.args.hidden_size)] * (1 + LAYERS)
-    glu_cuda.detach(model)
-    compiled_blocks.detach(model)
-
-
-def test_a_norm_fold_that_disagrees_is_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A folded kernel whose result is off (here: the norm's scale left out) fails the
-    load's check: no block takes it, and the load says so."""
-    from mlx_lm.models.activations import swiglu
-
-    from gmlx.engine.kernels import glu_cuda, qgemv_cuda
-
-    def bind(w, scales, biases, group_size, bits, config, up=None, residual=False, norm=None):
-        def run(x, *r):  # h * weight, never scaled by its RMS
-            n = x * norm[0]
-            return swiglu(*(mx.quantized_matmul(n, *layer, transpose=True, group_size=group_size, bits=bits)
-                            for layer in ((w, scales, biases), up)))
-        return run
-
-    monkeypatch.setattr(qgemv_cuda, "bound", bind)
-    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
-    assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
-    assert glu_cuda.fold_norms(model).endswith(f"in 0 of {LAYERS} block(s)")
-    assert all(layer.mlp._normed is None for layer in model.layers)
-    glu_cuda.detach(model)
 
 
 def _folding_bind(folded: list[tuple[int, ...]], disagree: bool = False):
@@ -328,6 +264,52 @@ def _folding_bind(folded: list[tuple[int, ...]], disagree: bool = False):
     return bind
 
 
+def test_the_norm_before_the_mlp_rides_in_its_gated_product_at_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a block's MLP takes its gated product at one stream on the CUDA-core source,
+    the load gives it that kernel with the block's RMSNorm folded in (``fold_norms``,
+    checked against MLX's norm, products and swiglu) and the compiled block hands it the
+    hidden state itself: one launch a layer fewer, the same logits bit for bit where the
+    kernel computes what MLX does (``qgemv_cuda.bound`` stands in with MLX's norm,
+    products and swiglu: CUDA cannot run here; the kernel's own source is checked against
+    them in test_qgemv_cuda). Two streams keep the norm; GMLX_NORM_FOLD=0 folds none."""
+    from gmlx.engine.kernels import glu_cuda, qgemv_cuda
+
+    folded: list[tuple[int, ...]] = []
+    bind = _folding_bind(folded)
+    monkeypatch.setattr(qgemv_cuda, "bound", bind)
+    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
+    want = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
+    _one_row_kernels(model)
+    assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
+    monkeypatch.setenv(glu_cuda.NORM_ENV, "0")
+    assert glu_cuda.fold_norms(model) is None
+    monkeypatch.delenv(glu_cuda.NORM_ENV)
+    assert glu_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
+    assert compiled_blocks.attach(model) == LAYERS
+    got = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
+    for rows, (w, g) in enumerate(zip(want, got, strict=True), start=1):
+        for step, (a, b) in enumerate(zip(w, g, strict=True)):
+            assert mx.array_equal(a, b).item(), f"{rows} row(s), step {step} differs"
+    # one check a shape at load, then each layer's kernel traced once at one stream, never at two
+    assert folded == [(1, 1, model.args.hidden_size)] * (1 + LAYERS)
+    glu_cuda.detach(model)
+    compiled_blocks.detach(model)
+
+
+def test_a_norm_fold_that_disagrees_is_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folded kernel whose result is off (here: the norm's scale left out) fails the
+    load's check: no block takes it, and the load says so."""
+    from gmlx.engine.kernels import glu_cuda, qgemv_cuda
+
+    bind = _folding_bind([], disagree=True)
+    monkeypatch.setattr(qgemv_cuda, "bound", bind)
+    model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
+    assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
+    assert glu_cuda.fold_norms(model).endswith(f"in 0 of {LAYERS} block(s)")
+    assert all(layer.mlp._normed is None for layer in model.layers)
+    glu_cuda.detach(model)
+
+
 def test_the_fold_takes_one_stream_where_the_loads_timing_did_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """The load's whole-step timing of the gated product alone at one stream is the host's
     and within its noise (12-07 night, H100: 1.02x, not taken), so the norm's fold takes the
@@ -335,16 +317,13 @@ def test_the_fold_takes_one_stream_where_the_loads_timing_did_not(monkeypatch: p
     stream through the folded kernel (the same logits bit for bit where it computes what
     MLX does), the buckets the timing took kept. Where no block can fold either, the MLPs
     are their own again."""
-    from gmlx.engine.kernels import fast_linear, glu_cuda, qgemv_cuda
+    from gmlx.engine.kernels import glu_cuda, qgemv_cuda
 
     folded: list[tuple[int, ...]] = []
     monkeypatch.setattr(qgemv_cuda, "bound", _folding_bind(folded))
     model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = fast_linear.FastQuantizedLinear
-            m.set_paths({1: (fast_linear.GEMV, (4, 2))})
+    _one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=(4,)) == LAYERS  # tune() took 4 rows, not one
     assert glu_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
     assert all(m._buckets == {1, 4} for m in glu_cuda.fused(model))
