@@ -1,4 +1,4 @@
-"""Whether a kernel given to MLX as its constants and an ``#include`` of its body
+"""Whether a kernel given to MLX as an ``#include`` of a file holding its source
 (``GMLX_KERNEL_INCLUDE=1``, :func:`gmlx.engine.kernels.cuda_source.kernel_source`) compiles
 to the same code as the kernel given whole: gmlx's one-row products at every launch shape
 the 8B's layouts are tuned over (plain, gated, normed, with a residual), the in-place

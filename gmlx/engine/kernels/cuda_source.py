@@ -16,11 +16,12 @@ evaluation (the key of its compiled module: the kernel's name and that hash), an
 one-row products carry 5-9 KB of it: on the H100's host (12-07) the hashing was 9% of the
 one-stream step's hand-over thread, ~1-2 us for each of its ~160 kernels. With
 ``GMLX_KERNEL_INCLUDE=1`` a kernel's source (its constants and its code) goes to a file
-named by its digest (:func:`body_file`, under the cache folder) and the source MLX keeps
+named by its digest (:func:`source_file`, under the cache folder) and the source MLX keeps
 is an ``#include`` of that file: NVRTC reads the same text in the same place, so the code
 is the same (PTX compared byte for byte, ``benchmarks/gpu/include_check.py``), and the
-hash covers ~100 bytes. Off by default until a lease has measured it; where the folder cannot be written
-(or its path cannot be written in an ``#include``), the body stays inline.
+hash covers ~100 bytes. Off by default until a lease has measured it; where the folder
+cannot be written (or its path cannot be named in an ``#include``), the source stays
+inline.
 """
 
 from __future__ import annotations
@@ -60,21 +61,21 @@ def kernel_name(prefix: str, source: str) -> str:
     return f"{prefix}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
 
 
-def body_file(body: str) -> Path | None:
-    """A kernel's ``body`` written (once) to a file named by its digest under the cache folder, for an
-    ``#include``; None where it cannot be (a folder not writable, a path with a quote, a
-    backslash or a line break in it, which an ``#include "..."`` cannot name)."""
+def source_file(source: str) -> Path | None:
+    """A kernel's ``source`` written (once) to a file named by its digest under the cache
+    folder, for an ``#include``; None where it cannot be (a folder not writable, a path with
+    a quote, a backslash or a line break in it, which an ``#include "..."`` cannot name)."""
     from gmlx import paths
 
     folder = paths.cache_dir() / "kernels" / "sources"
-    path = folder / f"{hashlib.sha1(body.encode()).hexdigest()}.cuh"
+    path = folder / f"{hashlib.sha1(source.encode()).hexdigest()}.cuh"
     if not path.is_absolute() or any(c in str(path) for c in '"\\\n'):
         return None
     try:
-        if not path.is_file() or path.read_text() != body:
+        if not path.is_file() or path.read_text() != source:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(body)
+            tmp.write_text(source)
             tmp.replace(path)  # whole or not at all: another process may read it meanwhile
     except OSError:
         return None
@@ -83,12 +84,12 @@ def body_file(body: str) -> Path | None:
 
 def kernel_source(source: str, inputs: list[str]) -> str:
     """The source MLX is given for a kernel: ``source``, or with ``GMLX_KERNEL_INCLUDE=1`` an
-    ``#include`` of its file (:func:`body_file`) where it could be written. The preprocessor
+    ``#include`` of its file (:func:`source_file`) where it could be written. The preprocessor
     puts the file's text where the line stands, inside the kernel's function, so NVRTC
     compiles the same code. MLX gives a kernel an input's shape, strides or rank only where
     its source names them (``x_shape``, ``x_strides``, ``x_ndim``): the ones ``source``
     names are named again in a comment beside the ``#include``."""
-    if os.environ.get(ENV_INCLUDE) != "1" or (path := body_file(source)) is None:
+    if os.environ.get(ENV_INCLUDE) != "1" or (path := source_file(source)) is None:
         return source
     named = sorted({m for m in re.findall(r"\b(\w+_(?:shape|strides|ndim))\b", source)
                     if m.rsplit("_", 1)[0] in inputs})

@@ -41,10 +41,10 @@ def test_the_body_is_included_from_its_digests_file(cache: Path, monkeypatch: py
 
 def test_a_damaged_file_is_written_again(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cuda_source.ENV_INCLUDE, "1")
-    path = cuda_source.body_file(BODY)
+    path = cuda_source.source_file(BODY)
     assert path is not None
     path.write_text(BODY[:10])  # (a writer cut off: the file's name no longer matches its text)
-    assert cuda_source.body_file(BODY) == path and path.read_text() == BODY
+    assert cuda_source.source_file(BODY) == path and path.read_text() == BODY
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
 
 
