@@ -14,7 +14,8 @@ whenever its source does, or a gmlx with a changed kernel would run the old one
 MLX's CUDA back-end also hashes a custom kernel's whole generated source at every
 evaluation (the key of its compiled module: the kernel's name and that hash), and gmlx's
 one-row products carry 5-9 KB of it: on the H100's host (12-07) the hashing was 9% of the
-one-stream step's hand-over thread, ~1-2 us for each of its ~160 kernels. With
+time of the thread that built and handed over one stream's steps, ~1 us for each of a
+step's custom kernels (~130-190 for an 8B). With
 ``GMLX_KERNEL_INCLUDE=1`` a kernel's source (its constants and its code) goes to a file
 named by its digest (:func:`source_file`, under the cache folder) and the source MLX keeps
 is an ``#include`` of that file: NVRTC reads the same text in the same place, so the code
