@@ -170,7 +170,7 @@ case ${1:-} in
     with_env
     "${BENCH[@]}" --servers gmlx --widths 1,8,32 --rounds 2 --prefix-reps 1 --out "$OUT/bench.md" \
       > "$OUT/bench-gmlx.txt" 2>&1
-    grep -E "whole steps of|launch shape|decode-sized paths|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | cut -c1-400 | head -24
+    grep -E "whole steps of|launch shape|decode-sized paths|folded into their kernel|runs uncompiled|NotWhole|Traceback" "$OUT/bench-gmlx.txt" | cut -c1-400 | head -28
     # the load's attention timing (layouts, where a split pays), from the load's log in the results
     grep -o '"[^"]*in-place attention[^"]*"' "$OUT/bench.json" | head -8
     bash $GPU/setup.sh kernels "$OUT" | tail -1
