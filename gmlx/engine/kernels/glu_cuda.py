@@ -147,9 +147,7 @@ def tune(model: Any) -> str | None:
         _time_shapes(mlps, keys)
     note = step_tuning.tune(model, ENV, f"gate, up and swiglu in one kernel in {len(mlps)} MLP(s)", mlps, keys,
                             agrees, lambda buckets: use(model, buckets))
-    if not mlps[0]._buckets and os.environ.get(NORM_ENV, "1") == "0":
-        detach(model)  # taken nowhere: the model's own MLPs, without the check a call
-    return note  # (else fold_norms may still take one stream, and detaches where it does not)
+    return note  # (taken nowhere, the MLPs stay: fold_norms may still take one stream, and detaches where not)
 
 
 def _key(mlp: Any) -> str:
@@ -270,10 +268,9 @@ def fold_norms(model: Any) -> str | None:
     kernels a layer where it runs five). Each MLP shape's first block is checked: the
     kernel must be as close to a float32 norm, products and swiglu as MLX's norm, products
     and swiglu are, or no block of that shape takes it. ``GMLX_NORM_FOLD=0`` leaves the
-    norms as they are. Returns the log line (None: no block could take it)."""
-    if os.environ.get(NORM_ENV, "1") == "0":
-        return None
-
+    norms as they are. Where no bucket took the gated product and no block folded, the MLPs
+are the model's own again (:func:`detach`; this runs after :func:`tune` at every load).
+Returns the log line (None: no block could take it)."""
     def bind(norm: Any, mlp: Any, weight: Any) -> list[tuple[str, Callable[[Any], Any]]]:
         gate = mlp.gate_proj
         if step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,):
@@ -286,6 +283,8 @@ def fold_norms(model: Any) -> str | None:
                                        norm=(weight, norm.eps)))]
 
     try:
+        if os.environ.get(NORM_ENV, "1") == "0":
+            return None
         line = step_tuning.fold_norms(model, "post_attention_layernorm", "mlp", "glu", "_normed", bind,
                                       _normed_agrees, "the MLP's gate, up and swiglu")
         for mlp in fused(model):  # a folded MLP takes its gated product at one stream, whatever tune() timed there

@@ -152,6 +152,9 @@ def test_a_machine_warming_up_while_it_is_timed_does_not_make_a_kernel_look_fast
     _timed(monkeypatch, {}, drift=0.03)
     assert "none faster" in glu_cuda.tune(model)
     assert all(not m._buckets for m in glu_cuda.fused(model))  # (the norm's fold may still take one stream)
+    monkeypatch.setenv(glu_cuda.NORM_ENV, "0")
+    assert glu_cuda.fold_norms(model) is None
+    assert glu_cuda.fused(model) == []  # taken nowhere, no fold: the model's own MLPs again
 
 
 def test_a_kernel_that_disagrees_is_never_taken(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
