@@ -75,7 +75,7 @@ def _write_real_vocab_gguf(path: Path, vocab: str, shape: str = "tiny", layers: 
     from gguf import GGUFReader, GGUFWriter
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.gpu.models import more_bits
+    from benchmarks.gpu.q4_k_m_direct import more_bits
     from tests.engine.loading.conftest import random_blocks
 
     source = Path(vocab)  # a vocabulary GGUF's path, or its name in ../shared/fixtures/vocab

@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from benchmarks.gpu import models
+from benchmarks.gpu import models, q4_k_m_direct
 
 SMALL = {"hidden": 256, "layers": 8, "ffn": 512, "heads": 4, "kv_heads": 2,
          "rope_theta": 500000.0, "tied": False, "context": 512}
@@ -29,13 +29,13 @@ def _vocab() -> Path:
 @pytest.fixture(scope="module")
 def direct_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("direct")
-    models.write_q4_k_m_direct("small", SMALL, out, _vocab(), seed=3)
+    q4_k_m_direct.write_q4_k_m_direct("small", SMALL, out, _vocab(), seed=3)
     return out / "q4_k_m.gguf"
 
 
 def test_more_bits_layers_are_llama_cpps() -> None:
     # use_more_bits over 32 layers: the first and last 4, and every third from layer 6
-    assert [i for i in range(32) if models.more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
+    assert [i for i in range(32) if q4_k_m_direct.more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
                                                                  28, 29, 30, 31]
 
 
@@ -75,4 +75,4 @@ def test_gmlx_loads_it_and_runs_finite_logits(direct_file: Path) -> None:
 
 def test_a_row_not_of_whole_blocks_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="multiple of 256"):
-        models.write_q4_k_m_direct("tiny", models.SHAPES["tiny"], tmp_path, _vocab(), seed=0)
+        q4_k_m_direct.write_q4_k_m_direct("tiny", models.SHAPES["tiny"], tmp_path, _vocab(), seed=0)
