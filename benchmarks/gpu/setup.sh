@@ -37,7 +37,7 @@ stage() {
   local part=${1:?usage: setup.sh stage PARTDIR}
   [ -d "$part" ] || die "no folder $part (was it named in carry?)"
   mkdir -p "$STAGE"
-  cp -f "$part"/* "$STAGE"/
+  find "$part" -maxdepth 1 -type f -exec cp -f {} "$STAGE"/ \;  # its files (kernels/ holds tunings/ too)
   echo "staged $part: $(ls "$part" | wc -l) files, $(du -sh "$part" | cut -f1); $STAGE now holds $(du -sh "$STAGE" | cut -f1)"
 }
 
