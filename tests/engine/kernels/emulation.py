@@ -6,6 +6,7 @@ headers (for ``__half`` and ``__nv_bfloat16`` on the host); the tests skip witho
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -152,7 +153,16 @@ def made(factory: Any, *args: Any) -> list[dict]:
             factory(*args)
         finally:
             factory.cache_clear()
+    for kw in kernels:
+        kw["source"] = included(kw["source"])
     return kernels
+
+
+def included(source: str) -> str:
+    """``source`` as the preprocessor hands it on: each ``#include "FILE"`` line (how MLX
+    is given a kernel's source by default, :func:`cuda_source.kernel_source`) replaced by
+    the file's text."""
+    return re.sub(r'^#include "([^"]+)"$', lambda m: Path(m[1]).read_text(), source, flags=re.MULTILINE)
 
 
 def parameters(function: str) -> list[str]:
