@@ -32,12 +32,25 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ENV_INCLUDE = "GMLX_KERNEL_INCLUDE"
 
 _CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def out_shapes(lead: tuple[int, ...], sizes: Sequence[int], heads: Sequence[int] = ()) -> list[tuple[int, ...]]:
+    """A product's output shapes: ``(*lead, m)`` for each of its layers' ``sizes``; with
+    ``heads`` (a count for each) and one token a stream (``lead`` ``(B, 1)``), ``(B, h, 1,
+    m // h)``: the same elements in the same order, shaped per head as the attention reads
+    them. The reshape that would follow is then the same shape, which MLX leaves out of the
+    graph, where a reshape is a primitive the host hands over at every step (an 8B's
+    one-stream step held 96 of them, three a layer, 12-07)."""
+    if heads and len(lead) == 2 and lead[1] == 1:
+        return [(lead[0], h, 1, m // h) for m, h in zip(sizes, heads, strict=True)]
+    return [(*lead, m) for m in sizes]
 
 
 def cuda_type(dtype: Any) -> str:

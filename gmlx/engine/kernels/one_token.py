@@ -112,23 +112,31 @@ def queries_keys_values(attention: Any, x: Any, offset: Any) -> tuple[Any, Any, 
 
 
 def shaped(attention: Any, queries: Any, keys: Any, values: Any, offset: Any) -> tuple[Any, Any, Any]:
-    """A one-token step's projected queries, keys and values (each ``(B, 1, width)``) as
-    :func:`queries_keys_values` hands them on: shaped per head, normed and rotated."""
-    B = queries.shape[0]
-    values = values.reshape(B, attention.n_kv_heads, 1, -1)
+    """A one-token step's projected queries, keys and values (each ``(B, 1, width)``, or
+    already ``(B, heads, 1, D)`` where :mod:`qkv_cuda`'s product wrote them so: their
+    reshapes here are then no operation at all) as :func:`queries_keys_values` hands them
+    on: shaped per head, normed and rotated."""
+    values = per_head(values, attention.n_kv_heads)
     if attention._fold is not None:  # the in-place attention rotates them (or attend, where it is not taken)
-        return queries.reshape(B, attention.n_heads, 1, -1), keys.reshape(B, attention.n_kv_heads, 1, -1), values
+        return per_head(queries, attention.n_heads), per_head(keys, attention.n_kv_heads), values
     rotate = attention._rotate
     if rotate is not None and isinstance(offset, mx.array) and offset.dtype == mx.int32:
         queries, keys = rotate(queries, keys, offset)  # one kernel: reshaped and rotated
     else:
-        queries = queries.reshape(B, attention.n_heads, 1, -1)
-        keys = keys.reshape(B, attention.n_kv_heads, 1, -1)
+        queries = per_head(queries, attention.n_heads)
+        keys = per_head(keys, attention.n_kv_heads)
         if "q_norm" in attention:
             queries, keys = attention.q_norm(queries), attention.k_norm(keys)
         queries = attention.rope(queries, offset=offset)
         keys = attention.rope(keys, offset=offset)
     return queries, keys, values
+
+
+def per_head(a: Any, heads: int) -> Any:
+    """One token a stream, ``(B, 1, heads * D)``, as ``(B, heads, 1, D)``; ``a`` itself
+    where it is that already (MLX puts a reshape into the graph even to the same shape
+    where a dimension is left to it, ``-1``)."""
+    return a if a.ndim == 4 else a.reshape(a.shape[0], heads, 1, -1)
 
 
 def attend(attention: Any, queries: Any, keys: Any, values: Any, mask: Any, cache: Any) -> Any:

@@ -70,7 +70,7 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8, qgemv_split
-from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
+from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names, out_shapes
 from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
     ASYNC_BODY,
@@ -276,7 +276,7 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
           config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
           more: tuple[tuple[Any, Any, Any], ...] = (), residual: bool = False,
-          norm: tuple[Any, float] | None = None) -> Callable[..., Any]:
+          norm: tuple[Any, float] | None = None, heads: tuple[int, ...] = ()) -> Callable[..., Any]:
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
     out once (a layer calls it on every decode step of one stream); with ``up`` (the up
     projection's weights, scales and biases, of this layer's layout and shape) the gated
@@ -286,7 +286,8 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     ``residual``, a function of ``x`` and ``r`` (the output's shape and type): ``r`` plus
     the product, added as it is written; with ``norm`` (an RMSNorm's weight, of the input's
     type, and epsilon; one row, an unstaged ``config``) the product (gated, or of several
-    layers) of ``rms_norm(x)``, the norm in the kernel."""
+    layers) of ``rms_norm(x)``, the norm in the kernel; with ``heads`` (a count for each output) one token a
+    stream comes out shaped per head (:func:`cuda_source.out_shapes`)."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]
@@ -314,7 +315,8 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
                                                 eps)
         lead = x.shape[:-1]
         outs = kernel(inputs=[x, *inputs_after_x, *r, *norm_weight], grid=grid, threadgroup=threadgroup,
-                      output_shapes=[(*lead, m) for m in (sizes or (n,))], output_dtypes=[dtype] * (len(sizes) or 1))
+                      output_shapes=out_shapes(lead, sizes or (n,), heads),
+                      output_dtypes=[dtype] * (len(sizes) or 1))
         return tuple(outs) if more else outs[0]
 
     return run

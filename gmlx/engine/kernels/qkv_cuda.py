@@ -70,6 +70,7 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
     :func:`step_tuning.tensor_cores` names; their own products where the tensor-core
     kernel does not take the layers."""
     names = joined(attention)
+    shaped = heads(attention)[:len(names)]
     runs: dict[int, Callable[[Any], Any] | None] = {}  # None: the bucket takes the layers' own products
 
     def project(attention: Any, x: Any, rows: int) -> tuple[Any, Any, Any]:
@@ -81,10 +82,10 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
             config = qmmw_cuda.configs(b)[0]
             if not step_tuning.tensor_cores(first, b):
                 shape = _shapes.get(_key(attention), qgemv_cuda.configs(b)[0]) if b == 1 else qgemv_cuda.configs(b)[0]
-                runs[b] = qgemv_cuda.bound(*q, shape, more=more)
+                runs[b] = qgemv_cuda.bound(*q, shape, more=more, heads=shaped)
             elif (qmmw_cuda.supports(b, first.weight.shape[1] * 32 // first.bits, first.group_size, first.bits)
                   and qmmw_cuda.parts_fit(tuple(m.weight.shape[0] for m in layers), config)):
-                runs[b] = qmmw_cuda.bound(*q, config, more=more)
+                runs[b] = qmmw_cuda.bound(*q, config, more=more, heads=shaped)
             else:
                 runs[b] = None
         run = runs[b]
@@ -94,6 +95,13 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
         return outs if len(outs) == 3 else (*outs, attention.v_proj(x))
 
     return project
+
+
+def heads(attention: Any) -> tuple[int, int, int]:
+    """The head counts of the queries, keys and values: the products write one token a
+    stream shaped per head (``(B, heads, 1, D)``), as the attention reads them, so no reshape
+    follows them in a step's graph (:func:`cuda_source.out_shapes`)."""
+    return attention.n_heads, attention.n_kv_heads, attention.n_kv_heads
 
 
 def mlx_project(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
@@ -217,7 +225,7 @@ def _close(attention: Any, results: list | None) -> bool:
     for x, n, got in results:
         for g, w, name in zip(got, _mlx_project(attention, x, n), NAMES, strict=False):
             m = attention[name]
-            if not close_enough(g, w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits),
+            if not close_enough(g.reshape(w.shape), w, exact_product(x, m.weight, m.scales, m.biases, m.group_size, m.bits),
                                 qgemv_q8.tolerance(m.bits, n)):
                 return False
     return True
@@ -265,11 +273,12 @@ def fold_norms(model: Any) -> str | None:
         shape = qgemv_cuda.unstaged(_shapes.get(key, qgemv_cuda.configs(1)[0]))
         parts = qgemv_cuda.bound(attention.q_proj.weight, attention.q_proj.scales, attention.q_proj.biases, group, bits,
                                  shape, more=tuple((attention[n].weight, attention[n].scales, attention[n].biases)
-                                                   for n in names[1:]), norm=(weight, norm.eps))
+                                                   for n in names[1:]), norm=(weight, norm.eps),
+                                 heads=heads(attention)[:len(names)])
         if len(names) == 3:
             return [(key, parts)]
         values = qgemv_cuda.bound(v.weight, v.scales, v.biases, v.group_size, v.bits, qgemv_cuda.configs(1)[0],
-                                  norm=(weight, norm.eps))
+                                  norm=(weight, norm.eps), heads=heads(attention)[2:])
 
         def apart(h: Any) -> tuple[Any, Any, Any]:
             return (*parts(h), values(h))
@@ -277,7 +286,7 @@ def fold_norms(model: Any) -> str | None:
         if not qkv_mixed.enabled():
             return [(key, apart)]
         # the values of another layout: in the one launch of both layouts first (keyed by both)
-        mixed = qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape[:4], (weight, norm.eps))
+        mixed = qkv_mixed.bound(attention.q_proj, attention.k_proj, v, shape[:4], (weight, norm.eps), heads(attention))
         allowed[mixed] = lambda bits: qkv_mixed.tolerance(bits, shape[:4], k)
         return [(f"{key}+{v.weight.shape[0]}:{v.bits}/{v.group_size}", mixed), (key, apart)]
 
@@ -303,7 +312,8 @@ def _normed_close(attention: Any, norm: Any, run: Callable[[Any], tuple[Any, Any
     h, got = ran
     for g, w, name in zip(got, _mlx_project(attention, norm(h), 1), NAMES, strict=True):
         m = attention[name]
-        if not close_enough(g, w, exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits),
+        if not close_enough(g.reshape(w.shape), w,
+                            exact_product(exact_norm(h, norm), m.weight, m.scales, m.biases, m.group_size, m.bits),
                             tolerance(m.bits)):
             return False
     return True

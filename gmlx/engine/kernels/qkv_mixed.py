@@ -28,7 +28,7 @@ from functools import cache
 from typing import Any
 
 from gmlx.engine.kernels import qgemv_q8, timing
-from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
+from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names, out_shapes
 from gmlx.engine.kernels.qgemv_cuda import launch_shape
 from gmlx.engine.kernels.qgemv_heads import parts_head
 from gmlx.engine.kernels.qgemv_source import NORMED_BODY, Q8_BODIES
@@ -113,11 +113,13 @@ def _kernel(dtype: Any, layout: tuple[int, int], values_layout: tuple[int, int],
     return build(name, head, source(sizes, values, layout, values_layout, q8), [*inputs, "nw"], outputs=outputs)
 
 
-def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: tuple[Any, float]) -> Callable[[Any], Any]:
+def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: tuple[Any, float],
+          heads: tuple[int, ...] = ()) -> Callable[[Any], Any]:
     """``(q, k, v)`` of one row ``h`` as a function of ``h`` alone: the three quantized
     layers' products of ``rms_norm(h, *norm)`` in one launch, the queries and keys of one
     layout, the values of another (their input width the same); ``config`` a one-row
-    launch shape (:func:`qgemv_cuda.configs`), unstaged."""
+    launch shape (:func:`qgemv_cuda.configs`), unstaged; with ``heads`` (a count for each
+    output) shaped per head (:func:`cuda_source.out_shapes`)."""
     warps, rpw, _, depth, tiles, split, rounds = launch_shape(config)
     if tiles or split > 1 or rounds > 1:
         raise ValueError("the mixed q-k-v product takes unstaged, unstreamed launch shapes, K whole, only")
@@ -139,6 +141,6 @@ def bound(queries: Any, keys: Any, values: Any, config: tuple[int, ...], norm: t
                                                 sizes, n, float(norm[1]), queries.weight.shape[1] * 32 // queries.bits)
         lead = x.shape[:-1]
         return tuple(kernel(inputs=[x, *weights, norm[0]], grid=grid, threadgroup=(32 * warps, 1, 1),
-                            output_shapes=[(*lead, m) for m in (*sizes, n)], output_dtypes=[x.dtype] * 3))
+                            output_shapes=out_shapes(lead, (*sizes, n), heads), output_dtypes=[x.dtype] * 3))
 
     return run

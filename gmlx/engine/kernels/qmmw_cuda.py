@@ -47,7 +47,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names
+from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names, out_shapes
 from gmlx.engine.kernels.qmmw_source import BODY, GATED, PLAIN, parts_head
 
 MAX_ROWS = 64
@@ -107,14 +107,15 @@ def _kernel(dtype: Any, scale_dtype: Any, tiles: int, bits: int, group_size: int
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
           config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
-          more: tuple[tuple[Any, Any, Any], ...] = ()) -> Callable[[Any], Any]:
+          more: tuple[tuple[Any, Any, Any], ...] = (), heads: tuple[int, ...] = ()) -> Callable[[Any], Any]:
     """The product with this layer's weights as a function of ``x`` alone, its launch
     worked out once per row-tile count (a layer calls it on every decode step); with
     ``up`` (the up projection's weights, scales and biases, of this layer's layout and
     shape) the gated product ``silu(x @ W.T) * (x @ U.T)``; with ``more`` (one or two
     more layers' weights, scales and biases, of this layout and input width, each
     layer's features a multiple of ``16 * FT``) the products of all of them in one
-    launch, returned as a tuple."""
+    launch, returned as a tuple; with ``heads`` (a count for each output) one token a
+    stream comes out shaped per head (:func:`cuda_source.out_shapes`)."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     k = w.shape[1] * 32 // bits
@@ -131,7 +132,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
             launch = launches[tiles] = (kernel, (-(-n // (16 * ft)) * 32 * warps, 1, 1), (32 * warps, 1, 1))
         kernel, grid, threadgroup = launch
         outs = kernel(inputs=[x, *weights], grid=grid, threadgroup=threadgroup,
-                      output_shapes=[(*x.shape[:-1], m) for m in (sizes or (n,))],
+                      output_shapes=out_shapes(x.shape[:-1], sizes or (n,), heads),
                       output_dtypes=[x.dtype] * (len(sizes) or 1))
         return tuple(outs) if more else outs[0]
 

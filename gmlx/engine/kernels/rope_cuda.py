@@ -128,11 +128,12 @@ def _kernel(dtype: Any, heads: int, kv_heads: int, head_dim: int, traditional: b
 def rope_qk(q: Any, k: Any, offset: Any, inv: Any, heads: int, kv_heads: int, traditional: bool,
             norms: tuple[Any, Any, float] | None = None) -> tuple[Any, Any]:
     """The queries ``(B, 1, heads * D)`` and keys ``(B, 1, kv_heads * D)`` of a one-token
-    step, each head normalized first with ``norms`` (the query and key norms' weights
+    step (or the same elements already shaped per head, as :mod:`qkv_cuda`'s products
+    write them), each head normalized first with ``norms`` (the query and key norms' weights
     and epsilon) if given, rotated for positions ``offset`` (int32, one per stream), as
     ``(B, heads, 1, D)`` and ``(B, kv_heads, 1, D)``."""
     b = q.shape[0]
-    d = q.shape[-1] // heads
+    d = q.size // (b * heads)
     warps = b * (heads + kv_heads)
     inputs = [q, k, offset, inv, *(() if norms is None else norms[:2])]
     qo, ko = _kernel(q.dtype, heads, kv_heads, d, traditional, None if norms is None else norms[2])(

@@ -233,6 +233,14 @@ def test_a_blocks_residual_adds_ride_in_its_one_row_products(monkeypatch: pytest
     compiled_blocks.detach(model)
 
 
+def _per_head(x, heads, outs: list) -> tuple:
+    """``outs`` in the shapes the kernels write for ``heads`` (one token a stream: per head)."""
+    from gmlx.engine.kernels import cuda_source
+
+    shapes = cuda_source.out_shapes(x.shape[:-1], [o.shape[-1] for o in outs], heads)
+    return tuple(o.reshape(shape) for o, shape in zip(outs, shapes, strict=True))
+
+
 def _one_row_kernels(model) -> None:
     """Every quantized layer of ``model`` on the one-row kernel's path at one row (as a
     CUDA load's tuner leaves an 8B's)."""
@@ -356,24 +364,25 @@ def test_the_norm_before_the_attention_rides_in_its_projections(monkeypatch: pyt
 
     calls: list[int | str] = []
 
-    def bind_mixed(queries, keys, values, config, norm):
+    def bind_mixed(queries, keys, values, config, norm, heads=()):
         def run(x):
             n = x if one_launch == "disagrees" else mx.fast.rms_norm(x, norm[0], norm[1])
             calls.append("mixed")
-            return tuple(mx.quantized_matmul(n, m.weight, m.scales, m.biases, transpose=True, group_size=m.group_size,
-                                             bits=m.bits) for m in (queries, keys, values))
+            return _per_head(x, heads, [mx.quantized_matmul(n, m.weight, m.scales, m.biases, transpose=True,
+                                                            group_size=m.group_size, bits=m.bits)
+                                        for m in (queries, keys, values)])
         return run
 
     monkeypatch.setattr(qkv_mixed, "bound", bind_mixed)
     if not one_launch:
         monkeypatch.setenv(qkv_mixed.ENV, "0")
 
-    def bind(w, scales, biases, group_size, bits, config, more=(), norm=None, **kw):
+    def bind(w, scales, biases, group_size, bits, config, more=(), norm=None, heads=(), **kw):
         def run(x):
             n = mx.fast.rms_norm(x, norm[0], norm[1])
             calls.append(1 + len(more))
-            outs = tuple(mx.quantized_matmul(n, *layer, transpose=True, group_size=group_size, bits=bits)
-                         for layer in ((w, scales, biases), *more))
+            outs = _per_head(x, heads, [mx.quantized_matmul(n, *layer, transpose=True, group_size=group_size, bits=bits)
+                                        for layer in ((w, scales, biases), *more)])
             return outs if more else outs[0]
         return run
 

@@ -10,7 +10,7 @@ import pytest
 from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from gmlx.engine.kernels import one_token, qkv_cuda, step_tuning
+from gmlx.engine.kernels import cuda_source, one_token, qkv_cuda, step_tuning
 from tests.engine.kernels.models import step_clock, steps, tiny
 
 LAYERS = 2
@@ -77,11 +77,12 @@ def test_the_values_of_another_layout_come_through_their_own_layer(monkeypatch: 
     bound: list = []
 
     def binder(name: str):
-        def fake_bound(w, scales, biases, group_size, bits, config, more):
+        def fake_bound(w, scales, biases, group_size, bits, config, more, heads=()):
             bound.append((name, config))
             assert w is attention.q_proj.weight and [m[0] for m in more] == [attention.k_proj.weight]
-            return lambda x: (mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype),
-                              mx.ones((*x.shape[:-1], more[0][0].shape[0]), x.dtype))
+            assert heads == qkv_cuda.heads(attention)[:2]
+            return lambda x: tuple(mx.full(shape, value, x.dtype) for shape, value in zip(
+                cuda_source.out_shapes(x.shape[:-1], (w.shape[0], more[0][0].shape[0]), heads), (0, 1), strict=True))
         return fake_bound
 
     monkeypatch.setattr(qkv_cuda.qgemv_cuda, "bound", binder("gemv"))
@@ -89,11 +90,15 @@ def test_the_values_of_another_layout_come_through_their_own_layer(monkeypatch: 
     project = qkv_cuda.kernel(attention)
     x = mx.random.normal((20, 1, 128)).astype(mx.bfloat16)
     q, k, v = project(attention, x[:2], 2)
-    assert mx.array_equal(v, attention.v_proj(x[:2])).item() and (q.shape, k.shape) == ((2, 1, 128), (2, 1, 64))
+    heads, kv_heads, _ = qkv_cuda.heads(attention)
+    # one token a stream, per head, as the attention reads them; the values as their layer writes them
+    assert mx.array_equal(v, attention.v_proj(x[:2])).item()
+    assert (q.shape, k.shape) == ((2, heads, 1, 128 // heads), (2, kv_heads, 1, 64 // kv_heads))
     project(attention, x[:2], 2)
     project(attention, x[:1], 1)
     q, k, v = project(attention, x, 20)
-    assert mx.array_equal(v, attention.v_proj(x)).item() and (q.shape, k.shape) == ((20, 1, 128), (20, 1, 64))
+    assert mx.array_equal(v, attention.v_proj(x)).item()
+    assert (q.shape, k.shape) == ((20, heads, 1, 128 // heads), (20, kv_heads, 1, 64 // kv_heads))
     project(attention, x[:5], 5)
     assert bound == [("gemv", qkv_cuda.qgemv_cuda.configs(2)[0]), ("gemv", qkv_cuda.qgemv_cuda.configs(1)[0]),
                      ("tensor cores", qkv_cuda.qmmw_cuda.configs(20)[0]),
@@ -143,3 +148,33 @@ def test_set_to_1_it_takes_every_bucket_untimed(tmp_path, monkeypatch: pytest.Mo
     timed = _timed(monkeypatch, {})
     assert "every step of 1-64 streams" in qkv_cuda.tune(model) and timed == []
     assert all(a._project_buckets == set(step_tuning.BUCKETS) for a in qkv_cuda.projected(model))
+
+
+def test_one_token_a_stream_is_written_per_head_so_no_reshape_follows(tmp_path) -> None:
+    """The products write one token a stream as ``(B, heads, 1, D)``: the same elements in
+    the same order as ``(B, 1, heads * D)``, so the attention's reshapes are the same shape
+    and MLX puts no reshape into the step's graph (a primitive the host hands over every
+    step); prompts, and rows without a token axis, stay as written."""
+    assert cuda_source.out_shapes((2, 1), (128, 64, 64), (4, 2, 2)) == [(2, 4, 1, 32), (2, 2, 1, 32), (2, 2, 1, 32)]
+    assert cuda_source.out_shapes((2, 3), (128,), (4,)) == [(2, 3, 128)]  # a prompt's rows
+    assert cuda_source.out_shapes((2,), (128,), (4,)) == [(2, 128)]
+    assert cuda_source.out_shapes((2, 1), (128,)) == [(2, 1, 128)]
+    attention = _model("llama").layers[0].self_attn
+    object.__setattr__(attention, "_fold", ("inv", "pairs"))  # the in-place attention rotates them
+    x = mx.random.normal((2, 1, 128)).astype(mx.bfloat16)
+    flat = qkv_cuda.mlx_project(attention)(attention, x, 2)
+    mx.eval(flat)
+    per_head = [p.reshape(s) for p, s in zip(flat, cuda_source.out_shapes((2, 1), [p.shape[-1] for p in flat],
+                                                                       qkv_cuda.heads(attention)), strict=True)]
+    mx.eval(per_head)
+
+    def reshapes(arrays) -> int:
+        mx.export_to_dot(str(tmp_path / "graph.dot"), *arrays)
+        return (tmp_path / "graph.dot").read_text().count('label ="Reshape"')
+
+    offset = mx.array([3, 3], mx.int32)
+    assert reshapes(one_token.shaped(attention, *flat, offset)) == 3
+    shaped = one_token.shaped(attention, *per_head, offset)
+    assert reshapes(shaped) == 0
+    assert all(mx.array_equal(a, b).item() for a, b in zip(shaped, one_token.shaped(attention, *flat, offset),
+                                                             strict=True))

@@ -148,7 +148,7 @@ def test_a_load_holds_the_mixed_launch_to_what_it_rounds(monkeypatch: pytest.Mon
         n = mx.fast.rms_norm(x, norm[0], norm[1])
         return [mx.quantized_matmul(n, *layer, transpose=True, group_size=g, bits=b) for layer, g, b in layers]
 
-    def bound_mixed(queries, keys, values, config, norm):
+    def bound_mixed(queries, keys, values, config, norm, heads=()):
         def run(x):
             q, k, v = products(x, norm, [((m.weight, m.scales, m.biases), m.group_size, m.bits)
                                          for m in (queries, keys, values)])

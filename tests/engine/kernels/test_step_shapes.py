@@ -186,7 +186,7 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     qkv_cuda.attach(model, buckets=())
     bound: list[tuple] = []
 
-    def fake_bound(w, scales, biases, group_size, bits, config, more):
+    def fake_bound(w, scales, biases, group_size, bits, config, more, heads=()):
         bound.append(config)
         return lambda x: tuple(mx.zeros((*x.shape[:-1], a.shape[0]), x.dtype) for a in (w, *(m[0] for m in more)))
 
