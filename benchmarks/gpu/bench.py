@@ -218,11 +218,15 @@ GMLX_VARIANTS = {
     # the defaults, the worker logging its decode steps' phases every 128 steps (the run log:
     # build, hand over, wait, read, between; gmlx.engine.step_times)
     "gmlx-steptimes": {"GMLX_STEP_TIMES": "128"},
-    # each kernel's body through an #include of a file (cuda_source.kernel_source): MLX hashes
-    # the source it holds at every evaluation, ~7.8 KB a one-row product whole, ~0.1 included
-    # (the same PTX, include_check.py); the hashing was 9% of the H100's one-stream hand-over
-    # thread (12-07 night, step_census's native profile)
-    "gmlx-include-steptimes": {"GMLX_KERNEL_INCLUDE": "1", "GMLX_STEP_TIMES": "128"},
+    # each kernel's source inline, as before 12-08 (the default is an #include of a file,
+    # cuda_source.kernel_source: MLX hashes the source it holds at every evaluation, ~7.8 KB a
+    # one-row product whole, ~0.1 included; the same PTX, include_check.py; one stream's
+    # hand-over 1.89-1.98 ms a step included against 2.08-2.16 inline, H100 12-07 23:43)
+    "gmlx-inline-steptimes": {"GMLX_KERNEL_INCLUDE": "0", "GMLX_STEP_TIMES": "128"},
+    # a block's q/k/v and gate/up weights stacked into one array each at load, the one-row
+    # kernels reading 3 arrays where they read 9 or 6 (gmlx.engine.kernels.stacked; off by
+    # default until served: ~1 us of the host's time an array a call, call_cost.py)
+    "gmlx-stackedweights-steptimes": {"GMLX_STACKED": "1", "GMLX_STEP_TIMES": "128"},
     # the defaults with a decode batch of 32 whatever the widths run (DECODE_BATCHES), phases
     # logged: a server started for widths 1, 8 and 32 served one stream 18% slower on the
     # H100 (12-07 evening: 254.8 against 309.0 tok/s, the second from the first's tuning

@@ -44,7 +44,8 @@
 #   a step's primitives, its hand-over native: bash benchmarks/gpu/lease.sh census    (~150-450 s, no models)
 #   one stream at a decode batch of 32 and 1:  bash benchmarks/gpu/lease.sh batch     (~400 s, after gmlx)
 #   who holds the interpreter, one stream:      bash benchmarks/gpu/lease.sh gil       (~200 s, after gmlx)
-#   kernel bodies through an #include, served: bash benchmarks/gpu/lease.sh include   (~450 s, after gmlx)
+#   kernel sources included against inline:   bash benchmarks/gpu/lease.sh include   (~450 s, after gmlx)
+#   q/k/v and gate/up weights stacked, served: bash benchmarks/gpu/lease.sh stacked   (~400 s, after gmlx)
 #   the float sums against x rounded, served:   bash benchmarks/gpu/lease.sh q8        (~500 s)
 #   or, to find what slowed one stream (12-06): bash benchmarks/gpu/lease.sh all1206   (~350 s)
 #                                              bash benchmarks/gpu/lease.sh bisect    (~550 s)
@@ -538,17 +539,29 @@ PY
     tail -8 "$OUT/batch.md"
     ;;
   include)
-    # (after `gmlx`, from its tuning; ~450 s) each kernel's body through an #include
-    # (GMLX_KERNEL_INCLUDE=1): call_cost.py's 8 KB kernel whole and included (the hash MLX
-    # takes of a kernel's source at each evaluation, and whether NVRTC takes the include
-    # here), then one stream served with and without, alternating, phases logged
+    # (after `gmlx`, from its tuning; ~450 s) each kernel's source through an #include (the
+    # default since 12-08) or inline (GMLX_KERNEL_INCLUDE=0): call_cost.py's 8 KB kernel whole
+    # and included (the hash MLX takes of a kernel's source at each evaluation, and whether
+    # NVRTC takes the include here), then one stream served both ways, alternating, phases logged
     with_env
     timeout 90 python3 $GPU/call_cost.py > "$OUT/call_cost.txt" 2>&1; cat "$OUT/call_cost.txt"
     "${BENCH[@]}" --results /tmp/gpu-results-include \
-      --servers "${SERVERS:-gmlx-include-steptimes,gmlx-steptimes,gmlx-include-steptimes,gmlx-steptimes}" \
+      --servers "${SERVERS:-gmlx-steptimes,gmlx-inline-steptimes,gmlx-steptimes,gmlx-inline-steptimes}" \
       --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/include.md" > "$OUT/include.txt" 2>&1
     grep -E "decode steps of 1 .*the last 12|tok/s \(|ready in|runs uncompiled|Traceback" "$OUT/include.txt" | cut -c1-300 | head -40
     tail -8 "$OUT/include.md"
+    ;;
+  stacked)
+    # (after `gmlx`, from its tuning; ~450 s) a block's q/k/v and gate/up weights stacked at
+    # load (GMLX_STACKED=1: the one-row kernels take 5 arrays where they took 11 and 8) and
+    # not, one stream served alternating, phases logged: read the hand-over column
+    with_env
+    "${BENCH[@]}" --results /tmp/gpu-results-stacked \
+      --servers "${SERVERS:-gmlx-stackedweights-steptimes,gmlx-steptimes,gmlx-stackedweights-steptimes,gmlx-steptimes}" \
+      --widths 1 --rounds 2 --prefix-reps 0 --out "$OUT/stacked.md" > "$OUT/stacked.txt" 2>&1
+    grep -E "decode steps of 1 .*the last 12|tok/s \(|ready in|stacked into|folded into|Traceback" "$OUT/stacked.txt" \
+      | cut -c1-300 | head -40
+    tail -8 "$OUT/stacked.md"
     ;;
   gil)
     # (after `gmlx`, from its tuning; ~150 s) which thread holds the interpreter while one stream

@@ -13,7 +13,9 @@ def prepare_layers(model: Any) -> list[str]:
     steps in fewer operations (:mod:`one_token`; everywhere, the same numbers; with
     ``GMLX_ROPE_KERNEL=1`` on CUDA their queries and keys rotated by :mod:`rope_cuda`), with
     ``GMLX_FUSE_PROJECTIONS=1`` projections that read one input stacked into one product
-    (logged, not a load note: neither changes a number a user sees), then, on CUDA (unless
+    (logged, not a load note: neither changes a number a user sees), else with
+    ``GMLX_STACKED=1`` on CUDA a block's same-layout q-k-v and gate-up weights stacked into
+    one array each, the layers keeping views of their rows (:mod:`stacked`, logged), then, on CUDA (unless
     turned off), the padded batches' one-query attention (:mod:`attention_cuda`, logged
     likewise), with ``GMLX_ADD_NORM_KERNEL=1`` the residual adds and norms of one-token
     steps fused (:mod:`add_norm_cuda`, logged likewise), the quantized layers' paths, then
@@ -40,6 +42,7 @@ def prepare_layers(model: Any) -> list[str]:
         glu_cuda,
         one_token,
         qkv_cuda,
+        stacked,
         whole_step,
     )
     from gmlx.engine.kernels.fast_linear import use_fast_kernels
@@ -49,8 +52,10 @@ def prepare_layers(model: Any) -> list[str]:
     if changed := one_token.attach(model):
         log.info("one-token steps of %d attention layer(s) in fewer operations", changed)
         in_place = cached_attention_cuda.cached_enabled() and compile_in_place(model)
-    if (stacked := fuse_projections(model)) is not None:
-        log.info("%s", stacked)
+    if (fusing := fuse_projections(model)) is not None:
+        log.info("%s", fusing)
+    elif (line := stacked.attach(model)) is not None:  # before any kernel is bound to the layers' arrays
+        log.info("%s", line)
     if attention_cuda.enabled():
         mlxlm.route_attention(attention_cuda.routed)
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")

@@ -34,7 +34,15 @@ from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
-from gmlx.engine.kernels import cuda_source, qgemv_cuda, qgemv_q8, qmmw_cuda, step_tuning, swaps
+from gmlx.engine.kernels import (
+    cuda_source,
+    qgemv_cuda,
+    qgemv_q8,
+    qmmw_cuda,
+    stacked,
+    step_tuning,
+    swaps,
+)
 from gmlx.engine.kernels.fast_linear import plus as product_plus
 
 log = logging.getLogger(__name__)
@@ -81,7 +89,7 @@ def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
             weights = (up.weight, up.scales, up.biases)
             if not step_tuning.tensor_cores(gate, b):
                 shape = _shapes.get(_key(mlp), qgemv_cuda.gated_configs(b)[0]) if b == 1 else qgemv_cuda.gated_configs(b)[0]
-                runs[b] = qgemv_cuda.bound(*q, shape, up=weights)
+                runs[b] = qgemv_cuda.bound(*q, shape, up=weights, stacked=stacked.of(mlp, stacked.GATE_UP))
             elif qmmw_cuda.supports(b, gate.weight.shape[1] * 32 // bits, group_size, bits):
                 runs[b] = qmmw_cuda.bound(*q, qmmw_cuda.configs(b, gated=True)[0], up=weights)
             else:
@@ -280,7 +288,7 @@ Returns the log line (None: no block could take it)."""
         shape = qgemv_cuda.unstaged(_shapes.get(key, qgemv_cuda.gated_configs(1)[0]))
         return [(key, qgemv_cuda.bound(gate.weight, gate.scales, gate.biases, group_size, bits, shape,
                                        up=(mlp.up_proj.weight, mlp.up_proj.scales, mlp.up_proj.biases),
-                                       norm=(weight, norm.eps)))]
+                                       norm=(weight, norm.eps), stacked=stacked.of(mlp, stacked.GATE_UP)))]
 
     try:
         if os.environ.get(NORM_ENV, "1") == "0":

@@ -71,7 +71,7 @@ from typing import Any
 
 from gmlx.engine.kernels import qgemv_async, qgemv_prepared, qgemv_q8, qgemv_split
 from gmlx.engine.kernels.cuda_source import build, cuda_type, layer_names, out_shapes
-from gmlx.engine.kernels.qgemv_heads import GATED, PLAIN, RESIDUAL, parts_head
+from gmlx.engine.kernels.qgemv_heads import GATED, GATED_STACKED, PLAIN, RESIDUAL, parts_head
 from gmlx.engine.kernels.qgemv_source import (
     ASYNC_BODY,
     ASYNC_NORMED_BODY,
@@ -181,7 +181,7 @@ def gated_configs(rows: int = 1, k: int = 0) -> list[tuple[int, ...]]:
 def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_rows: int = 1,
             gated: bool = False, parts: tuple[int, ...] = (), depth: int = 1, tiles: int = 0, k: int = 0,
             residual: bool = False, eps: float | None = None, split: int = 1,
-            rounds: int = 1, prepared: bool = False, q8: bool = False) -> Any:
+            rounds: int = 1, prepared: bool = False, q8: bool = False, stacked: bool = False) -> Any:
     """One kernel per layout and launch shape (:mod:`cuda_source` says why); more than
     one row of x (``max_rows``) takes the few-rows source; ``gated``: silu(gate) * up of
     two layers of one layout (``rpw`` even: half its rows each); ``parts``: the row counts
@@ -198,7 +198,11 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     unstaged row, a chunk a lane at a time, K whole, x's floats made once a block
     (:mod:`qgemv_prepared`, ``k`` values); ``q8``: a 4- or 6-bit product of one unstaged
     row, K whole, x rounded to bytes once a block (:mod:`qgemv_q8`, ``k`` values), ``depth``
-    chunks a lane in flight, the norm folded in or not."""
+    chunks a lane in flight, the norm folded in or not; ``stacked``: a gated or parts
+    product whose layers' rows are one array each of weights, scales and biases
+    (:mod:`stacked`), three inputs where they were three a layer."""
+    if stacked and not (gated or parts):
+        raise ValueError("only a gated or parts product reads stacked layers")
     if q8 and (bits == 8 or max_rows > 1 or tiles or rounds > 1 or prepared or (split > 1 and depth > 1)):
         raise ValueError("x is rounded to bytes for a 4- or 6-bit product of one unstaged row only (K split: a chunk"
                          " a lane in flight)")
@@ -229,8 +233,9 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
             + (f" constexpr int STAGES = {rounds};" if rounds > 1 else "")
             + (f" constexpr float EPS = {float(eps)!r}f;" if eps is not None else "")
             + "\n"
-            + (GATED if gated else parts_head(parts) if parts else RESIDUAL if residual else PLAIN))
-    layers = 2 if gated else max(1, len(parts))
+            + ((GATED_STACKED if stacked else GATED) if gated else parts_head(parts, stacked) if parts
+               else RESIDUAL if residual else PLAIN))
+    layers = 1 if stacked else 2 if gated else max(1, len(parts))
     inputs, outputs = layer_names(layers, len(parts) or 1)
     inputs += ["res"] if residual else ["nw"] if eps is not None else []
     kind = ("qglu" if gated else f"qparts{len(parts)}" if parts else "qgemvr" if residual else "qgemv") + (
@@ -243,7 +248,7 @@ def _kernel(dtype: Any, bits: int, group_size: int, warps: int, rpw: int, max_ro
     return build(f"gmlx_{kind}_{t.strip('_')}_{bits}_{group_size}_{warps}_{rpw}_{max_rows}"
                  + (f"_d{depth}" if depth > 1 else "") + (f"_x{tiles}" if tiles else "")
                  + (f"_s{split}" if split > 1 else "") + (f"_a{rounds}" if rounds > 1 else "")
-                 + ("_p" if prepared else "") + ("_q8" if q8 else ""),
+                 + ("_p" if prepared else "") + ("_q8" if q8 else "") + ("_st" if stacked else ""),
                  head, body, inputs, outputs=outputs)
 
 
@@ -259,7 +264,8 @@ def launch_shape(config: tuple[int, ...]) -> tuple[int, int, int, int, int, int,
 
 
 def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], gated: bool = False,
-              parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> Any:
+              parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None,
+              stacked: bool = False) -> Any:
     """The kernel for this layout at the launch shape ``config`` (:func:`launch_shape`),
     for rows of ``k`` values (the staged shapes are built for one width)."""
     warps, rpw, max_rows, depth, tiles, split, rounds = launch_shape(config)
@@ -270,13 +276,14 @@ def kernel_of(dtype: Any, bits: int, group_size: int, config: tuple[int, ...], g
                 and k > 0 and qgemv_prepared.fits(k, warps))
     return _kernel(dtype, bits, group_size, warps, rpw, max_rows, gated, parts, depth, tiles,
                    k if tiles or rounds > 1 or prepared or q8 else 0, residual, eps, split, rounds,
-                   prepared, q8)
+                   prepared, q8, stacked)
 
 
 def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
           config: tuple[int, ...] | None = None, up: tuple[Any, Any, Any] | None = None,
           more: tuple[tuple[Any, Any, Any], ...] = (), residual: bool = False,
-          norm: tuple[Any, float] | None = None, heads: tuple[int, ...] = ()) -> Callable[..., Any]:
+          norm: tuple[Any, float] | None = None, heads: tuple[int, ...] = (),
+          stacked: tuple[Any, Any, Any] | None = None) -> Callable[..., Any]:
     """``gemv`` of this layer's weights as a function of ``x`` alone, its launch worked
     out once (a layer calls it on every decode step of one stream); with ``up`` (the up
     projection's weights, scales and biases, of this layer's layout and shape) the gated
@@ -287,7 +294,10 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     the product, added as it is written; with ``norm`` (an RMSNorm's weight, of the input's
     type, and epsilon; one row, an unstaged ``config``) the product (gated, or of several
     layers) of ``rms_norm(x)``, the norm in the kernel; with ``heads`` (a count for each output) one token a
-    stream comes out shaped per head (:func:`cuda_source.out_shapes`)."""
+    stream comes out shaped per head (:func:`cuda_source.out_shapes`); with ``stacked``
+    (the weights, scales and biases whose rows are this layer's and then ``up``'s or
+    ``more``'s, one array each: :mod:`stacked`) the kernel reads those three arrays in
+    their place."""
     sizes = tuple(a[0].shape[0] for a in ((w,), *more)) if more else ()
     n = sum(sizes) if more else w.shape[0]
     config = config or configs()[0]
@@ -300,7 +310,10 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     outs = rpw // 2 if up is not None else rpw
     grid = (-(-n // (warps // split * outs * max(tiles, 1))) * 32 * warps, 1, 1)
     threadgroup = (32 * warps, 1, 1)
-    inputs_after_x = [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)]
+    if stacked is not None and not (up or more):
+        raise ValueError("only a gated or parts product reads stacked layers")
+    inputs_after_x = ([*stacked] if stacked is not None
+                      else [w, scales, biases, *(up or ()), *(a for layer in more for a in layer)])
     eps = None if norm is None else float(norm[1])
     norm_weight = () if norm is None else (norm[0],)  # one more input, after any residual
     kernels: dict[Any, Any] = {}  # per activation dtype
@@ -312,7 +325,7 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
             if norm_weight and norm_weight[0].dtype != dtype:  # (a cast made here could be a trace's placeholder)
                 raise ValueError(f"the norm's weight is {norm_weight[0].dtype}, the input {dtype}: they must match")
             kernel = kernels[dtype] = kernel_of(dtype, bits, group_size, config, up is not None, sizes, k, residual,
-                                                eps)
+                                                eps, stacked is not None)
         lead = x.shape[:-1]
         outs = kernel(inputs=[x, *inputs_after_x, *r, *norm_weight], grid=grid, threadgroup=threadgroup,
                       output_shapes=out_shapes(lead, sizes or (n,), heads),

@@ -34,17 +34,29 @@ GATED = """constexpr int OUTS = RPW / 2;
 """ + SWIGLU + """#define OUTPUT(g, u) gmlx_swiglu(g, u)
 #define STORE(m, n, v) out[(size_t)(m) * N + (n)] = (v)
 """
+# The gated product of one stacked layer (:mod:`stacked`): the gate's N rows, then the up
+# projection's N, in one array each of weights, scales and biases.
+GATED_STACKED = (GATED.replace("#define ROWS_TOTAL w_shape[0]", "#define ROWS_TOTAL (w_shape[0] / 2)")
+                 .replace("#define ROW_W(r, n) (((r) < OUTS ? w : w2) + (size_t)(n) * words)",
+                          "#define ROW_W(r, n) (w + ((size_t)((r) < OUTS ? 0 : N) + (n)) * words)")
+                 .replace("#define ROW_S(r, n) (((r) < OUTS ? scales : scales2) + (size_t)(n) * groups)",
+                          "#define ROW_S(r, n) (scales + ((size_t)((r) < OUTS ? 0 : N) + (n)) * groups)")
+                 .replace("#define ROW_B(r, n) (((r) < OUTS ? biases : biases2) + (size_t)(n) * groups)",
+                          "#define ROW_B(r, n) (biases + ((size_t)((r) < OUTS ? 0 : N) + (n)) * groups)"))
 
 
-def parts_head(sizes: tuple[int, ...]) -> str:
+def parts_head(sizes: tuple[int, ...], stacked: bool = False) -> str:
     """A product over two or three layers of one layout and input (an attention's
     queries, keys and values), their weight rows one after another (``sizes`` rows each)
-    and each written to its own output: ``w, scales, biases`` then ``w2...`` and ``w3...``;
+    and each written to its own output: ``w, scales, biases`` then ``w2...`` and ``w3...``,
+    or with ``stacked`` all their rows in one ``w, scales, biases`` (:mod:`stacked`);
     ``out``, ``out2``, ``out3``."""
     suffix = ["", "2", "3"][:len(sizes)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def pick(prefix: str, per: str) -> str:  # the part row n lies in, and n's row in it
+        if stacked:
+            return f"({prefix} + (size_t)(n) * {per})"
         expr = f"({prefix}{suffix[-1]} + (size_t)((n) - {starts[-1]}) * {per})"
         for i in range(len(sizes) - 2, -1, -1):
             expr = f"((n) < {starts[i + 1]} ? {prefix}{suffix[i]} + (size_t)((n) - {starts[i]}) * {per} : {expr})"

@@ -35,6 +35,7 @@ from gmlx.engine.kernels import (
     qgemv_q8,
     qkv_mixed,
     qmmw_cuda,
+    stacked,
     step_tuning,
     swaps,
 )
@@ -82,7 +83,7 @@ def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:
             config = qmmw_cuda.configs(b)[0]
             if not step_tuning.tensor_cores(first, b):
                 shape = _shapes.get(_key(attention), qgemv_cuda.configs(b)[0]) if b == 1 else qgemv_cuda.configs(b)[0]
-                runs[b] = qgemv_cuda.bound(*q, shape, more=more, heads=shaped)
+                runs[b] = qgemv_cuda.bound(*q, shape, more=more, heads=shaped, stacked=stacked.of(attention, names))
             elif (qmmw_cuda.supports(b, first.weight.shape[1] * 32 // first.bits, first.group_size, first.bits)
                   and qmmw_cuda.parts_fit(tuple(m.weight.shape[0] for m in layers), config)):
                 runs[b] = qmmw_cuda.bound(*q, config, more=more, heads=shaped)
@@ -274,7 +275,7 @@ def fold_norms(model: Any) -> str | None:
         parts = qgemv_cuda.bound(attention.q_proj.weight, attention.q_proj.scales, attention.q_proj.biases, group, bits,
                                  shape, more=tuple((attention[n].weight, attention[n].scales, attention[n].biases)
                                                    for n in names[1:]), norm=(weight, norm.eps),
-                                 heads=heads(attention)[:len(names)])
+                                 heads=heads(attention)[:len(names)], stacked=stacked.of(attention, names))
         if len(names) == 3:
             return [(key, parts)]
         values = qgemv_cuda.bound(v.weight, v.scales, v.biases, v.group_size, v.bits, qgemv_cuda.configs(1)[0],

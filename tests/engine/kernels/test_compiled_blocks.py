@@ -257,7 +257,7 @@ def _folding_bind(folded: list[tuple[int, ...]], disagree: bool = False):
     run here); ``disagree``: the norm's scale left out."""
     from mlx_lm.models.activations import swiglu
 
-    def bind(w, scales, biases, group_size, bits, config, up=None, residual=False, norm=None):
+    def bind(w, scales, biases, group_size, bits, config, up=None, residual=False, norm=None, stacked=None):
         def product(x, layer):
             return mx.quantized_matmul(x, *layer, transpose=True, group_size=group_size, bits=bits)
 

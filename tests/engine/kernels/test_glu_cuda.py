@@ -76,7 +76,7 @@ def test_each_row_bucket_binds_the_gated_kernel_once(monkeypatch: pytest.MonkeyP
     bound: list[tuple] = []
 
     def binder(name: str):
-        def fake_bound(w, scales, biases, group_size, bits, config, up):
+        def fake_bound(w, scales, biases, group_size, bits, config, up, stacked=None):
             bound.append((name, config))
             assert up[0] is mlp.up_proj.weight and w is mlp.gate_proj.weight
             return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
@@ -99,7 +99,7 @@ def test_a_bucket_whose_gate_product_took_tensor_cores_takes_them_gated(monkeypa
     bound: list[str] = []
 
     def binder(name: str):
-        def fake_bound(w, scales, biases, group_size, bits, config, up):
+        def fake_bound(w, scales, biases, group_size, bits, config, up, stacked=None):
             bound.append(name)
             return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
         return fake_bound

@@ -173,6 +173,10 @@ _GATED_MAIN = _MAIN.replace("    std::vector<E> out(", """    auto w2 = load<uin
     auto s2 = load<E>("s2.bin", (size_t)N * K / G_);
     auto b2 = load<E>("b2.bin", (size_t)N * K / G_);
     std::vector<E> out(""").replace("warps * rpw", "warps * (rpw / 2)")
+# the stacked gated kernel's (stacked.py): the gate's rows then the up projection's, in one array each
+_STACKED_GATED_MAIN = (_MAIN.replace("(size_t)N * K / 32 * BITS_", "(size_t)2 * N * K / 32 * BITS_")
+                       .replace("(size_t)N * K / G_", "(size_t)2 * N * K / G_").replace("ws{N,", "ws{2 * N,")
+                       .replace("warps * rpw", "warps * (rpw / 2)"))
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
@@ -277,7 +281,8 @@ def _width(config: tuple[int, ...], group: int, plain: int = 1088) -> int:
 
 
 def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = False,
-          parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None) -> dict:
+          parts: tuple[int, ...] = (), k: int = 0, residual: bool = False, eps: float | None = None,
+          stacked: bool = False) -> dict:
     """What ``qgemv_cuda`` hands ``mx.fast.cuda_kernel`` for this layout and launch shape
     (``k``: the row width the staged shapes are built for)."""
     made: list[dict] = []
@@ -285,7 +290,7 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
         mp.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
         qgemv_cuda._kernel.cache_clear()
         try:
-            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k, residual, eps)
+            qgemv_cuda.kernel_of(dtype, bits, group, config, gated, parts, k, residual, eps, stacked)
         finally:
             qgemv_cuda._kernel.cache_clear()
     return made[0]
@@ -296,11 +301,14 @@ def _made(dtype, bits: int, group: int, config: tuple[int, ...], gated: bool = F
     (4, 32, 1, (4, 2)), (4, 64, 1, (4, 4)), (6, 32, 1, (8, 2)), (4, 32, 1, (4, 4, 1, 2)), (4, 32, 3, (4, 2, 4)),
     (6, 64, 8, (4, 4, 8)), (4, 32, 1, (2, 4, 1, 1, 2)), (6, 64, 1, (2, 2, 1, 2, 1)),
     (4, 32, 1, (4, 4, 1, 1, 0, 4)), (6, 64, 1, (8, 2, 1, 1, 0, 2)), (4, 32, 1, (4, 2, 1, 1, 0, 1, 4))])
-def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config) -> None:
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group: int, rows: int, config,
+                                                     stacked: bool) -> None:
     """The gated product (an MLP's gate and up projections and its swiglu in one
     kernel), each source run on the CPU as above: 11 output rows (a warp's second row and
     a block's last warp past the end), against MLX's two products and mlx-lm's swiglu,
-    as closely as those are to the float32 products through a float32 swiglu."""
+    as closely as those are to the float32 products through a float32 swiglu; the two
+    layers apart, or stacked into one array each (:mod:`stacked`)."""
     from mlx_lm.models.activations import swiglu
 
     dtype = mx.bfloat16
@@ -309,17 +317,24 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     gate = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     up = mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits)
     x = (mx.random.normal((rows, k)) * 0.5).astype(dtype)
-    made = _made(dtype, bits, group, config, gated=True, k=k)
-    assert made["input_names"] == ["x", "w", "scales", "biases", "w2", "scales2", "biases2"]
-    body = emulation.function(made, ["bfloat16", "uint32", "bfloat16", "bfloat16", "uint32", "bfloat16",
-                                        "bfloat16"], "bfloat16")
+    made = _made(dtype, bits, group, config, gated=True, k=k, stacked=stacked)
+    layers = 1 if stacked else 2
+    assert made["input_names"] == ["x", "w", "scales", "biases", "w2", "scales2", "biases2"][:1 + 3 * layers]
+    body = emulation.function(made, ["bfloat16", *["uint32", "bfloat16", "bfloat16"] * layers], "bfloat16")
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws",
              "scales": "s.data()", "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()",
              "biases2": "b2.data()", "out": "out.data()"}
     args = ", ".join(names[name] for name in emulation.parameters(body))
-    program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + _GATED_MAIN.replace("ARGS", args)
-    files = (("x", x.view(mx.uint16)), ("w", gate[0]), ("s", gate[1].view(mx.uint16)), ("b", gate[2].view(mx.uint16)),
-             ("w2", up[0]), ("s2", up[1].view(mx.uint16)), ("b2", up[2].view(mx.uint16)))
+    main = _STACKED_GATED_MAIN if stacked else _GATED_MAIN
+    program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + main.replace("ARGS", args)
+    if stacked:
+        files = (("x", x.view(mx.uint16)), ("w", mx.concatenate([gate[0], up[0]])),
+                 ("s", mx.concatenate([gate[1], up[1]]).view(mx.uint16)),
+                 ("b", mx.concatenate([gate[2], up[2]]).view(mx.uint16)))
+    else:
+        files = (("x", x.view(mx.uint16)), ("w", gate[0]), ("s", gate[1].view(mx.uint16)),
+                 ("b", gate[2].view(mx.uint16)), ("w2", up[0]), ("s2", up[1].view(mx.uint16)),
+                 ("b2", up[2].view(mx.uint16)))
     for name, a in files:
         (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
     emulation.compile_and_run(tmp_path, program, [rows, k, n, group, bits, config[0], config[1], _tiles(config),
@@ -341,30 +356,37 @@ def test_the_gated_source_is_mlx_products_and_swiglu(tmp_path, bits: int, group:
     (4, (10, 3, 3), 1, (4, 2)), (4, (12, 4), 1, (4, 4)), (6, (10, 3, 3), 1, (8, 1)),
     (4, (10, 3, 3), 3, (4, 2, 4)), (6, (12, 4), 8, (4, 1, 8)), (4, (10, 3, 3), 1, (2, 2, 1, 1, 2)),
     (4, (10, 3, 3), 1, (8, 2, 1, 1, 0, 4)), (4, (10, 3, 3), 1, (4, 2, 1, 1, 0, 1, 2))])
+@pytest.mark.parametrize("stacked", [False, True])
 def test_the_parts_source_is_each_layers_product(tmp_path, bits: int, sizes: tuple[int, ...], rows: int,
-                                                 config) -> None:
+                                                 config, stacked: bool) -> None:
     """Two or three layers of one layout read as one product (an attention's queries, keys
     and values), each written to its own output: a warp's rows across a layer's end (10
     then 3 rows), a block's last warp past the end, one row and a few, against MLX's own
-    product of each layer."""
+    product of each layer; the layers apart, or stacked into one array each
+    (:mod:`stacked`)."""
     dtype, k, group = mx.bfloat16, _width(config, 32), 32
     mx.random.seed(bits * rows + len(sizes))
     layers = [mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=group, bits=bits) for n in sizes]
     x = (mx.random.normal((rows, k)) * 2).astype(dtype)
-    made = _made(dtype, bits, group, config, parts=sizes, k=k)
+    made = _made(dtype, bits, group, config, parts=sizes, k=k, stacked=stacked)
     suffix = ["", "2", "3"][:len(sizes)]
     assert made["output_names"] == [f"out{i}" for i in suffix]
-    body = emulation.function(made, ["bfloat16", *["uint32", "bfloat16", "bfloat16"] * len(sizes)], "bfloat16")
+    arrays = 1 if stacked else len(sizes)
+    assert len(made["input_names"]) == 1 + 3 * arrays
+    body = emulation.function(made, ["bfloat16", *["uint32", "bfloat16", "bfloat16"] * arrays], "bfloat16")
     total = sum(sizes)
     loads, saves, names = [], [], {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w_shape": "ws"}
+    files = [mx.concatenate([layer[j] for layer in layers]) for j in range(3)] if stacked else None
     for i, (sfx, n) in enumerate(zip(suffix, sizes, strict=True)):
-        loads.append(f'auto w{i} = load<uint32_t>("w{i}.bin", (size_t){n} * K / 32 * BITS_); '
-                     f'auto s{i} = load<E>("s{i}.bin", (size_t){n} * K / G_); '
-                     f'auto b{i} = load<E>("b{i}.bin", (size_t){n} * K / G_); '
-                     f'std::vector<E> o{i}((size_t)rows * {n});')
+        if i < arrays:
+            rows_in = total if stacked else n
+            loads.append(f'auto w{i} = load<uint32_t>("w{i}.bin", (size_t){rows_in} * K / 32 * BITS_); '
+                         f'auto s{i} = load<E>("s{i}.bin", (size_t){rows_in} * K / G_); '
+                         f'auto b{i} = load<E>("b{i}.bin", (size_t){rows_in} * K / G_); ')
+            names |= {f"w{sfx}": f"w{i}.data()", f"scales{sfx}": f"s{i}.data()", f"biases{sfx}": f"b{i}.data()"}
+        loads.append(f'std::vector<E> o{i}((size_t)rows * {n});')
         saves.append(f'save("o{i}.bin", o{i});')
-        names |= {f"w{sfx}": f"w{i}.data()", f"scales{sfx}": f"s{i}.data()", f"biases{sfx}": f"b{i}.data()",
-                  f"out{sfx}": f"o{i}.data()"}
+        names |= {f"out{sfx}": f"o{i}.data()"}
     args = ", ".join(names[name] for name in emulation.parameters(body))
     main = (r"""
 int main(int argc, char** argv) {
@@ -381,10 +403,10 @@ int main(int argc, char** argv) {
     SAVES
 }
 """.replace("LOADS", "\n    ".join(loads)).replace("SAVES", "\n    ".join(saves))
-            .replace("SIZE0", str(sizes[0])).replace("ARGS", args))
+            .replace("SIZE0", str(total if stacked else sizes[0])).replace("ARGS", args))
     program = emulation.PRELUDE + "using E = __nv_bfloat16;\n" + body + main
     (tmp_path / "x.bin").write_bytes(np.array(x.view(mx.uint16)).tobytes())
-    for i, (wq, sc, bi) in enumerate(layers):
+    for i, (wq, sc, bi) in enumerate([files] if stacked else layers):
         for name, a in ((f"w{i}", wq), (f"s{i}", sc.view(mx.uint16)), (f"b{i}", bi.view(mx.uint16))):
             (tmp_path / f"{name}.bin").write_bytes(np.array(a).tobytes())
     emulation.compile_and_run(tmp_path, program, [rows, k, total, group, bits, config[0], config[1], _tiles(config),

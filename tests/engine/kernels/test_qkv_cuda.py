@@ -77,7 +77,7 @@ def test_the_values_of_another_layout_come_through_their_own_layer(monkeypatch: 
     bound: list = []
 
     def binder(name: str):
-        def fake_bound(w, scales, biases, group_size, bits, config, more, heads=()):
+        def fake_bound(w, scales, biases, group_size, bits, config, more, heads=(), stacked=None):
             bound.append((name, config))
             assert w is attention.q_proj.weight and [m[0] for m in more] == [attention.k_proj.weight]
             assert heads == qkv_cuda.heads(attention)[:2]

@@ -150,7 +150,7 @@ def test_the_gated_kernel_takes_the_timed_shape_at_one_stream(tmp_path, monkeypa
     glu_cuda.attach(model, buckets=())
     bound: list[tuple] = []
 
-    def fake_bound(w, scales, biases, group_size, bits, config, up):
+    def fake_bound(w, scales, biases, group_size, bits, config, up, stacked=None):
         bound.append((config, w.shape))
         return lambda x: mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
 
@@ -186,7 +186,7 @@ def test_the_qkv_product_takes_the_timed_shape_at_one_stream(tmp_path, monkeypat
     qkv_cuda.attach(model, buckets=())
     bound: list[tuple] = []
 
-    def fake_bound(w, scales, biases, group_size, bits, config, more, heads=()):
+    def fake_bound(w, scales, biases, group_size, bits, config, more, heads=(), stacked=None):
         bound.append(config)
         return lambda x: tuple(mx.zeros((*x.shape[:-1], a.shape[0]), x.dtype) for a in (w, *(m[0] for m in more)))
 
