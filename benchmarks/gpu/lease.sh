@@ -419,10 +419,11 @@ PY
     # stream's pipelined steps under py-spy --native: where MLX's CUDA backend spends the
     # hand-over (12-07, H100: 165 kernels in 1.70 ms, ~10 us a kernel; call_cost.py: ~3 a call)
     with_env
-    # first what one call of each kind costs the host (a view, a kernel of 11 inputs and 3 outputs)
-    timeout 90 python3 $GPU/call_cost.py > "$OUT/call_cost.txt" 2>&1; cat "$OUT/call_cost.txt"
-    GMLX_HOME=/tmp/gmlx-home timeout 560 python3 $GPU/step_census.py synthetic:llama3-8b --widths 1,8 \
-      --loop 20 --spy "$OUT/native.json" > "$OUT/census.txt" 2>&1
+    # first what one call of each kind costs the host (a view, a kernel of 11 inputs and 3 outputs);
+    # COST=0 skips it, LOOP=0 the profiled loop (WIDTHS: the widths counted, 1,8 by default)
+    [ "${COST:-1}" = 0 ] || { timeout 90 python3 $GPU/call_cost.py > "$OUT/call_cost.txt" 2>&1; cat "$OUT/call_cost.txt"; }
+    GMLX_HOME=/tmp/gmlx-home timeout 560 python3 $GPU/step_census.py synthetic:llama3-8b --widths "${WIDTHS:-1,8}" \
+      $([ "${LOOP:-20}" = 0 ] || echo --loop "${LOOP:-20}" --spy "$OUT/native.json") > "$OUT/census.txt" 2>&1
     grep -v "^  |" "$OUT/census.txt" | head -90 | cut -c1-300
     [ -f "$OUT/native.json" ] && python3 $GPU/profile_summary.py "$OUT/native.json" --native --top 30 | cut -c1-3000
     python3 $GPU/tunings.py keep /tmp/gmlx-home "$OUT"  # (where its load tuned: a short lease's)

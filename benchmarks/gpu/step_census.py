@@ -20,6 +20,7 @@ that no kernel shows.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import statistics
@@ -111,6 +112,9 @@ def main() -> None:
     from benchmarks.gpu.served_step import greedy_step, load
     from gmlx.engine.kernels import prepare_layers
 
+    # the load's own lines too (what it stacked, which folds it took: `folded ... in N of 32`)
+    logging.basicConfig(format="  log: %(message)s", level=logging.WARNING)
+    logging.getLogger("gmlx.engine.kernels").setLevel(logging.INFO)
     loaded = load(args.model, args.dtype)
     notes = prepare_layers(loaded.model)
     print(f"device: {mx.default_device()}  model: {args.model}; {len(notes)} load note(s)", flush=True)
