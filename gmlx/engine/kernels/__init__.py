@@ -54,8 +54,8 @@ def prepare_layers(model: Any) -> list[str]:
         in_place = cached_attention_cuda.cached_enabled() and compile_in_place(model)
     if (fusing := fuse_projections(model)) is not None:
         log.info("%s", fusing)
-    elif (line := stacked.attach(model)) is not None:  # before any kernel is bound to the layers' arrays
-        log.info("%s", line)
+    elif stacked.enabled() and (line := stacked.attach(qkv_cuda.stackable(model), glu_cuda.stackable(model))):
+        log.info("%s", line)  # (before any kernel is bound to the layers' arrays)
     if attention_cuda.enabled():
         mlxlm.route_attention(attention_cuda.routed)
         log.info("cuda: a padded batch's one-query attention runs in gmlx's kernel")

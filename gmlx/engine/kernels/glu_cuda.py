@@ -72,6 +72,13 @@ def layout(mlp: Any) -> tuple[int, int] | None:
     return read[0], read[1]
 
 
+def stackable(model: Any) -> list[Any]:
+    """``model``'s MLPs whose gate and up projections the kernel reads (:func:`layout`):
+    those :mod:`stacked` may stack."""
+    return [m for _, m in model.named_modules()
+            if isinstance(m, dict) and all(n in m for n in stacked.GATE_UP) and layout(m) is not None]
+
+
 def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
     """``gated(mlp, x, rows)``: ``swiglu(gate(x), up(x))`` through the kernel, its launch
     worked out once per row bucket (1, 2, 4, ... 64), from the source

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 ENV = "GMLX_QKV_KERNEL"
 NORM_ENV = "GMLX_QKV_NORM"  # 0: at one stream, the norm before them stays MLX's own kernel
-NAMES = ("q_proj", "k_proj", "v_proj")
+NAMES = stacked.QKV
 _shapes: dict[str, tuple[int, ...]] = {}  # the one-row launch shape the load timed fastest, per layer key
 
 
@@ -62,6 +62,12 @@ def joined(attention: Any) -> tuple[str, ...]:
     if q is None or q != k:
         return ()
     return NAMES if v == q else NAMES[:2]
+
+
+def stackable(model: Any) -> list[Any]:
+    """``model``'s one-token attention layers whose three projections share one layout
+    (:func:`joined`): those :mod:`stacked` may stack."""
+    return [a for a in _one_token_layers(model) if joined(a) == NAMES]
 
 
 def kernel(attention: Any) -> Callable[[Any, Any, int], tuple[Any, Any, Any]]:

@@ -61,22 +61,18 @@ def of(owner: Any, names: tuple[str, ...]) -> tuple[Any, Any, Any] | None:
 
 
 GATE_UP = ("gate_proj", "up_proj")
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def attach(model: Any) -> str | None:
-    """With ``GMLX_STACKED=1`` on CUDA, stack each one-token attention's queries, keys and
-    values where all three share a layout (:func:`qkv_cuda.joined`), and each MLP's gate
-    and up projections where they do (:func:`glu_cuda.layout`), before any kernel is bound
-    to their arrays; returns the log line (None: off, or nothing stacked)."""
+def attach(attentions: list[Any], mlps: list[Any]) -> str | None:
+    """With ``GMLX_STACKED=1`` on CUDA, stack the queries, keys and values of
+    ``attentions`` (:func:`qkv_cuda.stackable`) and the gate and up projections of ``mlps``
+    (:func:`glu_cuda.stackable`), before any kernel is bound to their arrays; returns the
+    log line (None: off, or nothing stacked)."""
     if not enabled():
         return None
-    from gmlx.engine.kernels import glu_cuda, qkv_cuda, swaps
-
-    attentions = [a for a in swaps.marked(model, "one_token") if qkv_cuda.joined(a) == qkv_cuda.NAMES]
-    mlps = [m for _, m in model.named_modules()
-            if isinstance(m, dict) and all(n in m for n in GATE_UP) and glu_cuda.layout(m) is not None]
     for attention in attentions:
-        stack(attention, qkv_cuda.NAMES)
+        stack(attention, QKV)
     for mlp in mlps:
         stack(mlp, GATE_UP)
     if not attentions and not mlps:

@@ -28,6 +28,10 @@ LAYERS = 2
 PROMPT = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
 
 
+def _attach(model):
+    return stacked.attach(qkv_cuda.stackable(model), glu_cuda.stackable(model))
+
+
 def _model():
     model = tiny("llama", LAYERS, quantized=True, dtype=mx.bfloat16)
     assert one_token.attach(model) == LAYERS
@@ -42,9 +46,9 @@ def on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_off_unless_asked_and_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(stacked.ENV, raising=False)
-    assert stacked.attach(_model()) is None
+    assert _attach(_model()) is None
     monkeypatch.setenv(stacked.ENV, "1")
-    assert stacked.attach(_model()) is None  # this CPU: no CUDA
+    assert _attach(_model()) is None  # this CPU: no CUDA
 
 
 def test_the_layers_read_views_of_the_stacked_rows_and_compute_what_they_did(on) -> None:
@@ -52,7 +56,7 @@ def test_the_layers_read_views_of_the_stacked_rows_and_compute_what_they_did(on)
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PROMPT, n=3)
     mx.eval(model.parameters())
     before = mx.get_active_memory()
-    assert stacked.attach(model) == ("cuda: the queries, keys and values of 2 attention layer(s) and the gate and up "
+    assert _attach(model) == ("cuda: the queries, keys and values of 2 attention layer(s) and the gate and up "
                                      "of 2 MLP(s) stacked into one array each")
     assert mx.get_active_memory() <= before  # the layers' arrays are views of the stacked ones: nothing held twice
     got = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PROMPT, n=3)
@@ -107,7 +111,7 @@ def test_the_one_row_kernels_are_handed_the_stacked_arrays(on, monkeypatch: pyte
     monkeypatch.setattr(qgemv_cuda, "bound", bind)
     model = _model()
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PROMPT, n=3)
-    assert stacked.attach(model) is not None
+    assert _attach(model) is not None
     _one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=()) == LAYERS
     assert glu_cuda.fold_norms(model).endswith(f"in {LAYERS} of {LAYERS} block(s)")
