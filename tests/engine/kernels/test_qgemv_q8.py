@@ -14,7 +14,7 @@ import pytest
 from gmlx.engine.kernels import qgemv_cuda, qgemv_prepared, qgemv_q8
 from gmlx.engine.kernels.timing import agrees, exact_product
 from tests.engine.kernels import emulation
-from tests.engine.kernels.test_qgemv_cuda import _GATED_MAIN, _MAIN, _made
+from tests.engine.kernels.test_qgemv_cuda import _GATED_MAIN, _MAIN, _STACKED_GATED_MAIN, _made
 
 
 def test_it_is_the_default_and_gmlx_q8x_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,22 +80,23 @@ def rounded(x: np.ndarray) -> np.ndarray:
 
 
 def _run(tmp_path, made: dict, dtype, group: int, layers: list, h: mx.array, nw: mx.array | None,
-         config: tuple[int, ...], bits: int = 4) -> mx.array:
+         config: tuple[int, ...], bits: int = 4, stacked: bool = False) -> mx.array:
     """The source of ``made`` run on the CPU over one row ``h`` (with the norm's weight
     ``nw`` where it is folded in); ``layers``: one layer's, or the gate's and the up's,
-    weights, scales and biases."""
+    weights, scales and biases (with ``stacked``, handed over as one array each)."""
     name = str(dtype).removeprefix("mlx.core.")
     gated = len(layers) == 2
-    types = [name, *(["uint32", name, name] * len(layers)), *([name] if nw is not None else [])]
+    arrays = [tuple(mx.concatenate([layer[j] for layer in layers]) for j in range(3))] if stacked else layers
+    types = [name, *(["uint32", name, name] * len(arrays)), *([name] if nw is not None else [])]
     body = emulation.function(made, types, name)
     names = {"x": "x.data()", "x_shape": "xs", "x_ndim": "2", "w": "w.data()", "w_shape": "ws", "scales": "s.data()",
              "biases": "b.data()", "w2": "w2.data()", "scales2": "s2.data()", "biases2": "b2.data()",
              "nw": "nw.data()", "out": "out.data()"}
-    main = (_GATED_MAIN if gated else _MAIN).replace("ARGS", ", ".join(names[p] for p in emulation.parameters(body)))
+    main = (_STACKED_GATED_MAIN if stacked else _GATED_MAIN if gated else _MAIN).replace("ARGS", ", ".join(names[p] for p in emulation.parameters(body)))
     if nw is not None:
         main = main.replace("    std::vector<E> out(", '    auto nw = load<E>("nw.bin", (size_t)K);\n    std::vector<E> out(')
     files = [("x", h.view(mx.uint16))] + ([("nw", nw.view(mx.uint16))] if nw is not None else [])
-    for suffix, (wq, sc, bi) in zip(("", "2"), layers):
+    for suffix, (wq, sc, bi) in zip(("", "2"), arrays):
         files += [(f"w{suffix}", wq), (f"s{suffix}", sc.view(mx.uint16)), (f"b{suffix}", bi.view(mx.uint16))]
     for file, a in files:
         (tmp_path / f"{file}.bin").write_bytes(np.array(a).tobytes())
@@ -170,16 +171,19 @@ def test_the_source_is_the_product_of_x_rounded_and_near_mlx_product(
 
 
 @pytest.mark.skipif(not emulation.AVAILABLE, reason=emulation.WHY_NOT)
-@pytest.mark.parametrize(("config", "gated", "dtype"), [
-    ((4, 4, 1), True, mx.float16), ((4, 2, 1), True, mx.bfloat16), ((8, 4, 1), True, mx.float16),
-    ((4, 2), False, mx.float16), ((4, 2, 1, 4), True, mx.float16), ((4, 4, 1, 2), False, mx.bfloat16),
-    ((4, 4, 1, 1, 0, 4), True, mx.float16), ((8, 2, 1, 1, 0, 2), False, mx.bfloat16)])
+@pytest.mark.parametrize(("config", "gated", "dtype", "stacked"), [
+    ((4, 4, 1), True, mx.float16, False), ((4, 2, 1), True, mx.bfloat16, False), ((8, 4, 1), True, mx.float16, False),
+    ((4, 2), False, mx.float16, False), ((4, 2, 1, 4), True, mx.float16, False), ((4, 4, 1, 2), False, mx.bfloat16, False),
+    ((4, 4, 1, 1, 0, 4), True, mx.float16, False), ((8, 2, 1, 1, 0, 2), False, mx.bfloat16, False),
+    ((4, 4, 1), True, mx.float16, True), ((4, 4, 1, 1, 0, 4), True, mx.bfloat16, True)])
 def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
-        tmp_path, monkeypatch: pytest.MonkeyPatch, config, gated: bool, dtype) -> None:
+        tmp_path, monkeypatch: pytest.MonkeyPatch, config, gated: bool, dtype, stacked: bool) -> None:
     """The norm folded in (gated: the MLP's gate-up-swiglu), 1,088 values, 75 output rows:
     the float32 norm and product of the normed row rounded as :func:`rounded` says (and
     its swiglu), and within :data:`qgemv_q8.TOLERANCE` of MLX's norm, products and swiglu;
-    with K split between warps too (their sums met before the norm's scale)."""
+    with K split between warps too (their sums met before the norm's scale); the gate's and
+    up's weights apart or stacked into one array each (:mod:`stacked`, as one stream's
+    default source reads them where a load stacked them)."""
     from mlx_lm.models.activations import swiglu
 
     monkeypatch.setenv(qgemv_q8.ENV, "1")
@@ -190,9 +194,9 @@ def test_the_norm_folded_in_is_mlx_norm_then_product_within_the_tolerance(
               for _ in range(2 if gated else 1)]
     h = (mx.random.normal((1, k)) * 7 + 2).astype(dtype)  # far from unit RMS: the scale shows
     nw = (mx.random.uniform(shape=(k,)) + 0.5).astype(dtype)
-    made = _made(dtype, 4, group, config, gated=gated, k=k, eps=eps)
+    made = _made(dtype, 4, group, config, gated=gated, k=k, eps=eps, stacked=stacked)
     assert "_q8_" in made["name"] and made["input_names"][-1] == "nw"
-    got = _run(tmp_path, made, dtype, group, layers, h, nw, config)
+    got = _run(tmp_path, made, dtype, group, layers, h, nw, config, stacked=stacked)
 
     h32 = h.astype(mx.float32)
     normed32 = h32 * mx.rsqrt(mx.mean(h32 * h32, axis=-1, keepdims=True) + eps) * nw.astype(mx.float32)
