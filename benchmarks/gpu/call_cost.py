@@ -6,8 +6,9 @@ operations (an add, a 4-bit quantized product), a JIT custom kernel
 to build (Python and MLX's graph) and to evaluate (encode and launch), best of 5.
 
 Two rows give a kernel of ~8 KB of source (as gmlx's one-row products are), whole and
-through an ``#include`` of a file holding it (``GMLX_KERNEL_INCLUDE=1``): MLX hashes the
-source it holds at every evaluation. The rows also give a view (a reshape, which launches nothing) and a kernel of 11 inputs and 3
+through an ``#include`` of a file holding it (how gmlx gives MLX its kernels by default
+since 12-08; ``GMLX_KERNEL_INCLUDE=0`` gives them whole): MLX hashes the source it holds at
+every evaluation. The rows also give a view (a reshape, which launches nothing) and a kernel of 11 inputs and 3
 outputs, as the step's q-k-v product is: whether a step's views and inputs, not only its
 kernels, cost the host its ~10 us a kernel (12-07, H100: 165 kernels handed over in 1.70 ms).
 
@@ -77,7 +78,7 @@ def main() -> None:
                "k[i] = x1[i]; v[i] = x2[i]; }")
     # a body of ~8 KB (the size of gmlx's one-row products': MLX hashes a kernel's whole
     # source at each evaluation), given whole and through an #include of a file holding it
-    # (GMLX_KERNEL_INCLUDE=1's form): what the hash costs a call, and whether NVRTC takes
+    # (gmlx's default form): what the hash costs a call, and whether NVRTC takes
     # the include there
     copy = "int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 256) out[i] = x[i];\n"
     long_body = "".join(f"// {'filler of the kind a long kernel carries ' * 2}{n}\n" for n in range(90)) + copy

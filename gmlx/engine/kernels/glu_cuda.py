@@ -75,8 +75,7 @@ def layout(mlp: Any) -> tuple[int, int] | None:
 def stackable(model: Any) -> list[Any]:
     """``model``'s MLPs whose gate and up projections the kernel reads (:func:`layout`):
     those :mod:`stacked` may stack."""
-    return [m for _, m in model.named_modules()
-            if isinstance(m, dict) and all(n in m for n in stacked.GATE_UP) and layout(m) is not None]
+    return [m for _, m in model.named_modules() if all(n in m for n in stacked.GATE_UP) and layout(m) is not None]
 
 
 def kernel(mlp: Any) -> Callable[[Any, Any, int], Any]:
@@ -284,8 +283,8 @@ def fold_norms(model: Any) -> str | None:
     kernel must be as close to a float32 norm, products and swiglu as MLX's norm, products
     and swiglu are, or no block of that shape takes it. ``GMLX_NORM_FOLD=0`` leaves the
     norms as they are. Where no bucket took the gated product and no block folded, the MLPs
-are the model's own again (:func:`detach`; this runs after :func:`tune` at every load).
-Returns the log line (None: no block could take it)."""
+    are the model's own again (:func:`detach`; this runs after :func:`tune` at every load).
+    Returns the log line (None: no block could take it)."""
     def bind(norm: Any, mlp: Any, weight: Any) -> list[tuple[str, Callable[[Any], Any]]]:
         gate = mlp.gate_proj
         if step_tuning.tensor_cores(gate, 1) or norm.weight.shape != (gate.weight.shape[1] * 32 // gate.bits,):

@@ -293,8 +293,9 @@ def bound(w: Any, scales: Any, biases: Any, group_size: int, bits: int,
     ``residual``, a function of ``x`` and ``r`` (the output's shape and type): ``r`` plus
     the product, added as it is written; with ``norm`` (an RMSNorm's weight, of the input's
     type, and epsilon; one row, an unstaged ``config``) the product (gated, or of several
-    layers) of ``rms_norm(x)``, the norm in the kernel; with ``heads`` (a count for each output) one token a
-    stream comes out shaped per head (:func:`cuda_source.out_shapes`); with ``stacked``
+    layers) of ``rms_norm(x)``, the norm in the kernel; with ``heads`` (a count for each
+    output) one token a stream comes out shaped per head (:func:`cuda_source.out_shapes`);
+    with ``stacked``
     (the weights, scales and biases whose rows are this layer's and then ``up``'s or
     ``more``'s, one array each: :mod:`stacked`) the kernel reads those three arrays in
     their place."""

@@ -65,12 +65,10 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def attach(attentions: list[Any], mlps: list[Any]) -> str | None:
-    """With ``GMLX_STACKED=1`` on CUDA, stack the queries, keys and values of
-    ``attentions`` (:func:`qkv_cuda.stackable`) and the gate and up projections of ``mlps``
-    (:func:`glu_cuda.stackable`), before any kernel is bound to their arrays; returns the
-    log line (None: off, or nothing stacked)."""
-    if not enabled():
-        return None
+    """Stack the queries, keys and values of ``attentions`` (:func:`qkv_cuda.stackable`) and
+    the gate and up projections of ``mlps`` (:func:`glu_cuda.stackable`), before any kernel
+    is bound to their arrays (the load calls it where :func:`enabled`); returns the log line
+    (None: nothing stacked)."""
     for attention in attentions:
         stack(attention, QKV)
     for mlp in mlps:

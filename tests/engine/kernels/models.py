@@ -46,6 +46,17 @@ def steps(model: nn.Module, cache: list, prompts: mx.array, n: int = 4) -> list[
     return out
 
 
+def one_row_kernels(model: nn.Module) -> None:
+    """Every quantized layer of ``model`` on the one-row kernel's path at one row (as a
+    CUDA load's tuner leaves an 8B's)."""
+    from gmlx.engine.kernels import fast_linear
+
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = fast_linear.FastQuantizedLinear
+            m.set_paths({1: (fast_linear.GEMV, (4, 2))})
+
+
 def step_clock(monkeypatch: Any, taken: Any, faster: dict[int, float], drift: float = 0.0) -> list[tuple[int, bool]]:
     """A clock for whole decode steps (this CPU cannot time a CUDA kernel), standing in for
     ``timing.step_time``: 1.0 s a step, ``faster[rows]`` while ``taken(model, rows)``

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from gmlx.engine.kernels import compiled_blocks, one_token
 from tests.engine.decoding import decode_together
-from tests.engine.kernels.models import steps, tiny
+from tests.engine.kernels.models import one_row_kernels, steps, tiny
 
 LAYERS = 3
 PADDED = mx.array([[3, 1, 4, 1, 5, 9, 2, 6], [0, 0, 0, 7, 7, 8, 8, 9], [0, 0, 0, 0, 0, 2, 4, 6]])
@@ -219,7 +219,7 @@ def test_a_blocks_residual_adds_ride_in_its_one_row_products(monkeypatch: pytest
     monkeypatch.setattr(qgemv_cuda, "bound", bind)
     model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
-    _one_row_kernels(model)
+    one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
     assert compiled_blocks.attach(model) == LAYERS
     got = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
@@ -239,17 +239,6 @@ def _per_head(x, heads, outs: list) -> tuple:
 
     shapes = cuda_source.out_shapes(x.shape[:-1], [o.shape[-1] for o in outs], heads)
     return tuple(o.reshape(shape) for o, shape in zip(outs, shapes, strict=True))
-
-
-def _one_row_kernels(model) -> None:
-    """Every quantized layer of ``model`` on the one-row kernel's path at one row (as a
-    CUDA load's tuner leaves an 8B's)."""
-    from gmlx.engine.kernels import fast_linear
-
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = fast_linear.FastQuantizedLinear
-            m.set_paths({1: (fast_linear.GEMV, (4, 2))})
 
 
 def _folding_bind(folded: list[tuple[int, ...]], disagree: bool = False):
@@ -287,7 +276,7 @@ def test_the_norm_before_the_mlp_rides_in_its_gated_product_at_one_stream(monkey
     monkeypatch.setattr(qgemv_cuda, "bound", bind)
     model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
     want = [steps(model, [BatchKVCache([0] * rows) for _ in range(LAYERS)], PADDED[:rows], n=3) for rows in (1, 2)]
-    _one_row_kernels(model)
+    one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated) == LAYERS
     monkeypatch.setenv(glu_cuda.NORM_ENV, "0")
     assert glu_cuda.fold_norms(model) is None
@@ -331,7 +320,7 @@ def test_the_fold_takes_one_stream_where_the_loads_timing_did_not(monkeypatch: p
     monkeypatch.setattr(qgemv_cuda, "bound", _folding_bind(folded))
     model = _prepared("llama", quantized=True, dtype=mx.bfloat16)
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PADDED[:1], n=3)
-    _one_row_kernels(model)
+    one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=(4,)) == LAYERS  # tune() took 4 rows, not one
     assert glu_cuda.fold_norms(model).endswith(f"at one stream in {LAYERS} of {LAYERS} block(s)")
     assert all(m._buckets == {1, 4} for m in glu_cuda.fused(model))

@@ -21,8 +21,7 @@ from gmlx.engine.kernels import (
     qkv_cuda,
     stacked,
 )
-from tests.engine.kernels.models import steps, tiny
-from tests.engine.kernels.test_compiled_blocks import _one_row_kernels
+from tests.engine.kernels.models import one_row_kernels, steps, tiny
 
 LAYERS = 2
 PROMPT = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
@@ -46,9 +45,11 @@ def on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_off_unless_asked_and_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(stacked.ENV, raising=False)
-    assert _attach(_model()) is None
+    assert not stacked.enabled()
     monkeypatch.setenv(stacked.ENV, "1")
-    assert _attach(_model()) is None  # this CPU: no CUDA
+    assert not stacked.enabled()  # this CPU: no CUDA
+    monkeypatch.setattr(cuda_source, "available", lambda: True)
+    assert stacked.enabled()
 
 
 def test_the_layers_read_views_of_the_stacked_rows_and_compute_what_they_did(on) -> None:
@@ -112,7 +113,7 @@ def test_the_one_row_kernels_are_handed_the_stacked_arrays(on, monkeypatch: pyte
     model = _model()
     want = steps(model, [BatchKVCache([0]) for _ in range(LAYERS)], PROMPT, n=3)
     assert _attach(model) is not None
-    _one_row_kernels(model)
+    one_row_kernels(model)
     assert glu_cuda.attach(model, glu_cuda.mlx_gated, buckets=()) == LAYERS
     assert glu_cuda.fold_norms(model).endswith(f"in {LAYERS} of {LAYERS} block(s)")
     assert qkv_cuda.fold_norms(model).endswith(f"in {LAYERS} of {LAYERS} block(s)")
